@@ -1,0 +1,229 @@
+"""A nanoGPT-style GPT written as a layer list, so that ``PipelineStrategy`` can cut it into stages.
+
+``self.layers = [Embedding, Block x n_layer, FinalNorm, Head]``; every layer maps one tensor to one tensor:
+
+    LongTensor[B, T] -> Embedding -> [B, T, C] -> Block ... Block -> FinalNorm -> Head -> logits [B, T, V]
+
+The head's weight *is* the token embedding's weight (the same ``nn.Parameter``, GPT-2 style); the pipeline
+strategy finds such shared parameters and keeps the copies on the first and last stage in sync.
+The same module trains unchanged on one device (``strategy=single``), which is how it is debugged and tested.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+try:  # the public name once lightning_pipe/__init__.py exists
+    from lightning_pipe import PipelineModule
+except ImportError:  # pragma: no cover - early in the project only
+    from lightning_pipe.module import PipelineModule
+
+
+class Embedding(nn.Module):
+    """Token + learned position embeddings: LongTensor[B, T] -> [B, T, C]."""
+
+    def __init__(self, vocab_size: int, block_size: int, n_embd: int, dropout: float) -> None:
+        super().__init__()
+        self.block_size = block_size
+        self.wte = nn.Embedding(vocab_size, n_embd)
+        self.wpe = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        t = idx.size(1)
+        if t > self.block_size:
+            raise ValueError(f"Sequence length {t} exceeds block_size {self.block_size}; crop the input.")
+        pos = torch.arange(t, device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool) -> None:
+        super().__init__()
+        if n_embd % n_head != 0:
+            raise ValueError(f"n_embd ({n_embd}) must be divisible by n_head ({n_head}).")
+        self.n_head = n_head
+        self.dropout = dropout
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=bias)
+        self.c_proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.resid_drop = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, c = x.shape
+        q, k, v = self.c_attn(x).split(c, dim=2)
+        # [B, T, C] -> [B, nh, T, hs]
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).contiguous().view(b, t, c)
+        return self.resid_drop(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd: int, dropout: float, bias: bool) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd, bias=bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * n_embd, n_embd, bias=bias)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd, bias=bias)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)
+        self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
+        self.mlp = MLP(n_embd, dropout, bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class FinalNorm(nn.Module):
+    """The LayerNorm after the last block (a layer of its own, so it can sit on any stage)."""
+
+    def __init__(self, n_embd: int, bias: bool) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(n_embd, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.ln_f(x)
+
+
+class Head(nn.Module):
+    """[B, T, C] -> logits [B, T, V]; the weight is tied to the token embedding by :class:`GPT`."""
+
+    def __init__(self, n_embd: int, vocab_size: int) -> None:
+        super().__init__()
+        self.head = nn.Linear(n_embd, vocab_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(x)
+
+
+def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_ratio: float = 0.1) -> float:
+    """LR multiplier: linear warm-up to 1, cosine decay to ``min_ratio`` at ``max_steps``, flat after."""
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    if step >= max_steps:
+        return min_ratio
+    progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
+    return min_ratio + 0.5 * (1.0 - min_ratio) * (1.0 + math.cos(math.pi * progress))
+
+
+class GPT(PipelineModule):
+    """A GPT language model; byte-level (``vocab_size=256``) by default.
+
+    Args:
+        vocab_size: size of the token vocabulary (256 for bytes; 50304 for GPT-2 BPE padded to 64).
+        block_size: maximum context length.
+        n_layer, n_head, n_embd: depth, attention heads, width.
+        dropout: dropout probability (embeddings, attention, residual branches).
+        bias: biases in Linear and LayerNorm layers.
+        lr, weight_decay, betas: AdamW settings.
+        warmup_steps, max_steps: linear warm-up then cosine decay to 10 % of ``lr`` at ``max_steps``.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        block_size: int = 128,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_embd: int = 128,
+        dropout: float = 0.0,
+        bias: bool = True,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        betas: Sequence[float] = (0.9, 0.95),
+        warmup_steps: int = 100,
+        max_steps: int = 5000,
+    ) -> None:
+        super().__init__()
+        # Plain floats, so the checkpoint's hyper-parameters load without OmegaConf (Hydra passes a ListConfig).
+        betas = (float(betas[0]), float(betas[1]))
+        self.save_hyperparameters()
+        embedding = Embedding(vocab_size, block_size, n_embd, dropout)
+        head = Head(n_embd, vocab_size)
+        head.head.weight = embedding.wte.weight  # weight tying: one Parameter, two layers
+        self.layers = nn.Sequential(
+            embedding,
+            *(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer)),
+            FinalNorm(n_embd, bias),
+            head,
+        )
+        self._init_weights()
+
+    # ---------------------------------------------------------------- init
+    def _init_weights(self) -> None:
+        """GPT-2 init: N(0, 0.02) for weights, zero biases, residual projections scaled by 1/sqrt(2 * n_layer)."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        resid_std = 0.02 / math.sqrt(2 * self.hparams.n_layer)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=resid_std)
+
+    # ---------------------------------------------------------------- contract
+    def loss_fn(self, output: Tensor, target: Tensor) -> Tensor:
+        return F.cross_entropy(output.reshape(-1, output.size(-1)), target.reshape(-1))
+
+    def configure_optimizers(self) -> dict:
+        """AdamW with weight decay on matrices only, and a per-step warm-up + cosine schedule.
+
+        Built from ``self.named_parameters()`` *now*: under the pipeline each rank holds only its own layers
+        (the others are parameter-less placeholders), so any group may be empty and is then left out.
+        The rule is nanoGPT's (decay iff ``p.dim() >= 2``: Linear and Embedding weights; not biases or norms).
+        It depends on the shape, not on the name, on purpose: the tied weight is ``layers.0.wte.weight`` on the
+        first stage and ``layers.N.head.weight`` on the last, and both copies must get the same update.
+        """
+        hp = self.hparams
+        decay, no_decay = [], []
+        for _, p in self.named_parameters():
+            if p.requires_grad:
+                (decay if p.dim() >= 2 else no_decay).append(p)
+        groups = [
+            {"params": ps, "weight_decay": wd}
+            for ps, wd in ((decay, hp.weight_decay), (no_decay, 0.0))
+            if ps
+        ]
+        if not groups:
+            raise ValueError(f"{type(self).__name__}.configure_optimizers found no trainable parameters on this rank.")
+        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: warmup_cosine(step, hp.warmup_steps, hp.max_steps)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ---------------------------------------------------------------- sampling (one device)
+    @torch.no_grad()
+    def generate(
+        self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None
+    ) -> Tensor:
+        """Append ``max_new_tokens`` sampled tokens to ``idx`` (LongTensor[B, T]); runs the whole model locally."""
+        block_size = self.hparams.block_size
+        for _ in range(max_new_tokens):
+            context = idx[:, -block_size:]
+            logits = self(context)[:, -1, :] / max(temperature, 1e-8)
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            next_token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            idx = torch.cat((idx, next_token), dim=1)
+        return idx
