@@ -1,0 +1,125 @@
+"""The GPT recipe's data module: stdlib corpus, text file, uint16 .bin; determinism, split, shapes, baseline."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: `recipes` is not installed
+
+from recipes.gpt.data import ByteCorpusDataModule, TokenWindows, stdlib_py_files  # noqa: E402
+
+SMALL = 300_000  # bytes of stdlib: enough for the tests, fast to read
+
+
+@pytest.fixture(scope="module")
+def stdlib_dm() -> ByteCorpusDataModule:
+    dm = ByteCorpusDataModule(block_size=32, batch_size=4, max_bytes=SMALL, val_fraction=0.1, seed=3)
+    dm.setup("fit")
+    return dm
+
+
+def test_stdlib_files_are_sorted_sources_without_tests() -> None:
+    files = stdlib_py_files()
+    assert len(files) > 100
+    assert files == sorted(files, key=lambda p: p.as_posix())
+    assert all(p.suffix == ".py" for p in files)
+    assert not any({"site-packages", "test", "tests"} & set(p.parts) for p in files)
+
+
+def test_stdlib_corpus_size_and_split(stdlib_dm: ByteCorpusDataModule) -> None:
+    dm = stdlib_dm
+    assert dm.corpus_bytes == SMALL and dm.num_files >= 1
+    assert len(dm.train_tokens) + len(dm.val_tokens) == SMALL
+    assert len(dm.val_tokens) == int(SMALL * 0.1)
+    assert dm.train_tokens.dtype == np.uint8
+    assert b"import" in dm.train_tokens.tobytes()
+
+
+def test_batches_are_shifted_windows(stdlib_dm: ByteCorpusDataModule) -> None:
+    for loader in (stdlib_dm.train_dataloader(), stdlib_dm.val_dataloader()):
+        x, y = next(iter(loader))
+        assert x.shape == y.shape == (4, 32) and x.dtype == y.dtype == torch.long
+        assert torch.equal(x[:, 1:], y[:, :-1])
+        assert loader.drop_last  # fixed shapes for the pipeline's shape inference
+
+
+def test_windows_stay_inside_their_split(stdlib_dm: ByteCorpusDataModule) -> None:
+    dm = stdlib_dm
+    train_off, val_off = dm.train_offsets(), dm.val_offsets()
+    assert train_off.min() >= 0 and train_off.max() + 33 <= len(dm.train_tokens)
+    assert len(train_off) == len(dm.train_tokens) // 32
+    assert val_off.max() + 33 <= len(dm.val_tokens)
+    assert np.all(np.diff(val_off) == 33)  # contiguous, non-overlapping
+    # the last window of every val offset is fully readable
+    x, y = TokenWindows(dm.val_tokens, val_off, 32)[len(val_off) - 1]
+    assert x.shape == y.shape == (32,)
+
+
+def test_deterministic_given_seed() -> None:
+    def offsets(seed: int) -> np.ndarray:
+        dm = ByteCorpusDataModule(block_size=32, batch_size=4, max_bytes=SMALL, seed=seed)
+        dm.setup()
+        return dm.train_offsets()
+
+    a, b, c = offsets(1), offsets(1), offsets(2)
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
+
+
+def test_unigram_entropy(stdlib_dm: ByteCorpusDataModule) -> None:
+    h = stdlib_dm.unigram_entropy()
+    assert 2.0 < h < math.log(256)  # source code: far from uniform
+
+
+def test_text_file(tmp_path: Path) -> None:
+    text = tmp_path / "t.txt"
+    text.write_bytes(b"abcd" * 1000)
+    dm = ByteCorpusDataModule(text_path=str(text), block_size=8, batch_size=2, val_fraction=0.25)
+    dm.setup()
+    assert dm.corpus_bytes == 4000 and len(dm.val_tokens) == 1000
+    assert dm.unigram_entropy() == pytest.approx(math.log(4))
+    x, y = next(iter(dm.val_dataloader()))
+    assert x[0].tolist() == list(b"abcdabcd") and y[0].tolist() == list(b"bcdabcda")
+
+
+def test_bin_file(tmp_path: Path) -> None:
+    tokens = (np.arange(5000) % 1000 + 50000).astype(np.uint16)  # ids above 256: a GPT-2-sized vocabulary
+    path = tmp_path / "train.bin"
+    tokens.tofile(path)
+    dm = ByteCorpusDataModule(bin_path=str(path), block_size=16, batch_size=2, val_fraction=0.2, seed=0)
+    dm.setup()
+    assert isinstance(dm.train_tokens, np.memmap)
+    assert dm.corpus_bytes == 10000 and len(dm.val_tokens) == 1000
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.dtype == torch.long and int(x.max()) >= 50000
+    assert torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_separate_val_bin(tmp_path: Path) -> None:
+    np.arange(3000, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    np.arange(500, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    dm = ByteCorpusDataModule(
+        bin_path=str(tmp_path / "train.bin"), val_bin_path=str(tmp_path / "val.bin"), block_size=8, batch_size=2
+    )
+    dm.setup()
+    assert len(dm.train_tokens) == 3000 and len(dm.val_tokens) == 500
+    x, _ = next(iter(dm.val_dataloader()))
+    assert x[0].tolist() == list(range(8))
+
+
+def test_too_little_data_names_the_keys(tmp_path: Path) -> None:
+    text = tmp_path / "t.txt"
+    text.write_bytes(b"x" * 100)
+    dm = ByteCorpusDataModule(text_path=str(text), block_size=32, batch_size=4)
+    with pytest.raises(ValueError, match="data.batch_size"):
+        dm.setup()
+
+
+def test_val_fraction_is_checked() -> None:
+    with pytest.raises(ValueError, match="val_fraction"):
+        ByteCorpusDataModule(val_fraction=0.0)
