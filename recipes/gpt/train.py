@@ -1,0 +1,126 @@
+"""Train the GPT recipe: ``python recipes/gpt/train.py [overrides]`` (configs in ``configs/``, see train.yaml).
+
+Examples::
+
+    python recipes/gpt/train.py                                        # gpt_tiny, 2 CPU stages, 1F1B
+    python recipes/gpt/train.py strategy=single trainer=cpu_1          # the same GPT without the pipeline
+    python recipes/gpt/train.py schedule=gpipe schedule.microbatches=8 trainer.max_steps=20
+    python recipes/gpt/train.py -m schedule=gpipe,1f1b                 # multirun
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+# Run as a script, sys.path[0] is recipes/gpt; the configs' `_target_`s name `recipes.gpt.*` and `lightning_pipe`.
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import hydra  # noqa: E402
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from recipes.gpt.callbacks import TokensPerSecond  # noqa: E402
+
+try:  # registers Trainer(strategy="pipeline"); the single-device recipe runs without it
+    import lightning_pipe  # noqa: E402, F401
+except ImportError as err:  # pragma: no cover - only while the library is being written
+    _LIGHTNING_PIPE_ERROR: ImportError | None = err
+else:
+    _LIGHTNING_PIPE_ERROR = None
+
+
+def set_threads(threads: int | None) -> None:
+    """One intra-op thread per rank when ranks share the cores; an explicit OMP_NUM_THREADS wins."""
+    if threads is not None and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(int(threads))
+
+
+def build_strategy(cfg: DictConfig) -> Any:
+    """A ``_target_`` config is instantiated (the pipeline); ``{name: auto|ddp|...}`` is passed to Lightning as is."""
+    if "_target_" in cfg:
+        if _LIGHTNING_PIPE_ERROR is not None and str(cfg._target_).startswith("lightning_pipe"):
+            raise ImportError(f"strategy={cfg._target_} needs lightning_pipe: {_LIGHTNING_PIPE_ERROR}")
+        return hydra.utils.instantiate(cfg)
+    return cfg.name
+
+
+def build_all(cfg: DictConfig, group: DictConfig | None) -> list[Any]:
+    """Instantiate every ``_target_`` entry of a callbacks/logger group; a logger whose package is missing
+    (TensorBoard is an optional dependency) is skipped with a note instead of failing the run."""
+    objects = []
+    for key, node in (group or {}).items():
+        if not isinstance(node, DictConfig) or "_target_" not in node:
+            continue
+        try:
+            objects.append(hydra.utils.instantiate(node))
+        except (ImportError, ModuleNotFoundError) as err:
+            print(f"[train] skipping {key} ({node._target_}): {err}", file=sys.stderr)
+        except hydra.errors.InstantiationException as err:
+            if isinstance(err.__cause__, ImportError):
+                print(f"[train] skipping {key} ({node._target_}): {err.__cause__}", file=sys.stderr)
+            else:
+                raise
+    return objects
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Fit the GPT described by ``cfg``; return the final metrics (val loss, baseline, tokens/s)."""
+    set_threads(cfg.get("torch_threads"))
+    pl.seed_everything(cfg.seed, workers=True)
+
+    datamodule = hydra.utils.instantiate(cfg.data)
+    model = hydra.utils.instantiate(cfg.model)
+    callbacks = build_all(cfg, cfg.get("callbacks"))
+    loggers = build_all(cfg, cfg.get("logger"))
+    trainer: pl.Trainer = hydra.utils.instantiate(
+        cfg.trainer, strategy=build_strategy(cfg.strategy), callbacks=callbacks, logger=loggers or False
+    )
+    if trainer.is_global_zero:
+        print(OmegaConf.to_yaml(cfg, resolve=True))
+
+    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+
+    results: dict[str, float] = {"unigram_baseline": datamodule.unigram_entropy()}
+    # Read before validate(), which resets the callback metrics.
+    if "train_loss" in trainer.callback_metrics:
+        results["train_loss"] = float(trainer.callback_metrics["train_loss"])
+    if cfg.get("validate_after_fit", True):
+        trainer.validate(model, datamodule=datamodule, verbose=False)
+    if "val_loss" in trainer.callback_metrics:
+        results["val_loss"] = float(trainer.callback_metrics["val_loss"])
+    speed = next((c for c in callbacks if isinstance(c, TokensPerSecond)), None)
+    if speed is not None:
+        results["tokens_per_s"] = speed.mean_tokens_per_s
+    results["corpus_bytes"] = float(datamodule.corpus_bytes)
+
+    if trainer.is_global_zero:
+        report(results)
+    return results
+
+
+def report(results: dict[str, float]) -> None:
+    baseline = results["unigram_baseline"]
+    val = results.get("val_loss", math.nan)
+    verdict = "beats" if val < baseline else "does NOT beat"
+    print(
+        f"[train] corpus {results['corpus_bytes']:.0f} bytes | val_loss {val:.4f} nats/token {verdict} the unigram "
+        f"baseline {baseline:.4f} | train_loss {results.get('train_loss', math.nan):.4f} | "
+        f"{results.get('tokens_per_s', math.nan):,.0f} tokens/s"
+    )
+
+
+@hydra.main(config_path="../../configs", config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> float:
+    # The returned value is what Hydra sweepers optimise.
+    return train(cfg).get("val_loss", math.nan)
+
+
+if __name__ == "__main__":
+    main()
