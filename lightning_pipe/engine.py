@@ -1,0 +1,364 @@
+"""The runtime of one rank: its stages, torch's schedule, and the few rules that make the numbers exact.
+
+[Note: loss scaling]
+Torch's ``scale_grads=True`` divides every ``.grad`` by the micro-batch count after each ``step()``, including
+gradients accumulated by earlier batches, which breaks ``accumulate_grad_batches``. We build schedules with
+``scale_grads=False`` and scale the loss instead: each micro-batch loss is multiplied by
+``1 / (microbatches * accumulate_grad_batches)``, so the summed gradient is the gradient of the batch-mean loss,
+averaged over the accumulated batches — exactly what Lightning does on one device. Averaging over data-parallel
+replicas is a separate all-reduce (mean) before the optimizer step.
+
+[Note: gradients across Lightning's zero_grad]
+In automatic optimization Lightning runs ``training_step``, *then* ``zero_grad`` (on accumulation boundaries),
+*then* ``backward``. The schedule does forward and backward inside ``training_step``, so its fresh gradients would
+be wiped by the zero_grad that follows. Instead of skipping Lightning's zero_grad (which would also skip the user's
+``on_before_zero_grad`` / ``optimizer_zero_grad`` hooks), the engine moves the fresh gradients aside right after the
+schedule (a pointer swap, no copy) and the strategy's ``backward`` puts them back, adding to what survived
+zero_grad. Every hook fires where it fires on one device, and accumulation stays exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage
+
+from lightning_pipe.config import PipelineConfig, Topology, config_error
+from lightning_pipe.schedules import SchedulePlan, build_torch_schedule
+from lightning_pipe.stages import StageModule, TiedParameter
+
+
+class ProcessGroups:
+    """The groups one rank talks over. Built collectively: every rank creates every group, in the same order."""
+
+    def __init__(self, topology: Topology, tied: Sequence[TiedParameter], ranges: Sequence[range],
+                 plan: SchedulePlan, backend: str | None = None) -> None:
+        self.topology = topology
+        p, d = topology.pipeline_size, topology.data_parallel_size
+        self.pp: dist.ProcessGroup | None = None
+        self.dp: dist.ProcessGroup | None = None
+        for dp_rank in range(d):
+            group = dist.new_group(topology.pp_group_ranks(dp_rank), backend=backend)
+            if dp_rank == topology.dp_rank:
+                self.pp = group
+        for pp_rank in range(p):
+            group = dist.new_group(topology.dp_group_ranks(pp_rank), backend=backend) if d > 1 else None
+            if pp_rank == topology.pp_rank:
+                self.dp = group
+        # Tied parameters held by several pipeline ranks: one group per tie and replica, over the holding ranks.
+        self.tied: list[tuple[TiedParameter, dist.ProcessGroup | None, bool]] = []
+        for tie in tied:
+            holders = sorted({plan.stage_to_rank(_stage_of(ranges, i)) for i in tie.layer_indices})
+            if len(holders) < 2:
+                continue
+            mine = None
+            for dp_rank in range(d):
+                ranks = [dp_rank * p + h for h in holders]
+                group = dist.new_group(ranks, backend=backend)
+                if topology.global_rank in ranks:
+                    mine = group
+            if mine is not None:
+                # The first holder "owns" it: it alone counts it in the global gradient norm.
+                self.tied.append((tie, mine, topology.pp_rank == holders[0]))
+
+    def global_rank_of_pp(self, pp_rank: int) -> int:
+        return self.topology.dp_rank * self.topology.pipeline_size + pp_rank
+
+
+def _stage_of(ranges: Sequence[range], layer: int) -> int:
+    return next(s for s, r in enumerate(ranges) if layer in r)
+
+
+def _rows(inputs: Any) -> int:
+    first = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
+    if not isinstance(first, Tensor) or first.dim() == 0:
+        raise TypeError(f"Pipeline inputs must be tensors with a batch dimension, got {type(first).__name__}")
+    return first.shape[0]
+
+
+def _pad_rows(x: Any, rows: int) -> Any:
+    """Pad along dim 0 to ``rows`` by repeating the last row (values are discarded after the step)."""
+    if isinstance(x, (tuple, list)):
+        return type(x)(_pad_rows(t, rows) for t in x)
+    if not isinstance(x, Tensor) or x.shape[0] == rows:
+        return x
+    pad = x[-1:].expand(rows - x.shape[0], *x.shape[1:])
+    return torch.cat([x, pad], dim=0)
+
+
+def _trim_rows(x: Any, rows: int) -> Any:
+    if isinstance(x, (tuple, list)):
+        return type(x)(_trim_rows(t, rows) for t in x)
+    return x[:rows] if isinstance(x, Tensor) else x
+
+
+class PipelineEngine:
+    """Owns this rank's stages and schedule; answers :class:`~lightning_pipe.PipelineModule`'s requests."""
+
+    def __init__(self, module: nn.Module, stage_modules: list[StageModule], local_stage_ids: list[int],
+                 plan: SchedulePlan, groups: ProcessGroups, device: torch.device) -> None:
+        self.module = module
+        self.plan = plan
+        self.groups = groups
+        self.device = device
+        self.stage_modules = stage_modules
+        self.stages = [
+            PipelineStage(sm, s, plan.num_stages, device, group=groups.pp)
+            for sm, s in zip(stage_modules, local_stage_ids)
+        ]
+        self.has_first = any(st.is_first for st in self.stages)
+        self.has_last = any(st.is_last for st in self.stages)
+        self.schedule = build_torch_schedule(plan, self.stages, self._schedule_loss)
+        self.phase: str | None = None
+        self.accumulate_grad_batches = 1
+        self._loss_scale = 1.0
+        self._shape: tuple[str, int] | None = None  # (train|eval, micro-batch rows) torch last initialised for
+        self._pending_grads: list[Tensor | None] | None = None
+        # Deduplicated: a V schedule can put both ends of a tied weight on one rank (one object, two stages).
+        self._params = list({id(p): p for sm in stage_modules for p in sm.parameters()}.values())
+        self._used_this_step = False
+        self.autocast: Any = contextlib.nullcontext
+
+    # ------------------------------------------------------------------ phase plumbing
+    @contextlib.contextmanager
+    def running(self, phase: str) -> Iterator[None]:
+        """Set by the strategy around each Lightning step so compute_loss knows what to run."""
+        self.phase, self._used_this_step = phase, False
+        try:
+            yield
+        finally:
+            self.phase = None
+
+    @property
+    def last_pp_rank(self) -> int:
+        return self.plan.stage_to_rank(self.plan.num_stages - 1)
+
+    def _schedule_loss(self, output: Any, target: Any) -> Tensor:
+        if self.phase != "train":
+            # Forward-only passes still call the schedule's loss; we compute eval losses on merged outputs.
+            return torch.zeros((), device=self.device)
+        return self.module.loss_fn(output, target) * self._loss_scale
+
+    # ------------------------------------------------------------------ requests from PipelineModule
+    def loss(self, module: nn.Module, batch: Any) -> Tensor:
+        if self.phase == "train":
+            return self._train_step(module, batch)
+        if self.phase in ("validate", "test", "predict", "sanity"):
+            return self._eval_loss(module, batch)
+        raise RuntimeError(
+            "compute_loss was called outside a Lightning step (training_step / validation_step / test_step). "
+            "Under PipelineStrategy the model is split across ranks, so every rank must run the same step."
+        )
+
+    def output(self, module: nn.Module, batch: Any) -> Any:
+        if self.phase == "train":
+            raise RuntimeError("compute_output runs forward only; in training_step use compute_loss(batch).")
+        inputs, _ = module.split_batch(batch)
+        out = self._forward_only(inputs)
+        return self._broadcast_object(out)
+
+    # ------------------------------------------------------------------ training
+    def _check_rows(self, rows: int, what: str) -> int:
+        m = self.plan.microbatches
+        if rows % m != 0:
+            raise config_error(
+                f"A {what} batch must split into equal micro-batches: its size must be divisible by the "
+                "micro-batch count (and training needs every batch to be full: use drop_last=True).",
+                f"batch size {rows}, microbatches={m}", PipelineConfig.KEYS["batch_size"],
+                f"to a multiple of {m}, or {PipelineConfig.KEYS['microbatches']}")
+        return rows // m
+
+    def _ensure_shape(self, mode: str, mb_rows: int) -> None:
+        """Torch infers P2P buffer shapes once per train/eval switch; re-initialise when the row count changes."""
+        if self._shape is not None and self._shape[0] == mode and self._shape[1] != mb_rows:
+            from lightning_pipe._compat import reset_schedule_shapes
+
+            reset_schedule_shapes(self.schedule)
+        self._shape = (mode, mb_rows)
+
+    def _step_args(self, inputs: Any) -> tuple:
+        if not self.has_first:
+            return ()
+        return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+
+    def _train_step(self, module: nn.Module, batch: Any) -> Tensor:
+        inputs, target = module.split_batch(batch)
+        if target is None:
+            raise ValueError("Training under the pipeline needs a target: split_batch returned None for it.")
+        self._ensure_shape("train", self._check_rows(_rows(inputs), "training"))
+        self._loss_scale = 1.0 / (self.plan.microbatches * self.accumulate_grad_batches)
+        # [Note: gradients across Lightning's zero_grad]: keep what earlier batches accumulated out of the way.
+        saved = [p.grad for p in self._params]
+        for p in self._params:
+            p.grad = None
+        losses: list[Tensor] = []
+        with self.autocast():
+            self.schedule.step(*self._step_args(inputs), target=target if self.has_last else None, losses=losses)
+        self._pending_grads = [p.grad for p in self._params]
+        for p, g in zip(self._params, saved):
+            p.grad = g
+        self._used_this_step = True
+        if self.has_last:
+            total = torch.stack([loss.detach().float() for loss in losses]).sum()
+            mean = total / (self._loss_scale * self.plan.microbatches)
+        else:
+            mean = torch.zeros((), device=self.device)
+        return self._broadcast_loss(mean)
+
+    def apply_pending_grads(self) -> None:
+        """Lightning's backward, in pipeline terms: add this batch's gradients to what survived zero_grad."""
+        if self._pending_grads is None:
+            raise RuntimeError(
+                "training_step did not run the pipeline: under PipelineStrategy it must get its loss from "
+                "`self.compute_loss(batch)` (the schedule's forward and backward run there)."
+            )
+        for p, fresh in zip(self._params, self._pending_grads):
+            if fresh is None:
+                continue
+            if p.grad is None:
+                p.grad = fresh
+            else:
+                p.grad.add_(fresh)
+        self._pending_grads = None
+
+    # ------------------------------------------------------------------ forward only
+    def _forward_only(self, inputs: Any) -> Any:
+        m = self.plan.microbatches
+        rows = _rows(inputs)
+        mb_rows = math.ceil(rows / m)
+        if self._shape is not None and self._shape[0] == "eval" and self._shape[1] > mb_rows:
+            mb_rows = self._shape[1]  # a short last batch: pad to the shape torch already knows
+        padded = mb_rows * m
+        self._ensure_shape("eval", mb_rows)
+        # Lightning evaluates under inference_mode; torch's P2P buffers must stay ordinary tensors so that the
+        # next training step can reuse them, so run under no_grad instead.
+        with torch.inference_mode(False), torch.no_grad(), self.autocast():
+            args = self._step_args(_pad_rows(inputs, padded))
+            dummy_target = torch.zeros(padded, device=self.device) if self.has_last else None
+            out = self.schedule.eval(*args, target=dummy_target)
+        return _trim_rows(out, rows) if self.has_last else None
+
+    def _eval_loss(self, module: nn.Module, batch: Any) -> Tensor:
+        inputs, target = module.split_batch(batch)
+        if target is None:
+            raise ValueError("compute_loss needs a target, but split_batch returned None for it.")
+        out = self._forward_only(inputs)
+        if self.has_last:
+            with torch.inference_mode(False), torch.no_grad(), self.autocast():
+                loss = module.loss_fn(out, target).detach().float()
+        else:
+            loss = torch.zeros((), device=self.device)
+        return self._broadcast_loss(loss)
+
+    # ------------------------------------------------------------------ communication helpers
+    def _broadcast_loss(self, loss: Tensor) -> Tensor:
+        """The loss exists on the last stage; loggers live on rank 0: give every rank the same value."""
+        loss = loss.detach().to(self.device, torch.float32).reshape(())
+        if self.plan.pipeline_size > 1:
+            loss = loss.contiguous()
+            dist.broadcast(loss, group=self.groups.pp, group_src=self.last_pp_rank)
+        return loss
+
+    def _broadcast_object(self, obj: Any) -> Any:
+        if self.plan.pipeline_size == 1:
+            return obj
+        holder = [obj if self.has_last else None]
+        if self.has_last and isinstance(obj, Tensor):
+            holder = [obj.cpu()]
+        dist.broadcast_object_list(holder, group=self.groups.pp, group_src=self.last_pp_rank,
+                                   device=self.device if self.device.type == "cuda" else None)
+        out = holder[0]
+        return out.to(self.device) if isinstance(out, Tensor) else out
+
+    # ------------------------------------------------------------------ gradients before the optimizer step
+    def sync_gradients(self) -> None:
+        """Average over data-parallel replicas, then sum the copies of tied parameters held by several stages."""
+        grads = [p.grad for p in self._params if p.grad is not None]
+        if self.groups.dp is not None and grads:
+            _all_reduce_coalesced(grads, self.groups.dp, average=True)
+        for tie, group, _owner in self.groups.tied:
+            param = self._tied_param(tie)
+            if param is not None and param.grad is not None:
+                dist.all_reduce(param.grad, group=group)
+
+    def _tied_param(self, tie: TiedParameter) -> nn.Parameter | None:
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        for name in tie.names:
+            if name in params:
+                return params[name]
+        return None
+
+    def norm_excluded(self) -> set[int]:
+        """Tied copies that another rank already counts in the global norm."""
+        out = set()
+        for tie, _group, owner in self.groups.tied:
+            param = self._tied_param(tie)
+            if param is not None and not owner:
+                out.add(id(param))
+        return out
+
+    def broadcast_initial_state(self) -> None:
+        """Start identical: replicas from data-parallel rank 0 (as DDP does), tied copies from their owner."""
+        tensors = [t for sm in self.stage_modules for t in list(sm.parameters()) + list(sm.buffers())]
+        if self.groups.dp is not None:
+            for t in tensors:
+                dist.broadcast(t.data, group=self.groups.dp, group_src=0)
+        for tie, group, _owner in self.groups.tied:
+            param = self._tied_param(tie)
+            if param is not None:
+                dist.broadcast(param.data, group=group, group_src=0)
+
+    def clip_grad_norm_(self, parameters: Sequence[nn.Parameter], max_norm: float,
+                        norm_type: float = 2.0) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` with the norm taken over every stage of the pipeline."""
+        excluded = self.norm_excluded()
+        grads = [p.grad for p in parameters if p.grad is not None]
+        counted = [p.grad for p in parameters if p.grad is not None and id(p) not in excluded]
+        norm_type = float(norm_type)
+        if norm_type == math.inf:
+            local = (torch.stack([g.detach().abs().max().float() for g in counted]).max()
+                     if counted else torch.zeros((), device=self.device))
+            if self.plan.pipeline_size > 1:
+                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.groups.pp)
+            total = local
+        else:
+            local = (torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type
+                                  for g in counted]).sum() if counted else torch.zeros((), device=self.device))
+            if self.plan.pipeline_size > 1:
+                dist.all_reduce(local, group=self.groups.pp)
+            total = local ** (1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return total
+
+
+def _all_reduce_coalesced(tensors: list[Tensor], group: dist.ProcessGroup, average: bool,
+                          bucket_bytes: int = 64 * 2**20) -> None:
+    """All-reduce many tensors as a few flat buckets (one per dtype and ~64 MiB)."""
+    world = dist.get_world_size(group)
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        bucket: list[Tensor] = []
+        size = 0
+        for t in same + [None]:  # type: ignore[list-item]
+            if t is not None:
+                bucket.append(t)
+                size += t.numel() * t.element_size()
+            if bucket and (t is None or size >= bucket_bytes):
+                flat = torch.cat([b.reshape(-1) for b in bucket])
+                dist.all_reduce(flat, group=group)
+                if average:
+                    flat.div_(world)
+                offset = 0
+                for b in bucket:
+                    b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                    offset += b.numel()
+                bucket, size = [], 0

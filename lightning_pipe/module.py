@@ -1,0 +1,139 @@
+"""The module contract: what a LightningModule gives the pipeline, and how it still runs without one.
+
+A pipeline can only split a model it can see as a chain. :class:`PipelineModule` asks for exactly that:
+
+* ``self.layers`` — an ordered ``nn.Sequential`` / ``nn.ModuleList``; the output of layer ``i`` is the input of
+  layer ``i + 1`` (a tuple output is passed on as one tuple). Embedding and head are layers too.
+* :meth:`loss_fn` — ``loss_fn(last_layer_output, target) -> scalar``, a *mean* over the samples of the batch (the
+  default reduction of torch's losses), so that the average of the micro-batch losses is the batch loss.
+* :meth:`split_batch` — ``batch -> (inputs, target)``; the default takes ``(x, y)`` pairs and bare tensors.
+
+``training_step`` stays the place where the user logs. It gets its loss from :meth:`compute_loss`, which runs the
+layers and the loss on one device, and the whole pipeline schedule (forward *and* backward) under
+:class:`~lightning_pipe.PipelineStrategy`, returning the micro-batch-averaged loss on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import lightning.pytorch as pl
+from torch import Tensor, nn
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_pipe.engine import PipelineEngine
+
+
+@runtime_checkable
+class PipelineEngineHandle(Protocol):
+    """What :class:`PipelineModule` needs from the strategy's engine (kept tiny to avoid an import cycle)."""
+
+    def loss(self, module: pl.LightningModule, batch: Any) -> Tensor: ...
+
+    def output(self, module: pl.LightningModule, batch: Any) -> Any: ...
+
+
+def default_split_batch(batch: Any) -> tuple[Any, Any]:
+    """``(x, y)`` / ``[x, y]`` -> ``(x, y)``; a bare tensor -> ``(tensor, None)``; a dict with ``input``/``target``."""
+    if isinstance(batch, Tensor):
+        return batch, None
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    if isinstance(batch, (tuple, list)) and len(batch) == 1:
+        return batch[0], None
+    if isinstance(batch, dict) and "input" in batch:
+        return batch["input"], batch.get("target")
+    raise TypeError(
+        f"Cannot split a batch of type {type(batch).__name__} into (inputs, target). The default "
+        "`split_batch` takes `(x, y)` pairs, bare tensors and dicts with 'input'/'target' keys; "
+        "override `split_batch(self, batch)` in your LightningModule to return `(inputs, target)`."
+    )
+
+
+def run_layers(layers: nn.Module, inputs: Any) -> Any:
+    """Run a layer list as a chain (the semantics every stage keeps)."""
+    hidden = inputs
+    for layer in layers:
+        hidden = layer(hidden)
+    return hidden
+
+
+class PipelineModule(pl.LightningModule):
+    """A LightningModule whose model is a layer list; trains unchanged on one device, DDP, or the pipeline.
+
+    Subclasses set ``self.layers`` and implement :meth:`loss_fn`. The default steps log ``train_loss``,
+    ``val_loss`` and ``test_loss``; override them freely, as long as they take the loss from
+    :meth:`compute_loss` (and predictions from :meth:`compute_output`).
+
+    Example::
+
+        class Regressor(PipelineModule):
+            def __init__(self):
+                super().__init__()
+                self.layers = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+
+            def loss_fn(self, output, target):
+                return F.mse_loss(output, target)
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+    """
+
+    # Set by PipelineStrategy.setup; None on one device / DDP.
+    _pipeline_engine: PipelineEngine | None = None
+
+    # ---------------------------------------------------------------- contract
+    def loss_fn(self, output: Any, target: Any) -> Tensor:
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement `loss_fn(self, output, target)`: the loss of the last layer's "
+            "output against the target, averaged over the samples of the batch."
+        )
+
+    def split_batch(self, batch: Any) -> tuple[Any, Any]:
+        """Return ``(inputs, target)`` for a batch; ``target`` may be ``None`` (predict)."""
+        return default_split_batch(batch)
+
+    # ---------------------------------------------------------------- running
+    def forward(self, inputs: Any) -> Any:
+        return run_layers(self.layers, inputs)
+
+    def compute_loss(self, batch: Any) -> Tensor:
+        """The batch loss. Under the pipeline strategy during training this runs the whole schedule (forward and
+        backward of every micro-batch) and returns the detached micro-batch average, identical on every rank."""
+        engine = self._pipeline_engine
+        if engine is not None:
+            return engine.loss(self, batch)
+        inputs, target = self.split_batch(batch)
+        if target is None:
+            raise ValueError(
+                "compute_loss needs a target, but split_batch returned None for it; "
+                "return `(inputs, target)` from split_batch for training/validation batches."
+            )
+        return self.loss_fn(self(inputs), target)
+
+    def compute_output(self, batch: Any) -> Any:
+        """The last layer's output for the batch's inputs (on every rank of the pipeline)."""
+        engine = self._pipeline_engine
+        if engine is not None:
+            return engine.output(self, batch)
+        inputs, _ = self.split_batch(batch)
+        return self(inputs)
+
+    # ---------------------------------------------------------------- default steps
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self.compute_loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self.compute_loss(batch)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def test_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self.compute_loss(batch)
+        self.log("test_loss", loss, sync_dist=True)
+        return loss
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        return self.compute_output(batch)

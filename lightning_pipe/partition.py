@@ -1,0 +1,82 @@
+"""Pure functions: a layer list (and optional per-layer costs) -> contiguous layer ranges per stage.
+
+No torch.distributed here: everything is plain data so it can be unit-tested and runs identically on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from lightning_pipe.config import PipelineConfig, SplitSpec, config_error
+
+
+def uniform_counts(n_layers: int, n_stages: int) -> list[int]:
+    """Equal layer counts; the first ``n_layers % n_stages`` stages take one extra layer."""
+    base, extra = divmod(n_layers, n_stages)
+    return [base + (1 if s < extra else 0) for s in range(n_stages)]
+
+
+def balanced_counts(costs: Sequence[float], n_stages: int) -> list[int]:
+    """Contiguous split minimising the most expensive stage (every stage gets at least one layer).
+
+    Exact dynamic programme over prefix sums, O(n_layers^2 * n_stages): layer lists are at most a few hundred
+    long. Ties go to the split whose earlier stages are larger, which keeps the (usually heavier) last stage,
+    with head and loss, light.
+    """
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+    inf = float("inf")
+    # best[s][i]: minimal max-cost splitting the first i layers into s stages; cut[s][i]: start of the last stage.
+    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, n_stages + 1):
+        for i in range(s, n - (n_stages - s) + 1):
+            for j in range(i - 1, s - 2, -1):  # last stage = layers [j, i); scan so later j win ties
+                cand = max(best[s - 1][j], prefix[i] - prefix[j])
+                if cand < best[s][i]:
+                    best[s][i], cut[s][i] = cand, j
+    counts, i = [], n
+    for s in range(n_stages, 0, -1):
+        j = cut[s][i]
+        counts.append(i - j)
+        i = j
+    return counts[::-1]
+
+
+def split_layers(n_layers: int, n_stages: int, split: SplitSpec,
+                 param_counts: Sequence[int] | None = None) -> list[range]:
+    """Layer index ranges, one per stage, in stage order."""
+    key = PipelineConfig.KEYS["split"]
+    if n_stages > n_layers:
+        raise config_error(
+            "Every pipeline stage needs at least one layer, so the number of stages "
+            "(pipeline size x stages per rank) cannot exceed the number of layers.",
+            f"{n_stages} stages for {n_layers} layers", PipelineConfig.KEYS["stages_per_rank"],
+            f"or {PipelineConfig.KEYS['data_parallel_size']} / {PipelineConfig.KEYS['devices']}, "
+            "or give the model more layers")
+    if isinstance(split, str):
+        if split == "uniform":
+            counts = uniform_counts(n_layers, n_stages)
+        elif split == "parameters":
+            if param_counts is None or len(param_counts) != n_layers:
+                raise ValueError("split='parameters' needs one parameter count per layer")
+            counts = balanced_counts(param_counts, n_stages)
+        else:
+            raise config_error("split must be 'uniform', 'parameters' or a list of per-stage layer counts.",
+                               f"split={split!r}", key)
+    else:
+        counts = [int(c) for c in split]
+        if len(counts) != n_stages:
+            raise config_error("An explicit split gives one layer count per stage.",
+                               f"{len(counts)} counts {counts} for {n_stages} stages", key)
+        if sum(counts) != n_layers or min(counts) < 1:
+            raise config_error("An explicit split's layer counts must be positive and sum to the number of layers.",
+                               f"counts {counts} (sum {sum(counts)}) for {n_layers} layers", key)
+    ranges, start = [], 0
+    for c in counts:
+        ranges.append(range(start, start + c))
+        start += c
+    return ranges

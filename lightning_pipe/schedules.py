@@ -1,0 +1,165 @@
+"""Schedule name -> how to place stages and build torch's schedule; the rules each schedule imposes.
+
+Adding a schedule is one :class:`ScheduleSpec` entry in ``_SCHEDULES``: its torch class, how many stages a rank holds
+and where they go, and which micro-batch counts it accepts. Everything else (stage building, the strategy) reads
+the spec.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+from torch.distributed.pipelining import schedules as torch_schedules
+
+from lightning_pipe.config import PipelineConfig, config_error
+
+Placement = Literal["loop", "v"]
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """One schedule the strategy can run."""
+
+    name: str
+    torch_class: type
+    description: str
+    multi_stage: bool = False
+    """Built from a list of local stages (PipelineScheduleMulti family) rather than one stage."""
+    placement: Placement = "loop"
+    """``loop``: rank r holds stages r, r+p, r+2p, ...; ``v``: rank r holds r and 2p-1-r."""
+    default_stages_per_rank: int = 1
+    allowed_stages_per_rank: tuple[int, ...] | None = (1,)
+    """``None``: any value >= ``min_stages_per_rank``."""
+    min_stages_per_rank: int = 1
+    min_microbatches: Literal["none", "pipeline", "stages"] = "pipeline"
+    """``pipeline``: m >= pipeline size; ``stages``: m >= total stages; ``none``: any m >= 1."""
+    rounds_divisible: bool = False
+    """Torch's interleaved family needs m to be a multiple of its number of rounds, max(1, m // p)."""
+    theory_bubble: Callable[[int, int, int], float] | None = None
+    """(p, v, m) -> idle fraction of a step in the schedule's ideal model (equal F and B times)."""
+
+
+def _bubble_flush(p: int, v: int, m: int) -> float:
+    return (p - 1) / (m + p - 1)
+
+
+def _bubble_interleaved(p: int, v: int, m: int) -> float:
+    return ((p - 1) / v) / (m + (p - 1) / v)
+
+
+def _bubble_zero(p: int, v: int, m: int) -> float:
+    # ZB-H1 / ZB-V (Qi et al. 2023): with F = B = W the bubble shrinks to about a third of 1F1B's; ZB-V close to 0
+    # when m >= 2p. We report the paper's H1 estimate for both; the measured metric tells the truth.
+    return ((p - 1) / 3) / (m + (p - 1) / 3)
+
+
+_SCHEDULES: dict[str, ScheduleSpec] = {
+    spec.name: spec
+    for spec in (
+        ScheduleSpec("gpipe", torch_schedules.ScheduleGPipe, "all forwards, then all backwards (GPipe)",
+                     min_microbatches="none", theory_bubble=_bubble_flush),
+        ScheduleSpec("1f1b", torch_schedules.Schedule1F1B, "one-forward-one-backward (PipeDream-Flush)",
+                     theory_bubble=_bubble_flush),
+        ScheduleSpec("interleaved_1f1b", torch_schedules.ScheduleInterleaved1F1B,
+                     "Megatron interleaved 1F1B over virtual stages", multi_stage=True,
+                     default_stages_per_rank=2, allowed_stages_per_rank=None, min_stages_per_rank=2,
+                     rounds_divisible=True, theory_bubble=_bubble_interleaved),
+        ScheduleSpec("looped_bfs", torch_schedules.ScheduleLoopedBFS, "breadth-first looping over virtual stages",
+                     multi_stage=True, default_stages_per_rank=2, allowed_stages_per_rank=None,
+                     min_stages_per_rank=2, theory_bubble=_bubble_interleaved),
+        ScheduleSpec("zb_h1", torch_schedules.ScheduleInterleavedZeroBubble,
+                     "ZeroBubble with split input/weight gradients (interleaved)", multi_stage=True,
+                     default_stages_per_rank=2, allowed_stages_per_rank=None, rounds_divisible=True,
+                     theory_bubble=_bubble_zero),
+        ScheduleSpec("zbv", torch_schedules.ScheduleZBVZeroBubble, "ZeroBubble V schedule",
+                     multi_stage=True, placement="v", default_stages_per_rank=2, allowed_stages_per_rank=(2,),
+                     theory_bubble=_bubble_zero),
+        ScheduleSpec("dualpipev", torch_schedules.ScheduleDualPipeV, "DualPipeV (DeepSeek), V placement",
+                     multi_stage=True, placement="v", default_stages_per_rank=2, allowed_stages_per_rank=(2,),
+                     min_microbatches="stages", theory_bubble=_bubble_zero),
+    )
+}
+
+
+def available_schedules() -> list[str]:
+    return sorted(_SCHEDULES)
+
+
+def get_schedule_spec(name: str) -> ScheduleSpec:
+    spec = _SCHEDULES.get(str(name).lower())
+    if spec is None:
+        raise config_error(f"Unknown pipeline schedule; known schedules are {available_schedules()}.",
+                           f"schedule={name!r}", PipelineConfig.KEYS["schedule"])
+    return spec
+
+
+def register_schedule(spec: ScheduleSpec) -> None:
+    """Make a schedule available by name (for extensions; the built-in ones are registered above)."""
+    _SCHEDULES[spec.name] = spec
+
+
+@dataclass(frozen=True)
+class SchedulePlan:
+    """The resolved shape of one pipeline: what every rank agrees on before any communication."""
+
+    spec: ScheduleSpec
+    pipeline_size: int
+    stages_per_rank: int
+    microbatches: int
+
+    @property
+    def num_stages(self) -> int:
+        return self.pipeline_size * self.stages_per_rank
+
+    def stage_to_rank(self, stage: int) -> int:
+        p = self.pipeline_size
+        if self.spec.placement == "v":
+            return stage if stage < p else 2 * p - 1 - stage
+        return stage % p
+
+    def stages_of_rank(self, pp_rank: int) -> list[int]:
+        return [s for s in range(self.num_stages) if self.stage_to_rank(s) == pp_rank]
+
+    def theoretical_bubble(self) -> float | None:
+        fn = self.spec.theory_bubble
+        return None if fn is None else fn(self.pipeline_size, self.stages_per_rank, self.microbatches)
+
+
+def plan_schedule(config: PipelineConfig, pipeline_size: int) -> SchedulePlan:
+    """Resolve and check the schedule settings against the pipeline size. Raises before any process waits."""
+    spec = get_schedule_spec(config.schedule)
+    v = config.stages_per_rank if config.stages_per_rank is not None else spec.default_stages_per_rank
+    key_v = PipelineConfig.KEYS["stages_per_rank"]
+    if spec.allowed_stages_per_rank is not None and v not in spec.allowed_stages_per_rank:
+        raise config_error(f"Schedule '{spec.name}' needs stages_per_rank in {list(spec.allowed_stages_per_rank)}.",
+                           f"stages_per_rank={v}", key_v)
+    if v < spec.min_stages_per_rank:
+        raise config_error(f"Schedule '{spec.name}' needs at least {spec.min_stages_per_rank} stages per rank.",
+                           f"stages_per_rank={v}", key_v)
+    m = config.microbatches if config.microbatches is not None else 2 * pipeline_size * v
+    plan = SchedulePlan(spec, pipeline_size, v, m)
+    key_m = PipelineConfig.KEYS["microbatches"]
+    if spec.min_microbatches == "pipeline" and m < pipeline_size:
+        raise config_error(f"Schedule '{spec.name}' needs at least as many micro-batches as pipeline ranks.",
+                           f"microbatches={m}, pipeline size={pipeline_size}", key_m)
+    if spec.min_microbatches == "stages" and m < plan.num_stages:
+        raise config_error(f"Schedule '{spec.name}' needs at least as many micro-batches as stages.",
+                           f"microbatches={m}, stages={plan.num_stages}", key_m)
+    if spec.rounds_divisible:
+        rounds = max(1, m // pipeline_size)
+        if m % rounds != 0:
+            raise config_error(
+                f"Schedule '{spec.name}' needs the micro-batch count to be a multiple of its number of rounds "
+                "max(1, microbatches // pipeline size).",
+                f"microbatches={m}, pipeline size={pipeline_size}, rounds={rounds}", key_m,
+                f"e.g. a multiple of {pipeline_size}")
+    return plan
+
+
+def build_torch_schedule(plan: SchedulePlan, stages: list[Any], loss_fn: Callable[..., Any]) -> Any:
+    """Instantiate torch's schedule. Gradients are *not* scaled by torch (see [Note: loss scaling] in engine)."""
+    if plan.spec.multi_stage:
+        return plan.spec.torch_class(stages, n_microbatches=plan.microbatches, loss_fn=loss_fn, scale_grads=False)
+    (stage,) = stages
+    return plan.spec.torch_class(stage, n_microbatches=plan.microbatches, loss_fn=loss_fn, scale_grads=False)

@@ -1,0 +1,122 @@
+"""Build this rank's stage module(s) from the user's LightningModule, keeping original parameter names.
+
+The layer list stays where the user put it (``module.layers``); layers of other ranks are swapped for
+:class:`RemoteLayer` placeholders that hold no parameters. So ``module.named_parameters()`` on a rank yields exactly
+its own parameters under their original names (``layers.7.attn.weight``): the optimizer, the checkpoint and the
+user's ``configure_optimizers`` all see the usual names, only fewer of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from torch import nn
+
+from lightning_pipe.config import PipelineConfig, config_error
+from lightning_pipe.module import run_layers
+
+
+class RemoteLayer(nn.Module):
+    """Stands in for a layer that lives on another pipeline rank."""
+
+    def __init__(self, index: int, stage: int, rank: int) -> None:
+        super().__init__()
+        self.index, self.stage, self.rank = index, stage, rank
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"Layer {self.index} lives on pipeline stage {self.stage} (pipeline rank {self.rank}), not on this rank. "
+            "Under PipelineStrategy the layers run inside the pipeline schedule: get the loss from "
+            "`self.compute_loss(batch)` and outputs from `self.compute_output(batch)` instead of calling `self(x)`."
+        )
+
+    def extra_repr(self) -> str:
+        return f"index={self.index}, stage={self.stage}, rank={self.rank}"
+
+
+class StageModule(nn.Module):
+    """A contiguous run of layers; the module torch's ``PipelineStage`` executes.
+
+    Torch passes a stage the previous stage's outputs as positional arguments; a single argument is the tensor,
+    several are the tuple the previous layer returned, so the chain semantics of the full model are kept.
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], layer_indices: range) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.layer_indices = layer_indices
+
+    def forward(self, *args: Any) -> Any:
+        return run_layers(self.layers, args[0] if len(args) == 1 else args)
+
+
+def find_layers(module: nn.Module, attr: str) -> nn.Module:
+    """The module's ordered layer list, or an error that says how to provide one."""
+    key = PipelineConfig.KEYS["layers_attr"]
+    layers = getattr(module, attr, None)
+    if layers is None:
+        raise config_error(
+            f"PipelineStrategy splits the model's layer list into stages, but {type(module).__name__} has no "
+            f"attribute `{attr}`. Put the model's layers, in order, in an nn.Sequential or nn.ModuleList "
+            f"(e.g. `self.{attr} = nn.Sequential(embedding, *blocks, head)`), or point the strategy at it.",
+            f"layers_attr={attr!r}", key)
+    if isinstance(layers, (nn.ModuleDict, nn.ParameterList, nn.ParameterDict)) or not isinstance(
+            layers, (nn.Sequential, nn.ModuleList)):
+        raise config_error(
+            "The layer list must be an ordered chain: an nn.Sequential or nn.ModuleList whose layer i feeds "
+            f"layer i+1 (a dict or a plain module has no order to split).",
+            f"{type(module).__name__}.{attr} of type {type(layers).__name__}", key)
+    return layers
+
+
+@dataclass(frozen=True)
+class TiedParameter:
+    """A parameter object shared by several layers (e.g. GPT-2's embedding and output head)."""
+
+    names: tuple[str, ...]
+    """Its full names, one per layer that uses it, in layer order."""
+    layer_indices: tuple[int, ...]
+
+
+def find_tied_parameters(module: nn.Module, attr: str) -> list[TiedParameter]:
+    """Parameters appearing in more than one layer of the list (same object, different layers)."""
+    layers = find_layers(module, attr)
+    seen: dict[int, list[tuple[str, int]]] = {}
+    for idx, layer in enumerate(layers):
+        for name, param in layer.named_parameters(remove_duplicate=False):
+            seen.setdefault(id(param), []).append((f"{attr}.{idx}.{name}", idx))
+    tied = []
+    for uses in seen.values():
+        if len({idx for _, idx in uses}) > 1:
+            tied.append(TiedParameter(tuple(n for n, _ in uses), tuple(i for _, i in uses)))
+    return tied
+
+
+def check_no_stray_parameters(module: nn.Module, attr: str) -> None:
+    """Parameters outside the layer list would never be trained by the pipeline: refuse them early."""
+    stray = [name for name, _ in module.named_parameters() if not name.startswith(f"{attr}.")]
+    if stray:
+        raise config_error(
+            "Under the pipeline every trainable parameter must belong to a layer of the layer list (other "
+            "parameters are never run by any stage). Move them into a layer, e.g. wrap the embedding as the first "
+            "layer and the head as the last.",
+            f"parameters outside `{attr}`: {stray[:8]}{' ...' if len(stray) > 8 else ''}",
+            PipelineConfig.KEYS["layers_attr"])
+
+
+def localize_layers(module: nn.Module, attr: str, ranges: Sequence[range], local_stages: Sequence[int],
+                    stage_to_rank: Any) -> list[StageModule]:
+    """Swap other ranks' layers for placeholders; return this rank's stage modules in stage order."""
+    layers = find_layers(module, attr)
+    owner = {}
+    for stage, rng in enumerate(ranges):
+        for i in rng:
+            owner[i] = stage
+    local = set(local_stages)
+    keys = list(layers._modules.keys())
+    for i, key in enumerate(keys):
+        if owner[i] not in local:
+            # Writing _modules directly keeps the original indices ("7") as names; del/insert would renumber.
+            layers._modules[key] = RemoteLayer(i, owner[i], stage_to_rank(owner[i]))
+    return [StageModule([layers._modules[keys[i]] for i in ranges[s]], ranges[s]) for s in local_stages]

@@ -1,0 +1,342 @@
+"""PipelineStrategy: Lightning's hooks, delegating to config / partition / stages / schedules / engine."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_pipe.config import PipelineConfig, SplitSpec, Topology, config_error
+from lightning_pipe.engine import PipelineEngine, ProcessGroups
+from lightning_pipe.partition import split_layers
+from lightning_pipe.precision import SUPPORTED_PRECISION, PipelinePrecision
+from lightning_pipe.schedules import SchedulePlan, plan_schedule
+from lightning_pipe.stages import (
+    RemoteLayer,
+    check_no_stray_parameters,
+    find_layers,
+    find_tied_parameters,
+    localize_layers,
+)
+
+log = logging.getLogger(__name__)
+
+
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class PipelineStrategy(ParallelStrategy):
+    """Pipeline parallelism (optionally times data parallelism) for a layer-list LightningModule.
+
+    ``world size = data_parallel_size x pipeline size``. The module's layer list is split into
+    ``pipeline size x stages_per_rank`` stages; each rank keeps only its own layers (parameter names unchanged) and
+    torch.distributed.pipelining runs the schedule. Settings are those of :class:`~lightning_pipe.PipelineConfig`.
+
+    Args:
+        schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``looped_bfs``, ``zb_h1``, ``zbv``, ``dualpipev``.
+        microbatches: micro-batches per batch (default: 2 x number of stages). The batch size must divide by it.
+        data_parallel_size: replicas of the pipeline; gradients are averaged across replicas of each stage.
+        split: ``"uniform"``, ``"parameters"`` or explicit per-stage layer counts.
+        stages_per_rank: stages per rank for virtual-stage schedules (default: what the schedule needs).
+        layers_attr: attribute holding the ordered layer list.
+        start_method: ``"popen"`` re-runs the script per rank (like ``ddp``); ``"spawn"`` for notebooks.
+    """
+
+    strategy_name = "pipeline"
+
+    def __init__(
+        self,
+        schedule: str = "1f1b",
+        microbatches: Optional[int] = None,
+        data_parallel_size: int = 1,
+        split: SplitSpec = "uniform",
+        stages_per_rank: Optional[int] = None,
+        layers_attr: str = "layers",
+        schedule_options: Optional[dict[str, Any]] = None,
+        accelerator: Any = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        self.pipeline_config = PipelineConfig(
+            schedule=schedule, microbatches=microbatches, data_parallel_size=data_parallel_size, split=split,
+            stages_per_rank=stages_per_rank, layers_attr=layers_attr, schedule_options=schedule_options or {})
+        # Unknown schedule names fail here, in the constructor, not on the ranks after launch.
+        from lightning_pipe.schedules import get_schedule_spec
+
+        get_schedule_spec(self.pipeline_config.schedule)
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self.engine: Optional[PipelineEngine] = None
+        self.plan: Optional[SchedulePlan] = None
+        self.topology: Optional[Topology] = None
+
+    # ------------------------------------------------------------------ world
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning asks this to decide on DistributedSampler and self.log(sync_dist=True).
+        return True
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Shard by data-parallel rank only: every stage of one replica must read the same batches.
+        topo = self._topology()
+        return {"num_replicas": topo.data_parallel_size, "rank": topo.dp_rank}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    def _topology(self) -> Topology:
+        if self.topology is None:
+            self.topology = Topology.create(self.world_size, self.pipeline_config.data_parallel_size,
+                                            self.global_rank)
+        return self.topology
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self.cluster_environment.creates_processes_externally:
+            self._launcher = None  # torchrun / SLURM / our tests started the ranks
+        elif self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        self.topology = None
+        # World-shape rules are checked here, before any process waits on another.
+        topo = self._topology()
+        plan_schedule(self.pipeline_config, topo.pipeline_size)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        if not dist.is_initialized():
+            _init_dist_connection(self.cluster_environment, backend, **kwargs)
+            # Lightning only does this for NCCL; gloo process groups alive at interpreter exit can abort the
+            # process ("terminate called without an active exception") after a perfectly good run.
+            atexit.register(_destroy_process_group)
+
+    # ------------------------------------------------------------------ precision
+    @property  # type: ignore[override]
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else PipelinePrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        if plugin is None or isinstance(plugin, PipelinePrecision):
+            self._precision_plugin = plugin
+        elif type(plugin) is Precision:  # Lightning's default for precision="32-true"
+            self._precision_plugin = PipelinePrecision()
+        else:
+            raise config_error(
+                f"PipelineStrategy supports precision {list(SUPPORTED_PRECISION)}: clipping and overflow checks "
+                "must agree across stages, which the generic plugin cannot do.",
+                f"precision plugin {type(plugin).__name__} (precision={getattr(plugin, 'precision', '?')!r})",
+                "trainer.precision", "use precision='32-true'")
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        self._check_module(module)
+        self.model_to_device()
+        self.engine = self._build_engine(module, trainer)
+        if isinstance(self.precision_plugin, PipelinePrecision):
+            self.precision_plugin.engine = self.engine
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _check_module(self, module: LightningModule) -> None:
+        missing = [name for name in ("loss_fn", "split_batch", "compute_loss") if not hasattr(module, name)]
+        if missing:
+            raise TypeError(
+                f"PipelineStrategy needs a layer-list module: {type(module).__name__} lacks {missing}. Derive it "
+                "from `lightning_pipe.PipelineModule` (it provides split_batch/compute_loss) and implement "
+                "`loss_fn(output, target)`; see the README's module contract."
+            )
+        if not module.automatic_optimization:
+            raise TypeError(
+                "PipelineStrategy supports automatic optimization only: the schedule runs forward and backward "
+                "inside training_step and the strategy averages and clips gradients across stages before the "
+                f"optimizer step. Set `self.automatic_optimization = True` in {type(module).__name__}."
+            )
+
+    def _build_engine(self, module: LightningModule, trainer: Trainer) -> PipelineEngine:
+        cfg = self.pipeline_config
+        topo = self._topology()
+        plan = plan_schedule(cfg, topo.pipeline_size)
+        self.plan = plan
+        layers = find_layers(module, cfg.layers_attr)
+        layout = getattr(module, "_pipeline_layout", None)
+        if layout is None:
+            check_no_stray_parameters(module, cfg.layers_attr)
+            param_counts = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+            ranges = split_layers(len(layers), plan.num_stages, cfg.split, param_counts)
+            tied = find_tied_parameters(module, cfg.layers_attr)
+        else:
+            # Already split by an earlier fit/validate in this process: the same layout can be reused.
+            ranges, tied, old_plan = layout
+            if old_plan != plan:
+                raise RuntimeError(
+                    f"{type(module).__name__} was already split for another pipeline ({old_plan}); its other "
+                    "layers are gone from this rank. Build a new module (or load it from a checkpoint) to use "
+                    "a different layout."
+                )
+        local_ids = plan.stages_of_rank(topo.pp_rank)
+        groups = ProcessGroups(topo, tied, ranges, plan, backend=None)
+        stage_modules = localize_layers(module, cfg.layers_attr, ranges, local_ids, plan.stage_to_rank)
+        module._pipeline_layout = (ranges, tied, plan)  # type: ignore[attr-defined]
+        engine = PipelineEngine(module, stage_modules, local_ids, plan, groups, self.root_device)
+        if layout is None:
+            engine.broadcast_initial_state()
+        module._pipeline_engine = engine  # type: ignore[attr-defined]
+        log.info("pipeline rank %d (replica %d): stages %s, layers %s", topo.pp_rank, topo.dp_rank, local_ids,
+                 [list(ranges[s]) for s in local_ids])
+        return engine
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ------------------------------------------------------------------ steps
+    def _run(self, phase: str, parent: Any, *args: Any, **kwargs: Any) -> Any:
+        assert self.engine is not None
+        trainer = self.lightning_module.trainer
+        self.engine.accumulate_grad_batches = trainer.accumulate_grad_batches
+        with self.engine.running(phase):
+            return parent(*args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run("train", super().training_step, *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run("validate", super().validation_step, *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run("test", super().test_step, *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run("predict", super().predict_step, *args, **kwargs)
+
+    # ------------------------------------------------------------------ collectives
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src, group=_group.WORLD)
+        return holder[0]
+
+    @override
+    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
+               reduce_op: Optional[Union[Any, str]] = "mean") -> Union[Tensor, Any]:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def teardown(self) -> None:
+        if self.lightning_module is not None:
+            self.lightning_module._pipeline_engine = None  # type: ignore[attr-defined]
+        if isinstance(self._precision_plugin, PipelinePrecision):
+            self._precision_plugin.engine = None
+        self.engine = None
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register("pipeline", cls, description="Pipeline parallelism (torch.distributed.pipelining)")
+        strategy_registry.register("pipeline_spawn", cls, description="Pipeline parallelism, spawned processes",
+                                   start_method="spawn")
+
+
+__all__ = ["PipelineStrategy", "RemoteLayer"]

@@ -1,0 +1,83 @@
+"""The one way multi-rank tests start processes: N ranks of ``tests.distributed.worker``, with a hard timeout.
+
+Ranks get the usual ``RANK/LOCAL_RANK/WORLD_SIZE/MASTER_*`` environment, so Lightning treats them as created
+externally (no re-run of pytest). A hang kills every rank and fails the test with each rank's last output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RanksFailed(AssertionError):
+    pass
+
+
+def launch(scenario: str, world_size: int, cases: list[dict[str, Any]], out_dir: Path,
+           timeout: float = 240.0) -> list[dict[str, Any]]:
+    """Run ``scenario`` for every case on ``world_size`` ranks; return each rank's saved results (rank order)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "cases.json").write_text(json.dumps(cases))
+    port = _free_port()
+    procs, logs = [], []
+    for rank in range(world_size):
+        env = dict(os.environ)
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), TEST_WORLD_SIZE=str(world_size), NODE_RANK="0",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                   PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}", PYTHONWARNINGS="ignore")
+        log = open(out_dir / f"rank{rank}.log", "w")
+        logs.append(log)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "tests.distributed.worker", scenario, str(out_dir)],
+            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            if now > deadline:
+                if any(p.poll() not in (None, 0) for p in procs):
+                    break  # report the failure (exit codes below), not a hang
+                raise RanksFailed(f"{scenario}: ranks still running after {timeout:.0f}s (hang?)\n"
+                                  + _tails(out_dir, world_size))
+            if any(p.poll() not in (None, 0) for p in procs):
+                # A rank failed: its peers should fail with their own clear error shortly; don't wait for a hang.
+                deadline = min(deadline, now + 20)
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for log in logs:
+            log.close()
+    codes = [p.returncode for p in procs]  # -9: killed by us after a peer failed
+    if any(codes):
+        raise RanksFailed(f"{scenario}: exit codes {codes}\n" + _tails(out_dir, world_size))
+    return [torch.load(out_dir / f"result{rank}.pt", weights_only=False) for rank in range(world_size)]
+
+
+def _tails(out_dir: Path, world_size: int, lines: int = 25) -> str:
+    parts = []
+    for rank in range(world_size):
+        path = out_dir / f"rank{rank}.log"
+        text = path.read_text(errors="replace").splitlines() if path.exists() else []
+        parts.append(f"--- rank {rank} ---\n" + "\n".join(text[-lines:]))
+    return "\n".join(parts)

@@ -1,0 +1,108 @@
+"""Tiny models and data shared by the unit and multi-rank tests (and the reference single-device runs)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Sampler, TensorDataset
+
+from lightning_pipe import PipelineModule
+
+WIDTH = 8
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+class TiedHead(nn.Module):
+    """Output head that reuses the input projection's weight (transposed), like GPT-2's tied embedding."""
+
+    def __init__(self, shared: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = shared  # the same Parameter object: a tie the strategy must keep across stages
+        self.bias = nn.Parameter(torch.zeros(shared.shape[1]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.t(), self.bias)
+
+
+class ToyRegressor(PipelineModule):
+    """A residual MLP as a layer list; counts the hooks the strategy must keep firing."""
+
+    def __init__(self, n_layers: int = 8, width: int = WIDTH, optimizer: str = "sgd", lr: float = 0.05,
+                 tied: bool = False, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        layers: list[nn.Module] = [nn.Linear(4, width)]
+        layers += [Block(width) for _ in range(n_layers - 2)]
+        layers.append(TiedHead(layers[0].weight) if tied else nn.Linear(width, 4))
+        self.layers = nn.Sequential(*layers)
+        self.optimizer_name, self.lr = optimizer, lr
+        self.calls: Counter = Counter()
+        self.grad_norms_before_step: list[float] = []
+
+    def loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(output, target)
+
+    def configure_optimizers(self) -> Any:
+        if self.optimizer_name == "adamw":
+            opt = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+    # hooks the strategy must keep firing as on one device
+    def on_before_zero_grad(self, optimizer: Any) -> None:
+        self.calls["on_before_zero_grad"] += 1
+
+    def on_after_backward(self) -> None:
+        self.calls["on_after_backward"] += 1
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.calls["on_before_optimizer_step"] += 1
+        sq = sum(float(p.grad.pow(2).sum()) for p in self.parameters() if p.grad is not None)
+        self.grad_norms_before_step.append(sq)
+
+
+def regression_data(n: int = 96, seed: int = 1) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g)
+    y = torch.sin(x) + 0.1 * torch.randn(n, 4, generator=g)
+    return TensorDataset(x, y)
+
+
+def loader(dataset: TensorDataset, batch_size: int, drop_last: bool = True) -> DataLoader:
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=drop_last)
+
+
+class SameOrderAsDistributedSampler(Sampler):
+    """For single-device references: the order in which Lightning's training DistributedSampler (shuffle=True,
+    seed 0) walks the data, so batch k of the reference holds exactly the samples of batch k of every replica."""
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.n, generator=g).tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def reference_train_loader(dataset: TensorDataset, batch_size: int) -> DataLoader:
+    return DataLoader(dataset, batch_size=batch_size, sampler=SameOrderAsDistributedSampler(len(dataset)),
+                      drop_last=True)
