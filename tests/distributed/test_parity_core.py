@@ -21,6 +21,8 @@ def core_cases(dp: int) -> list[dict[str, Any]]:
     for schedule, acc, clip in itertools.product(("gpipe", "1f1b"), (1, 2), (None, 0.05)):
         cases.append(dict(schedule=schedule, dp=dp, acc=acc, clip=clip, steps=3,
                           optimizer="adamw" if acc == 2 else "sgd", predict=(dp == 1 and acc == 1 and clip is None)))
+    # Tied input/output weights held by the first and the last stage (GPT-2 style), with clipping and accumulation.
+    cases.append(dict(schedule="1f1b", dp=dp, acc=2, clip=0.05, tied=True, optimizer="adamw"))
     return cases
 
 

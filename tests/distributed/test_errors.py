@@ -1,0 +1,33 @@
+"""Bad input on real ranks: every rank raises the same clear error, nobody hangs, the processes stay usable."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.launcher import launch
+
+pytestmark = [pytest.mark.distributed]
+
+CASES = [
+    # batch of 6 rows cannot split into 4 micro-batches
+    dict(batch=6, microbatches=4, steps=1, expect_error=True),
+    # the module keeps its layers under another attribute
+    dict(model="no_layers", steps=1, expect_error=True),
+    # explicit split that does not sum to the 8 layers
+    dict(split=[3, 3], steps=1, expect_error=True),
+    # and afterwards a good run still works in the same processes
+    dict(steps=1, validate=False),
+]
+
+
+@pytest.mark.timeout(300)
+def test_bad_input_fails_fast_on_every_rank(tmp_path):
+    results = launch("training", 2, [dict(c) for c in CASES], tmp_path, timeout=200)
+    for rank_results in results:
+        batch, no_layers, split, good = rank_results
+        assert not batch["ok"] and "batch size 6, microbatches=4" in batch["error"]
+        assert "data.batch_size" in batch["error"] and "drop_last=True" in batch["error"]
+        assert not no_layers["ok"] and "no attribute `layers`" in no_layers["error"]
+        assert "strategy.layers_attr" in no_layers["error"]
+        assert not split["ok"] and "counts [3, 3] (sum 6) for 8 layers" in split["error"]
+        assert good["ok"] and len(good["losses"]) == 1
