@@ -1,0 +1,159 @@
+"""Overhead of the Lightning strategy over a hand-written torch.distributed.pipelining loop.
+
+Same GPT-like model (recipes/gpt), same schedule, micro-batch count, optimizer and data, 2 ranks on CPU, one
+invocation. Each side is timed as the median time between the ends of consecutive steps (data loading, schedule,
+gradient sync of the tied weight, optimizer step — everything a step costs). The two sides alternate in rounds
+to spread the machine's noise over both. Last line: ``overhead_ratio=<strategy / hand-written>``.
+
+    python bench/overhead.py [--steps 30] [--rounds 2] [--schedule 1f1b] [--microbatches 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def _model():
+    import torch
+
+    from recipes.gpt.model import GPT
+
+    torch.manual_seed(0)
+    return GPT(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128, warmup_steps=5, max_steps=1000)
+
+
+def _data(n: int, batch: int):
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (n, 65), generator=g)
+    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch, shuffle=False,
+                      drop_last=True)
+
+
+def hand_written(args: argparse.Namespace) -> list[float]:
+    """What a user would write with torch alone: split, stage, schedule, tied-grad all-reduce, optimizer."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _model()
+    layers = list(model.layers)
+    per = [len(layers) // world + (1 if r < len(layers) % world else 0) for r in range(world)]
+    start = sum(per[:rank])
+    stage_mod = nn.Sequential(*layers[start:start + per[rank]])
+    stage = PipelineStage(stage_mod, rank, world, torch.device("cpu"))
+    m = args.microbatches
+    scale = 1.0 / m
+
+    def loss_fn(out, tgt):
+        return model.loss_fn(out, tgt) * scale
+
+    cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[args.schedule]
+    schedule = cls(stage, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
+    params = list(stage_mod.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    tied = model.layers[0].wte.weight  # held by the first and the last rank
+    times, last = [], None
+    for x, y in _data(args.batch * (args.steps + args.warmup), args.batch):
+        opt.zero_grad(set_to_none=True)
+        losses: list = []
+        if rank == 0:
+            schedule.step(x)
+        elif rank == world - 1:
+            schedule.step(target=y, losses=losses)
+        else:
+            schedule.step()
+        if tied.grad is not None:
+            dist.all_reduce(tied.grad)
+        opt.step()
+        now = time.perf_counter()
+        if last is not None:
+            times.append(now - last)
+        last = now
+    return times[args.warmup - 1:]
+
+
+def through_lightning(args: argparse.Namespace) -> list[float]:
+    import lightning.pytorch as L
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_pipe import PipelineStrategy
+
+    class StepClock(Callback):
+        def __init__(self) -> None:
+            self.ends: list[float] = []
+
+        def on_train_batch_end(self, *a) -> None:
+            self.ends.append(time.perf_counter())
+
+    clock = StepClock()
+    trainer = L.Trainer(strategy=PipelineStrategy(schedule=args.schedule, microbatches=args.microbatches),
+                        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]),
+                        max_steps=args.steps + args.warmup, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],
+                        use_distributed_sampler=False)  # same batches, in the same order, as the hand-written loop
+    trainer.fit(_model(), _data(args.batch * (args.steps + args.warmup), args.batch))
+    diffs = [b - a for a, b in zip(clock.ends, clock.ends[1:])]
+    return diffs[args.warmup - 1:]
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    results: dict[str, list[float]] = {"hand": [], "lightning": []}
+    for _ in range(args.rounds):
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        results["hand"] += hand_written(args)
+        dist.barrier()
+        results["lightning"] += through_lightning(args)
+        dist.barrier()
+    if int(os.environ["RANK"]) == 0:
+        Path(args.out).write_text(json.dumps(results))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "times.json"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               __file__, "--worker", "--out", str(out)] + sys.argv[1:]
+        subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
+        times = json.loads(out.read_text())
+    hand, light = statistics.median(times["hand"]), statistics.median(times["lightning"])
+    print(f"| path | median step (ms) | steps timed |\n|---|---|---|")
+    print(f"| hand-written torch.distributed.pipelining | {hand * 1e3:.1f} | {len(times['hand'])} |")
+    print(f"| Trainer(strategy=PipelineStrategy) | {light * 1e3:.1f} | {len(times['lightning'])} |")
+    print(f"schedule={args.schedule} microbatches={args.microbatches} ranks=2 batch={args.batch}")
+    print(f"overhead_ratio={light / hand:.3f}")
+
+
+if __name__ == "__main__":
+    main()
