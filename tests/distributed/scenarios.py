@@ -36,9 +36,14 @@ MODELS = {"toy": ToyRegressor, "no_layers": NoLayerList}
 class LossRecorder(Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.val_losses: list[float] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+    def on_validation_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.state.fn == "fit":
+            self.val_losses.append(float(trainer.callback_metrics["val_loss"]))
 
 
 def _trainer(case: dict[str, Any], pipeline: bool, recorder: Callback) -> L.Trainer:
@@ -53,7 +58,7 @@ def _trainer(case: dict[str, Any], pipeline: bool, recorder: Callback) -> L.Trai
                      accumulate_grad_batches=case["acc"], gradient_clip_val=case["clip"],
                      gradient_clip_algorithm=case["clip_algo"], logger=False, enable_checkpointing=False,
                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                     limit_val_batches=3, val_check_interval=None, check_val_every_n_epoch=None,
+                     limit_val_batches=3, val_check_interval=2, check_val_every_n_epoch=None,
                      callbacks=[recorder])
 
 
@@ -71,12 +76,14 @@ def run_training(case: dict[str, Any], pipeline: bool) -> dict[str, Any]:
     out: dict[str, Any] = {
         "params": {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)},
         "losses": recorder.losses,
+        "fit_val_losses": recorder.val_losses,
         "calls": dict(model.calls),
         "grad_sq_before_step": model.grad_norms_before_step,
     }
     if case["validate"]:
         metrics = trainer.validate(model, loader(data, batch), verbose=False)
         out["val_loss"] = metrics[0]["val_loss"]
+        out["test_loss"] = trainer.test(model, loader(data, batch), verbose=False)[0]["test_loss"]
     if case["predict"]:
         # 22 samples with batch 8: the last batch (6 rows) does not divide into 4 micro-batches: pad-and-trim.
         pred_data = regression_data(22, seed=7)
@@ -85,3 +92,92 @@ def run_training(case: dict[str, Any], pipeline: bool) -> dict[str, Any]:
     if pipeline:
         out["topology"] = (trainer.strategy.topology.dp_rank, trainer.strategy.topology.pp_rank)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------- checkpoints
+# Used by tests/distributed/test_checkpoint.py. Every path a case names is absolute (the test's tmp_path).
+
+CKPT_DEFAULTS: dict[str, Any] = dict(schedule="1f1b", dp=1, steps=8, optimizer="adamw", tied=False, n_layers=8,
+                                     microbatches=4, batch=8, stages_per_rank=None, steps_per_epoch=4)
+
+
+class StateAtStart(Callback):
+    """The state a resumed run starts from (params and name-keyed optimizer state), after the checkpoint loaded."""
+
+    def __init__(self) -> None:
+        self.params: dict[str, torch.Tensor] = {}
+        self.optim: dict[str, torch.Tensor] = {}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.params = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+        self.optim = optimizer_by_name(pl_module, trainer.optimizers[0])
+
+
+def optimizer_by_name(module: Any, optimizer: Any) -> dict[str, torch.Tensor]:
+    from lightning_pipe.checkpoint import ModuleNames
+
+    layout = getattr(module, "_pipeline_layout", None)
+    names = ModuleNames(module, "layers", layout[1] if layout is not None else ())
+    out = {}
+    for p, st in optimizer.state.items():
+        if id(p) in names.owned or layout is None:
+            for k, v in st.items():
+                out[f"{names.name_of[id(p)]}.{k}"] = v.detach().clone() if isinstance(v, torch.Tensor) else v
+    return out
+
+
+def _ckpt_run(case: dict[str, Any], ckpt_path: Any = None, callbacks: list[Callback] = ()) -> dict[str, Any]:
+    torch.manual_seed(1234)
+    model = ToyRegressor(n_layers=case["n_layers"], optimizer=case["optimizer"], tied=case["tied"])
+    n_data = case["steps_per_epoch"] * case["batch"] * case["dp"]
+    recorder, start = LossRecorder(), StateAtStart()
+    strategy = PipelineStrategy(schedule=case["schedule"], microbatches=case["microbatches"],
+                                data_parallel_size=case["dp"], stages_per_rank=case["stages_per_rank"])
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=int(os.environ["TEST_WORLD_SIZE"]),
+                        max_steps=case["steps"], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                        callbacks=[recorder, start, *callbacks], enable_checkpointing=bool(callbacks))
+    trainer.fit(model, loader(regression_data(n_data), case["batch"]), ckpt_path=ckpt_path)
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "losses": recorder.losses,
+            "start_params": start.params, "start_optim": start.optim, "global_step": trainer.global_step,
+            "topology": (trainer.strategy.topology.dp_rank, trainer.strategy.topology.pp_rank)}
+
+
+def run_ckpt_train(case: dict[str, Any]) -> dict[str, Any]:
+    """Train N steps with ModelCheckpoint (sharded, one per epoch, "last" link); then resume from epoch 0's."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    case = {**CKPT_DEFAULTS, **case}
+    ckpt = ModelCheckpoint(dirpath=case["dir"], save_top_k=-1, every_n_epochs=1, save_last="link")
+    full = _ckpt_run(case, callbacks=[ckpt])
+    out = {"full": full}
+    if case.get("resume_from"):
+        out["resumed"] = _ckpt_run(case, ckpt_path=case["resume_from"])
+    return out
+
+
+def run_ckpt_resume(case: dict[str, Any]) -> dict[str, Any]:
+    """Resume (``ckpt_path``) in this case's layout, from a checkpoint written by any layout or a single file."""
+    case = {**CKPT_DEFAULTS, **case}
+    return {"resumed": _ckpt_run(case, ckpt_path=case["resume_from"])}
+
+
+def run_ckpt_crash(case: dict[str, Any]) -> dict[str, Any]:
+    """Save every 2 steps; rank ``crash_rank`` dies (os._exit) in the middle of the second save."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_pipe import checkpoint as ckpt_lib
+
+    case = {**CKPT_DEFAULTS, **case}
+    calls = {"n": 0}
+    original = ckpt_lib.write_shards
+
+    def dying_write(state: dict[str, Any], tmp: Any, no_dist: bool = False) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2 and int(os.environ["RANK"]) == case["crash_rank"]:
+            os._exit(17)  # killed mid-save: the other ranks have started writing into the .partial directory
+        original(state, tmp, no_dist)
+
+    ckpt_lib.write_shards = dying_write
+    ckpt = ModelCheckpoint(dirpath=case["dir"], save_top_k=-1, every_n_train_steps=2, save_last="link")
+    return _ckpt_run(case, callbacks=[ckpt])

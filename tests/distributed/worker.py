@@ -23,6 +23,13 @@ SCENARIOS = {
     "training": lambda case: scenarios.run_training(case, pipeline=True),
 }
 
+# checkpoint scenarios (tests/distributed/test_checkpoint.py)
+SCENARIOS.update({
+    "ckpt_train": scenarios.run_ckpt_train,
+    "ckpt_resume": scenarios.run_ckpt_resume,
+    "ckpt_crash": scenarios.run_ckpt_crash,
+})
+
 
 def main() -> None:
     name, out_dir = sys.argv[1], Path(sys.argv[2])
