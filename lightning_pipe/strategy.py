@@ -23,7 +23,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -33,6 +33,7 @@ from typing_extensions import override
 
 from lightning_pipe.config import PipelineConfig, SplitSpec, Topology, config_error
 from lightning_pipe.engine import PipelineEngine, ProcessGroups
+from lightning_pipe.launchers import PipelineMultiProcessingLauncher
 from lightning_pipe.partition import split_layers
 from lightning_pipe.precision import SUPPORTED_PRECISION, PipelinePrecision
 from lightning_pipe.schedules import SchedulePlan, plan_schedule
@@ -156,7 +157,7 @@ class PipelineStrategy(ParallelStrategy):
         elif self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = PipelineMultiProcessingLauncher(self, start_method=self._start_method)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
