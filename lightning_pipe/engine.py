@@ -237,7 +237,9 @@ class PipelineEngine:
         self._ensure_shape("eval", mb_rows)
         # Lightning evaluates under inference_mode; torch's P2P buffers must stay ordinary tensors so that the
         # next training step can reuse them, so run under no_grad instead.
-        with torch.inference_mode(False), torch.no_grad(), self.autocast():
+        from lightning_pipe._compat import forward_only_actions
+
+        with torch.inference_mode(False), torch.no_grad(), self.autocast(), forward_only_actions(self.schedule):
             args = self._step_args(_pad_rows(inputs, padded))
             dummy_target = torch.zeros(padded, device=self.device) if self.has_last else None
             out = self.schedule.eval(*args, target=dummy_target)
