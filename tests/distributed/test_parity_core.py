@@ -61,6 +61,12 @@ def assert_case_parity(results: list[list[dict[str, Any]]], case_idx: int, case:
             assert len(ref["fit_val_losses"]) >= 1
             for key in ("fit_val_losses", "val_loss", "test_loss"):
                 torch.testing.assert_close(torch.tensor(r[key]), torch.tensor(ref[key]), atol=ATOL, rtol=0)
+    if not case.get("tied"):
+        # on_before_optimizer_step sees the full gradients (not wiped by zero_grad): the squared norms of the
+        # stages of one replica add up to the single-device one, at every optimizer step
+        stage_sq = torch.tensor([r[case_idx]["grad_sq_before_step"] for r in results
+                                 if r[case_idx]["topology"][0] == 0]).sum(0)
+        torch.testing.assert_close(stage_sq, torch.tensor(ref["grad_sq_before_step"]), rtol=1e-4, atol=1e-6)
     if case.get("predict"):
         torch.testing.assert_close(results[0][case_idx]["predictions"], ref["predictions"], atol=ATOL, rtol=0)
         assert results[0][case_idx]["predictions"].shape[0] == 22

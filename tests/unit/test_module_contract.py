@@ -84,3 +84,22 @@ def test_localize_keeps_original_names_and_drops_remote_parameters():
     assert [list(s.layer_indices) for s in stages] == [[3, 4, 5]]
     with pytest.raises(RuntimeError, match=r"Layer 0 lives on pipeline stage 0 .*compute_loss"):
         model(torch.zeros(1, 4))
+
+
+def test_manual_optimization_is_refused_with_the_reason():
+    from lightning_pipe import PipelineStrategy
+
+    model = ToyRegressor()
+    model.automatic_optimization = False
+    with pytest.raises(TypeError, match=r"automatic optimization only.*automatic_optimization = True"):
+        PipelineStrategy()._check_module(model)
+
+
+def test_module_without_the_contract_is_refused():
+    from lightning_pipe import PipelineStrategy
+
+    class Plain(L.LightningModule):
+        pass
+
+    with pytest.raises(TypeError, match=r"lacks \['loss_fn', 'split_batch', 'compute_loss'\].*PipelineModule"):
+        PipelineStrategy()._check_module(Plain())
