@@ -143,12 +143,22 @@ def _ckpt_run(case: dict[str, Any], ckpt_path: Any = None, callbacks: list[Callb
             "topology": (trainer.strategy.topology.dp_rank, trainer.strategy.topology.pp_rank)}
 
 
+def run_ckpt(case: dict[str, Any]) -> dict[str, Any]:
+    """One scenario for every checkpoint case; ``case["kind"]`` picks train / resume / crash."""
+    kind = case.pop("kind", "train")
+    return {"train": run_ckpt_train, "resume": run_ckpt_resume, "crash": run_ckpt_crash}[kind](case)
+
+
 def run_ckpt_train(case: dict[str, Any]) -> dict[str, Any]:
     """Train N steps with ModelCheckpoint (sharded, one per epoch, "last" link); then resume from epoch 0's."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     case = {**CKPT_DEFAULTS, **case}
-    ckpt = ModelCheckpoint(dirpath=case["dir"], save_top_k=-1, every_n_epochs=1, save_last="link")
+    # Saved at the end of each epoch's last batch (every_n_train_steps): resuming from there is exact in Lightning.
+    # (A save from on_train_epoch_end replays one batch on resume, on one device too; mid-epoch resumes restart
+    # the epoch's data, as Lightning does for loaders without state.)
+    ckpt = ModelCheckpoint(dirpath=case["dir"], save_top_k=-1, every_n_train_steps=case["steps_per_epoch"],
+                           save_last="link")
     full = _ckpt_run(case, callbacks=[ckpt])
     out = {"full": full}
     if case.get("resume_from"):

@@ -25,9 +25,7 @@ SCENARIOS = {
 
 # checkpoint scenarios (tests/distributed/test_checkpoint.py)
 SCENARIOS.update({
-    "ckpt_train": scenarios.run_ckpt_train,
-    "ckpt_resume": scenarios.run_ckpt_resume,
-    "ckpt_crash": scenarios.run_ckpt_crash,
+    "ckpt": scenarios.run_ckpt,
 })
 
 

@@ -1,0 +1,240 @@
+"""Sharded checkpoints on CPU ranks: exact resume, reshard on load, single device, consolidate, crash safety, errors.
+
+One 4-rank launch writes checkpoints with several layouts (and resumes some in other layouts); the 2-rank launches
+reload them in yet another layout, from single files, after a crash mid-save, and from bad input.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as L
+import pytest
+import torch
+
+from lightning_pipe import checkpoint as ckpt_lib
+from tests.distributed.launcher import RanksFailed, launch
+from tests.distributed.scenarios import CKPT_DEFAULTS, LossRecorder, StateAtStart, optimizer_by_name
+from tests.models import ToyRegressor, reference_train_loader, regression_data
+
+pytestmark = [pytest.mark.distributed]
+
+EXACT = 1e-6  # same layout: the resumed run must be the uninterrupted one
+RESHARD = 1e-5  # another layout / one device: other reduction orders
+STEP4 = "epoch=0-step=4.ckpt"
+
+
+def merged(results: list[list[dict]], idx: int, run: str, key: str, dp_rank: int = 0) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for rank in results:
+        r = rank[idx][run]
+        if r["topology"][0] == dp_rank:
+            out.update(r[key])
+    return out
+
+
+def assert_same(got: dict[str, Any], want: dict[str, Any], atol: float, what: str) -> None:
+    assert sorted(got) == sorted(want), f"{what}: names differ: {sorted(set(got) ^ set(want))}"
+    for name in want:
+        torch.testing.assert_close(torch.as_tensor(got[name]), torch.as_tensor(want[name]), atol=atol, rtol=0,
+                                   msg=lambda m: f"{what} {name}: {m}")
+
+
+def consolidated_state(path: Path, tied: bool) -> tuple[dict, dict]:
+    """Parameters (plain module's named_parameters) and name-keyed optimizer state, through consolidate."""
+    model = ToyRegressor(optimizer="adamw", tied=tied)
+    ckpt = ckpt_lib.consolidated(path)
+    model.load_state_dict(ckpt["state_dict"])
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    opt.load_state_dict(ckpt["optimizer_states"][0])
+    return ({n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)},
+            optimizer_by_name(model, opt))
+
+
+def single_device(case: dict[str, Any], ckpt_path: Any = None, steps: int = 8) -> dict[str, Any]:
+    """The same module on one device, global batch, resumed from a single-file checkpoint."""
+    case = {**CKPT_DEFAULTS, **case}
+    torch.manual_seed(1234)
+    model = ToyRegressor(n_layers=case["n_layers"], optimizer=case["optimizer"], tied=case["tied"])
+    recorder, start = LossRecorder(), StateAtStart()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
+                        limit_val_batches=0, callbacks=[recorder, start])
+    n = case["steps_per_epoch"] * case["batch"] * case["dp"]
+    trainer.fit(model, reference_train_loader(regression_data(n), case["batch"] * case["dp"]), ckpt_path=ckpt_path)
+    return {"params": {k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)},
+            "losses": recorder.losses, "start_params": start.params, "model": model, "trainer": trainer}
+
+
+# ------------------------------------------------------------------------------------------------ the 4-rank run
+TRAIN_CASES = {
+    "pp4_gpipe": dict(schedule="gpipe"),
+    "pp4_1f1b_tied": dict(schedule="1f1b", tied=True),
+    "dp2xpp2_1f1b": dict(schedule="1f1b", dp=2),
+    "pp4_interleaved": dict(schedule="interleaved_1f1b", stages_per_rank=2),
+}
+# (name, target layout, source) — resumed in another layout in the same launch
+RESHARD_CASES = {
+    "pp4_gpipe->dp2xpp2_1f1b": (dict(schedule="1f1b", dp=2), "pp4_gpipe"),
+    "pp4_1f1b_tied->dp2xpp2_gpipe": (dict(schedule="gpipe", dp=2, tied=True), "pp4_1f1b_tied"),
+    "dp2xpp2_1f1b->pp4_interleaved": (dict(schedule="interleaved_1f1b", stages_per_rank=2), "dp2xpp2_1f1b"),
+}
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("ckpt4")
+    cases, names = [], []
+    for name, case in TRAIN_CASES.items():
+        d = root / name
+        cases.append(dict(kind="train", dir=str(d), resume_from=str(d / STEP4), **case))
+        names.append(name)
+    for name, (case, source) in RESHARD_CASES.items():
+        cases.append(dict(kind="resume", resume_from=str(root / source / STEP4), **case))
+        names.append(name)
+    results = launch("ckpt", 4, cases, root / "out", timeout=500)
+    return {"root": root, "results": results, "index": {n: i for i, n in enumerate(names)}}
+
+
+@pytest.mark.timeout(600)
+def test_exact_resume_same_layout(four_ranks: dict[str, Any]) -> None:
+    """Stopped after 4 of 8 steps and resumed == uninterrupted: params, logged losses (AdamW + StepLR)."""
+    res = four_ranks["results"]
+    for name, case in TRAIN_CASES.items():
+        i = four_ranks["index"][name]
+        for rank in res:
+            full, resumed = rank[i]["full"], rank[i]["resumed"]
+            assert resumed["global_step"] == 8
+            assert_same(resumed["params"], full["params"], EXACT, f"{name} rank params")
+            torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][4:]),
+                                       atol=EXACT, rtol=0)
+        # ModelCheckpoint wrote sharded directories and a valid "last" link
+        d = four_ranks["root"] / name
+        assert ckpt_lib.describe(d / STEP4) == "sharded"
+        assert os.readlink(d / "last.ckpt") == "epoch=1-step=8.ckpt"
+        assert ckpt_lib.describe(d / "last.ckpt") == "sharded"
+        assert not list(d.glob(".*partial*")) and not list(d.glob(".*old*"))
+
+
+@pytest.mark.timeout(600)
+def test_checkpoint_content_and_plain_module(four_ranks: dict[str, Any]) -> None:
+    """What a run starts from after loading == the checkpoint; the plain module loads it on one device."""
+    res, root = four_ranks["results"], four_ranks["root"]
+    for name, case in TRAIN_CASES.items():
+        i = four_ranks["index"][name]
+        params, optim = consolidated_state(root / name / STEP4, case.get("tied", False))
+        assert_same(merged(res, i, "resumed", "start_params"), params, 0, f"{name} loaded params")
+        assert_same(merged(res, i, "resumed", "start_optim"), optim, 0, f"{name} loaded optimizer state")
+        # the documented one-liner on one device
+        plain = ToyRegressor.load_from_checkpoint(ckpt_lib.as_file(root / name / STEP4), optimizer="adamw",
+                                                  tied=case.get("tied", False))
+        assert_same({n: p.detach() for n, p in plain.named_parameters(remove_duplicate=False)}, params, 0, f"{name} load_from_checkpoint")
+        if case.get("tied"):
+            assert plain.layers[0].weight is plain.layers[-1].weight
+    # data-parallel replicas do not write duplicates: dp2 x pp2 is the size of pp4
+    size_pp4 = ckpt_lib.checkpoint_size(root / "pp4_gpipe" / STEP4)
+    size_dp2 = ckpt_lib.checkpoint_size(root / "dp2xpp2_1f1b" / STEP4)
+    assert size_dp2 < 1.15 * size_pp4, (size_dp2, size_pp4)
+
+
+@pytest.mark.timeout(600)
+def test_reshard_on_load_4_ranks(four_ranks: dict[str, Any], tmp_path: Path) -> None:
+    """pp4 -> dp2 x pp2, another schedule, a virtual-stage schedule: same state loaded, same training as one device."""
+    res, root = four_ranks["results"], four_ranks["root"]
+    for name, (case, source) in RESHARD_CASES.items():
+        i = four_ranks["index"][name]
+        src = root / source / STEP4
+        params, optim = consolidated_state(src, case.get("tied", False))
+        for dp_rank in range(case.get("dp", 1)):
+            assert_same(merged(res, i, "resumed", "start_params", dp_rank), params, 0, f"{name} loaded params")
+            assert_same(merged(res, i, "resumed", "start_optim", dp_rank), optim, 0, f"{name} loaded optim")
+        single = ckpt_lib.consolidate(src, tmp_path / f"{source}.ckpt")
+        ref = single_device(case, single)
+        got = merged(res, i, "resumed", "params")
+        assert_same(got, {k: v for k, v in ref["params"].items() if k in got}, RESHARD, f"{name} final params")
+        if case.get("dp", 1) == 1:  # (with replicas each logs its own half-batch loss)
+            torch.testing.assert_close(torch.tensor(res[0][i]["resumed"]["losses"]), torch.tensor(ref["losses"]),
+                                       atol=RESHARD, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------ 2-rank runs
+@pytest.mark.timeout(600)
+def test_crash_mid_save_reshard_to_pp2_single_files_and_bad_input(four_ranks: dict[str, Any], tmp_path: Path) -> None:
+    root = four_ranks["root"]
+    # 1) a rank dies in the middle of the second save (step 4): the step-2 checkpoint and "last" stay valid
+    crash_dir = tmp_path / "crash"
+    with pytest.raises(RanksFailed, match="exit codes"):
+        launch("ckpt", 2, [dict(kind="crash", dir=str(crash_dir), crash_rank=1, schedule="1f1b")],
+               tmp_path / "out_crash", timeout=200)
+    assert ckpt_lib.describe(crash_dir / "epoch=0-step=2.ckpt") == "sharded"
+    assert not (crash_dir / STEP4).exists()
+    assert os.readlink(crash_dir / "last.ckpt") == "epoch=0-step=2.ckpt"
+    assert list(crash_dir.glob(f".{STEP4}.partial-*")), "the interrupted save stays in its temporary directory"
+    assert ckpt_lib.consolidated(crash_dir / "last.ckpt")["global_step"] == 2
+
+    # 2) single files: one consolidated from a pipeline checkpoint, one written by a plain single-device run
+    consolidated_file = ckpt_lib.consolidate(root / "pp4_1f1b_tied" / STEP4, tmp_path / "tied_consolidated.ckpt")
+    plain = single_device(dict(tied=True), steps=4)
+    plain_file = tmp_path / "plain_single_device.ckpt"
+    plain["trainer"].save_checkpoint(plain_file)
+    plain_continued = single_device(dict(tied=True), plain_file)
+
+    # 3) bad input
+    corrupt = tmp_path / "corrupt.ckpt"
+    shutil.copytree(root / "pp4_gpipe" / STEP4, corrupt)
+    data_file = sorted(corrupt.glob("*.distcp"), key=lambda f: f.stat().st_size)[-1]
+    data_file.write_bytes(data_file.read_bytes()[:100])
+    incomplete = tmp_path / "incomplete.ckpt"
+    shutil.copytree(root / "pp4_gpipe" / STEP4, incomplete)
+    (incomplete / ".metadata").unlink()
+    not_ckpt_dir = tmp_path / "some_dir"
+    not_ckpt_dir.mkdir()
+    text_file = tmp_path / "notes.txt"
+    text_file.write_text("not a checkpoint")
+
+    cases = [
+        dict(kind="resume", schedule="1f1b", resume_from=str(root / "pp4_gpipe" / STEP4)),  # pp4 -> pp2
+        dict(kind="resume", schedule="gpipe", tied=True, resume_from=str(consolidated_file)),
+        dict(kind="resume", schedule="1f1b", tied=True, resume_from=str(plain_file)),
+        dict(kind="resume", schedule="gpipe", resume_from=str(crash_dir / "last.ckpt")),
+        dict(kind="resume", n_layers=6, resume_from=str(root / "pp4_gpipe" / STEP4), expect_error=True),
+        dict(kind="resume", resume_from=str(corrupt), expect_error=True),
+        dict(kind="resume", resume_from=str(incomplete), expect_error=True),
+        dict(kind="resume", resume_from=str(not_ckpt_dir), expect_error=True),
+        dict(kind="resume", resume_from=str(text_file), expect_error=True),
+        dict(kind="resume", resume_from=str(tmp_path / "nowhere.ckpt"), expect_error=True),
+    ]
+    res = launch("ckpt", 2, cases, tmp_path / "out2", timeout=400)
+    four = four_ranks["results"]
+    # pp4 -> pp2 continues exactly like the uninterrupted pp4 run (same data, same optimizer state)
+    src = merged(four, four_ranks["index"]["pp4_gpipe"], "full", "params")
+    assert_same(merged(res, 0, "resumed", "params"), src, RESHARD, "pp4->pp2 final params")
+    full_losses = four[0][four_ranks["index"]["pp4_gpipe"]]["full"]["losses"][4:]
+    torch.testing.assert_close(torch.tensor(res[0][0]["resumed"]["losses"]), torch.tensor(full_losses),
+                               atol=RESHARD, rtol=0)
+    # a consolidated single file starts a pipeline run: same as the tied pp4 run it came from
+    src = merged(four, four_ranks["index"]["pp4_1f1b_tied"], "full", "params")
+    assert_same(merged(res, 1, "resumed", "params"), src, RESHARD, "consolidated file -> pp2")
+    # a plain single-device checkpoint (positional optimizer state) starts a pipeline run
+    got = merged(res, 2, "resumed", "params")
+    assert_same(got, {k: v for k, v in plain_continued["params"].items() if k in got}, RESHARD,
+                "single-device ckpt -> pp2")
+    assert res[0][3]["resumed"]["global_step"] == 8
+    messages = {
+        4: ["does not match the model", "Missing from the checkpoint", "Unexpected in the checkpoint", "layers.7"],
+        5: ["corrupted", ".distcp"],
+        6: ["incomplete", ".metadata"],
+        7: ["not a lightning_pipe checkpoint"],
+        8: ["not a checkpoint"],
+        9: ["does not exist"],
+    }
+    for idx, phrases in messages.items():
+        errors = [rank[idx] for rank in res]
+        assert all(not e["ok"] for e in errors), errors
+        assert errors[0]["error"] == errors[1]["error"], "every rank raises the same error"
+        assert errors[0]["error"].startswith("CheckpointError")
+        for phrase in phrases:
+            assert phrase in errors[0]["error"], (phrase, errors[0]["error"])
