@@ -7,7 +7,8 @@ failing obscurely (or silently computing something else).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from types import SimpleNamespace
+from typing import Any, Callable, Iterator
 
 import lightning
 import torch
@@ -20,10 +21,92 @@ CHECKED_LIGHTNING = ("2.6",)
 _SINGLE_FLAGS = ("_stage_forward_initialized", "_stage_backward_initialized")
 _MULTI_FLAGS = ("_stages_forward_initialized", "_stages_backward_initialized")
 
-# Private pieces used for custom action-list schedules (issue: custom schedules).
+# Private pieces used for custom action-list schedules and schedule plans as data.
 PipelineScheduleRuntime = getattr(_torch_schedules, "_PipelineScheduleRuntime", None)
 Action = getattr(_torch_schedules, "_Action", None)
 ComputationType = getattr(_torch_schedules, "_ComputationType", None)
+_validate_schedule = getattr(_torch_schedules, "_validate_schedule", None)
+_add_send_recv = getattr(_torch_schedules, "_add_send_recv", None)
+
+# Everything above that tests/unit/test_compat.py checks by name (a moved API fails there, loudly).
+PRIVATE_TORCH_API = {
+    "_PipelineScheduleRuntime": PipelineScheduleRuntime,
+    "_Action": Action,
+    "_ComputationType": ComputationType,
+    "_validate_schedule": _validate_schedule,
+    "_add_send_recv": _add_send_recv,
+}
+COMPUTE_TYPES = ("F", "B", "I", "W", "OVERLAP_F_B")
+
+
+def _require(name: str) -> Any:
+    obj = PRIVATE_TORCH_API[name]
+    if obj is None:
+        raise RuntimeError(
+            f"torch {torch.__version__} has no torch.distributed.pipelining.schedules.{name}; lightning_pipe "
+            f"(checked on torch {CHECKED_TORCH}) needs it for action-list schedules. Update lightning_pipe._compat."
+        )
+    return obj
+
+
+def parse_action(text: str) -> Any:
+    """``"1F0"`` / ``"2I3"`` / ``"(0F3;3B1)OVERLAP_F_B"`` -> torch ``_Action`` (``None`` for an empty string)."""
+    return _require("_Action").from_str(text)
+
+
+def is_compute(action: Any) -> bool:
+    return action.computation_type.value in COMPUTE_TYPES
+
+
+def torch_pipeline_order(torch_class: type, multi_stage: bool, pipeline_size: int, num_stages: int,
+                         stages_of_rank: list[list[int]], microbatches: int) -> dict[int, list[Any]]:
+    """Per-rank action lists torch's schedule class computes, without a process group or model.
+
+    Torch's schedules compute ``pipeline_order`` for *all* ranks in their constructor from a few stage attributes
+    (index, count, group size/rank), so stand-in stages for rank 0 are enough.
+    """
+    def stage(index: int) -> SimpleNamespace:
+        return SimpleNamespace(stage_index=index, num_stages=num_stages, group_size=pipeline_size, group_rank=0,
+                               is_first=index == 0, is_last=index == num_stages - 1, submod=None)
+
+    local = [stage(s) for s in stages_of_rank[0]]
+    schedule = (torch_class(local, n_microbatches=microbatches, loss_fn=_no_loss, scale_grads=False) if multi_stage
+                else torch_class(local[0], n_microbatches=microbatches, loss_fn=_no_loss, scale_grads=False))
+    order = getattr(schedule, "pipeline_order", None)
+    if not isinstance(order, dict) or len(order) != pipeline_size:
+        raise RuntimeError(f"torch {torch.__version__}: {torch_class.__name__}.pipeline_order is not a per-rank "
+                           "dict of actions any more; lightning_pipe._compat.torch_pipeline_order needs updating.")
+    return {rank: list(order[rank]) for rank in range(pipeline_size)}
+
+
+def _no_loss(output: Any, target: Any) -> Any:  # pragma: no cover - never called: no step runs
+    return output
+
+
+def torch_check_actions(actions: dict[int, list[Any]], pipeline_size: int, num_stages: int,
+                        microbatches: int) -> None:
+    """Torch's own plain-data checks of compute-only action lists (counts, order, lowering to sends/receives).
+
+    Raises what torch raises (``AssertionError``/``ValueError``); callers turn that into a config error.
+    """
+    _require("_validate_schedule")(actions, pipeline_size, num_stages, microbatches)
+    stage_rank = {}
+    for rank, acts in actions.items():
+        for action in acts:
+            for part in (action.sub_actions or (action,)) if action is not None else ():
+                stage_rank.setdefault(part.stage_index, rank)
+    _require("_add_send_recv")({r: list(acts) for r, acts in actions.items()}, lambda s: stage_rank[s], num_stages)
+
+
+def action_list_schedule(stages: list[Any], microbatches: int, loss_fn: Callable[..., Any],
+                         actions: dict[int, list[Any]]) -> Any:
+    """Torch's ``_PipelineScheduleRuntime`` running the given compute-only action lists (it adds the sends and
+    receives itself), with ``scale_grads=False`` (see [Note: loss scaling] in engine)."""
+    runtime = _require("_PipelineScheduleRuntime")
+    schedule = runtime(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+    schedule.pipeline_order = {rank: list(acts) for rank, acts in actions.items()}
+    schedule._prepare_schedule_with_comms(schedule.pipeline_order)
+    return schedule
 
 
 def versions_checked() -> dict[str, bool]:

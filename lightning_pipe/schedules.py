@@ -2,7 +2,11 @@
 
 Adding a schedule is one :class:`ScheduleSpec` entry in ``_SCHEDULES``: its torch class, how many stages a rank holds
 and where they go, and which micro-batch counts it accepts. Everything else (stage building, the strategy) reads
-the spec.
+the spec. A schedule that is not a torch class with the usual constructor (``custom``: per-rank action lists) gives
+its own ``resolve`` (config -> plan) and ``build`` (plan -> torch schedule) hooks; see ``custom_schedule.py``.
+
+Every check here is plain data: it runs identically on every rank before any process group exists, so a bad
+setting fails on all ranks at once instead of leaving peers waiting in a receive.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from lightning_pipe.config import PipelineConfig, config_error
 
-Placement = Literal["loop", "v"]
+Placement = Literal["loop", "v", "given"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,13 @@ class ScheduleSpec:
     """Torch's interleaved family needs m to be a multiple of its number of rounds, max(1, m // p)."""
     theory_bubble: Callable[[int, int, int], float] | None = None
     """(p, v, m) -> idle fraction of a step in the schedule's ideal model (equal F and B times)."""
+    resolve: Callable[[ScheduleSpec, PipelineConfig, int], SchedulePlan] | None = None
+    """Custom planning (config, pipeline size -> plan) instead of the rules above; ``placement="given"``."""
+    build: Callable[[SchedulePlan, list, Callable[..., Any]], Any] | None = None
+    """Custom construction (plan, local stages, loss fn -> torch schedule) instead of ``torch_class(...)``."""
+    order: Callable[[SchedulePlan], dict[int, list[Any]]] | None = None
+    """Per-rank compute order as data, where torch's ``pipeline_order`` IR is not what the schedule runs (see
+    :func:`compute_order`). ``None``: read torch's IR."""
 
 
 def _bubble_flush(p: int, v: int, m: int) -> float:
@@ -54,13 +65,41 @@ def _bubble_zero(p: int, v: int, m: int) -> float:
     return ((p - 1) / 3) / (m + (p - 1) / 3)
 
 
+def _order_gpipe(plan: SchedulePlan) -> dict[int, list[Any]]:
+    from lightning_pipe._compat import parse_action
+
+    m = plan.microbatches
+    return {r: [parse_action(f"{r}F{i}") for i in range(m)] + [parse_action(f"{r}B{i}") for i in range(m)]
+            for r in range(plan.pipeline_size)}
+
+
+def _order_1f1b(plan: SchedulePlan) -> dict[int, list[Any]]:
+    """What ``Schedule1F1B._step_microbatches`` runs: min(m, p - r) warm-up forwards on rank r, then backward /
+    forward pairs, then the remaining backwards. (Torch 2.13's ``Schedule1F1B.pipeline_order`` IR, which the
+    schedule does not execute, numbers the last rank's micro-batches from 1; we do not use it.)"""
+    from lightning_pipe._compat import parse_action
+
+    p, m = plan.pipeline_size, plan.microbatches
+    order = {}
+    for r in range(p):
+        warmup = min(m, p - r)
+        acts = [f"{r}F{i}" for i in range(warmup)]
+        f, b = warmup, 0
+        while f < m:
+            acts += [f"{r}B{b}", f"{r}F{f}"]
+            b, f = b + 1, f + 1
+        acts += [f"{r}B{i}" for i in range(b, m)]
+        order[r] = [parse_action(a) for a in acts]
+    return order
+
+
 _SCHEDULES: dict[str, ScheduleSpec] = {
     spec.name: spec
     for spec in (
         ScheduleSpec("gpipe", torch_schedules.ScheduleGPipe, "all forwards, then all backwards (GPipe)",
-                     min_microbatches="none", theory_bubble=_bubble_flush),
+                     min_microbatches="none", theory_bubble=_bubble_flush, order=_order_gpipe),
         ScheduleSpec("1f1b", torch_schedules.Schedule1F1B, "one-forward-one-backward (PipeDream-Flush)",
-                     theory_bubble=_bubble_flush),
+                     theory_bubble=_bubble_flush, order=_order_1f1b),
         ScheduleSpec("interleaved_1f1b", torch_schedules.ScheduleInterleaved1F1B,
                      "Megatron interleaved 1F1B over virtual stages", multi_stage=True,
                      default_stages_per_rank=2, allowed_stages_per_rank=None, min_stages_per_rank=2,
@@ -107,13 +146,21 @@ class SchedulePlan:
     pipeline_size: int
     stages_per_rank: int
     microbatches: int
+    stage_ranks: tuple[int, ...] | None = None
+    """Explicit placement (``placement="given"``): ``stage_ranks[s]`` is the pipeline rank holding stage ``s``."""
+    actions: tuple[tuple[Any, ...], ...] | None = None
+    """Explicit compute-only action lists, one per pipeline rank (torch ``_Action``; custom schedules)."""
 
     @property
     def num_stages(self) -> int:
+        if self.stage_ranks is not None:
+            return len(self.stage_ranks)
         return self.pipeline_size * self.stages_per_rank
 
     def stage_to_rank(self, stage: int) -> int:
         p = self.pipeline_size
+        if self.stage_ranks is not None:
+            return self.stage_ranks[stage]
         if self.spec.placement == "v":
             return stage if stage < p else 2 * p - 1 - stage
         return stage % p
@@ -129,6 +176,8 @@ class SchedulePlan:
 def plan_schedule(config: PipelineConfig, pipeline_size: int) -> SchedulePlan:
     """Resolve and check the schedule settings against the pipeline size. Raises before any process waits."""
     spec = get_schedule_spec(config.schedule)
+    if spec.resolve is not None:
+        return spec.resolve(spec, config, pipeline_size)
     v = config.stages_per_rank if config.stages_per_rank is not None else spec.default_stages_per_rank
     key_v = PipelineConfig.KEYS["stages_per_rank"]
     if spec.allowed_stages_per_rank is not None and v not in spec.allowed_stages_per_rank:
@@ -159,7 +208,136 @@ def plan_schedule(config: PipelineConfig, pipeline_size: int) -> SchedulePlan:
 
 def build_torch_schedule(plan: SchedulePlan, stages: list[Any], loss_fn: Callable[..., Any]) -> Any:
     """Instantiate torch's schedule. Gradients are *not* scaled by torch (see [Note: loss scaling] in engine)."""
+    if plan.spec.build is not None:
+        return plan.spec.build(plan, stages, loss_fn)
     if plan.spec.multi_stage:
         return plan.spec.torch_class(stages, n_microbatches=plan.microbatches, loss_fn=loss_fn, scale_grads=False)
     (stage,) = stages
     return plan.spec.torch_class(stage, n_microbatches=plan.microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def compute_order(plan: SchedulePlan) -> dict[int, list[Any]]:
+    """The compute actions (F, B, I, W, OVERLAP_F_B; ``None`` = a planned idle step) each pipeline rank runs per
+    batch, as plain data: what torch's schedule computes for this plan, without a process group or a model."""
+    from lightning_pipe import _compat
+
+    if plan.actions is not None:
+        order = {rank: list(actions) for rank, actions in enumerate(plan.actions)}
+    elif plan.spec.order is not None:
+        order = plan.spec.order(plan)
+    else:
+        local = [plan.stages_of_rank(r) for r in range(plan.pipeline_size)]
+        order = _compat.torch_pipeline_order(plan.spec.torch_class, plan.spec.multi_stage, plan.pipeline_size,
+                                             plan.num_stages, local, plan.microbatches)
+    return {rank: [a for a in actions if a is None or _compat.is_compute(a)] for rank, actions in order.items()}
+
+
+def flatten(action: Any) -> tuple[Any, ...]:
+    """An action's compute parts: itself, or the sub-actions of an OVERLAP_F_B (run in order)."""
+    return tuple(action.sub_actions) if action.sub_actions else (action,)
+
+
+def dependencies(action: Any, num_stages: int) -> list[tuple[int, str, int]]:
+    """The actions (stage, type, micro-batch) this compute action needs done first; a backward needs one of
+    ``B``/``I`` of the next stage, written here as the B key (see :func:`_finished`)."""
+    s, kind, m = action.stage_index, action.computation_type.value, action.microbatch_index
+    if kind == "F":
+        return [] if s == 0 else [(s - 1, "F", m)]
+    if kind in ("B", "I"):
+        return [(s, "F", m)] + ([] if s == num_stages - 1 else [(s + 1, "B", m)])
+    if kind == "W":
+        return [(s, "I", m)]
+    raise ValueError(f"not a compute action: {action}")
+
+
+def _finished(done: dict[tuple[int, str, int], float], key: tuple[int, str, int]) -> float | None:
+    if key[1] == "B":  # the input gradient of a stage comes from its full backward or its input-backward
+        times = [done[k] for k in ((key[0], "B", key[2]), (key[0], "I", key[2])) if k in done]
+        return min(times) if times else None
+    return done.get(key)
+
+
+class ScheduleDeadlock(ValueError):
+    """Action lists in which every rank's next action waits for another rank's (or a later own) action."""
+
+    def __init__(self, stuck: dict[int, tuple[int, Any, tuple[int, str, int]]]) -> None:
+        self.stuck = stuck  # rank -> (step, action, the (stage, type, mb) it waits for)
+        parts = [f"rank {r}, step {step}: '{a}' waits for '{w[0]}{w[1]}{w[2]}'" for r, (step, a, w) in stuck.items()]
+        super().__init__("; ".join(parts))
+
+
+@dataclass(frozen=True)
+class SimulatedStep:
+    """One batch of a schedule run with fixed costs per action (see :func:`simulate`)."""
+
+    makespan: float
+    busy: dict[int, float]
+
+    @property
+    def bubble(self) -> float:
+        """Idle fraction of the ranks over the step."""
+        ranks = len(self.busy)
+        return 1.0 - sum(self.busy.values()) / (ranks * self.makespan) if self.makespan else 0.0
+
+
+def simulate(order: dict[int, list[Any]], num_stages: int, f: float = 1.0, b: float = 2.0,
+             w: float | None = None) -> SimulatedStep:
+    """Replay per-rank compute-action lists with costs F=f, B=b, I=b-w, W=w and free communication: every rank
+    runs its actions in list order, each one starting once its inputs exist. Plain data.
+
+    With the default ``w = b / 2`` (F = I = W, the zero-bubble papers' model) ``bubble`` is the ideal idle fraction
+    of the schedule as ordered (``None`` entries are ignored: idle time comes from dependencies only). Raises
+    :class:`ScheduleDeadlock` when the ranks' orders wait on each other in a cycle.
+    """
+    w = b / 2 if w is None else w
+    cost = {"F": f, "B": b, "I": b - w, "W": w}
+    queues = {r: [(i, a) for i, a in enumerate(acts) if a is not None] for r, acts in order.items()}
+    pos = dict.fromkeys(queues, 0)
+    free = dict.fromkeys(queues, 0.0)
+    busy = dict.fromkeys(queues, 0.0)
+    done: dict[tuple[int, str, int], float] = {}  # (stage, type, mb) -> finish time
+    remaining = sum(len(q) for q in queues.values())
+    while remaining:
+        progressed = False
+        for rank, queue in queues.items():
+            while pos[rank] < len(queue):
+                t = free[rank]
+                finished: list[tuple[tuple[int, str, int], float]] = []
+                blocked = False
+                local = dict(done)
+                for a in flatten(queue[pos[rank]][1]):
+                    ready = [_finished(local, d) for d in dependencies(a, num_stages)]
+                    if any(r is None for r in ready):
+                        blocked = True
+                        break
+                    t = max([t, *ready]) + cost[a.computation_type.value]
+                    key = (a.stage_index, a.computation_type.value, a.microbatch_index)
+                    local[key] = t
+                    finished.append((key, cost[a.computation_type.value]))
+                if blocked:
+                    break
+                for key, c in finished:
+                    done[key] = local[key]
+                    busy[rank] += c
+                free[rank] = t
+                pos[rank] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = {}
+            for rank, queue in queues.items():
+                if pos[rank] < len(queue):
+                    step, action = queue[pos[rank]]
+                    local = dict(done)
+                    for a in flatten(action):
+                        missing = [d for d in dependencies(a, num_stages) if _finished(local, d) is None]
+                        if missing:
+                            stuck[rank] = (step, action, missing[0])
+                            break
+                        local[(a.stage_index, a.computation_type.value, a.microbatch_index)] = 0.0
+            raise ScheduleDeadlock(stuck)
+    return SimulatedStep(max(free.values()) if free else 0.0, busy)
+
+
+# The custom schedule registers itself here (it needs ScheduleSpec/SchedulePlan, defined above).
+from lightning_pipe import custom_schedule as _custom_schedule  # noqa: E402,F401
