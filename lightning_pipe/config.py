@@ -45,6 +45,8 @@ class PipelineConfig:
     """Stages each rank holds. ``None``: what the schedule needs (1, or 2 for V-shaped schedules)."""
     layers_attr: str = "layers"
     """Attribute of the LightningModule that holds the ordered layer list."""
+    recompute: Union[str, int] = "none"
+    """Activation recomputation per stage: ``"none"``, ``"all"`` (every layer) or ``k`` (every k-th layer)."""
     schedule_options: dict[str, Any] = field(default_factory=dict)
     """Extra schedule-specific options (e.g. the action lists of the ``custom`` schedule)."""
 
@@ -56,6 +58,7 @@ class PipelineConfig:
         "split": "strategy.split (PipelineStrategy(split=...))",
         "stages_per_rank": "schedule.stages_per_rank (PipelineStrategy(stages_per_rank=...))",
         "layers_attr": "strategy.layers_attr (PipelineStrategy(layers_attr=...))",
+        "recompute": "strategy.recompute (PipelineStrategy(recompute=...))",
         "devices": "trainer.devices / trainer.num_nodes",
         "batch_size": "data.batch_size (the DataLoader batch size)",
     }
@@ -79,6 +82,9 @@ class PipelineConfig:
                                                  or self.stages_per_rank < 1):
             raise config_error("stages_per_rank must be a positive integer or None.",
                                f"stages_per_rank={self.stages_per_rank!r}", _key("stages_per_rank"))
+        if self.recompute_every is None and str(self.recompute).lower() != "none":
+            raise config_error("recompute is 'none', 'all', or a positive k (every k-th layer of each stage).",
+                               f"recompute={self.recompute!r}", _key("recompute"))
         if isinstance(self.split, str):
             if self.split not in SPLIT_METHODS:
                 raise config_error(f"split must be one of {list(SPLIT_METHODS)} or a list of per-stage layer counts.",
@@ -86,6 +92,16 @@ class PipelineConfig:
         elif not self.split or any(n < 1 for n in self.split):
             raise config_error("An explicit split lists a positive layer count for every stage.",
                                f"split={list(self.split)}", _key("split"))
+
+    @property
+    def recompute_every(self) -> int | None:
+        """Recompute every k-th layer of a stage (1 = all); None = keep all activations."""
+        value = str(self.recompute).lower()
+        if value == "all":
+            return 1
+        if value.isdigit() and int(value) >= 1:
+            return int(value)
+        return None
 
     @classmethod
     def field_names(cls) -> list[str]:

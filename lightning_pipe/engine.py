@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -122,7 +122,9 @@ class PipelineEngine:
         # Deduplicated: a V schedule can put both ends of a tied weight on one rank (one object, two stages).
         self._params = list({id(p): p for sm in stage_modules for p in sm.parameters()}.values())
         self._used_this_step = False
-        self.autocast: Any = contextlib.nullcontext
+        # fp16 loss scaling, set by PipelinePrecision ([Note: fp16 loss scaling in a pipeline] in precision.py)
+        self.loss_scaler: Callable[[Tensor], Tensor] | None = None
+        self._raw_losses: list[Tensor] = []
 
     # ------------------------------------------------------------------ phase plumbing
     @contextlib.contextmanager
@@ -142,7 +144,10 @@ class PipelineEngine:
         if self.phase != "train":
             # Forward-only passes still call the schedule's loss; we compute eval losses on merged outputs.
             return torch.zeros((), device=self.device)
-        return self.module.loss_fn(output, target) * self._loss_scale
+        raw = self.module.loss_fn(output, target)
+        self._raw_losses.append(raw.detach())
+        scaled = raw * self._loss_scale  # [Note: loss scaling]
+        return self.loss_scaler(scaled) if self.loss_scaler is not None else scaled
 
     # ------------------------------------------------------------------ requests from PipelineModule
     def loss(self, module: nn.Module, batch: Any) -> Tensor:
@@ -196,16 +201,16 @@ class PipelineEngine:
         saved = [p.grad for p in self._params]
         for p in self._params:
             p.grad = None
-        losses: list[Tensor] = []
-        with self.autocast():
-            self.schedule.step(*self._step_args(inputs), target=target if self.has_last else None, losses=losses)
+        self._raw_losses = []
+        self.schedule.step(*self._step_args(inputs), target=target if self.has_last else None)
         self._pending_grads = [p.grad for p in self._params]
         for p, g in zip(self._params, saved):
             p.grad = g
         self._used_this_step = True
         if self.has_last:
-            total = torch.stack([loss.detach().float() for loss in losses]).sum()
-            mean = total / (self._loss_scale * self.plan.microbatches)
+            # The last m recorded losses are this step's (torch may call the loss once more while inferring shapes).
+            m = self.plan.microbatches
+            mean = torch.stack([loss.float() for loss in self._raw_losses[-m:]]).mean()
         else:
             mean = torch.zeros((), device=self.device)
         return self._broadcast_loss(mean)
@@ -239,7 +244,7 @@ class PipelineEngine:
         # next training step can reuse them, so run under no_grad instead.
         from lightning_pipe._compat import forward_only_actions
 
-        with torch.inference_mode(False), torch.no_grad(), self.autocast(), forward_only_actions(self.schedule):
+        with torch.inference_mode(False), torch.no_grad(), forward_only_actions(self.schedule):
             args = self._step_args(_pad_rows(inputs, padded))
             dummy_target = torch.zeros(padded, device=self.device) if self.has_last else None
             out = self.schedule.eval(*args, target=dummy_target)
@@ -251,7 +256,7 @@ class PipelineEngine:
             raise ValueError("compute_loss needs a target, but split_batch returned None for it.")
         out = self._forward_only(inputs)
         if self.has_last:
-            with torch.inference_mode(False), torch.no_grad(), self.autocast():
+            with torch.inference_mode(False), torch.no_grad():
                 loss = module.loss_fn(out, target).detach().float()
         else:
             loss = torch.zeros((), device=self.device)

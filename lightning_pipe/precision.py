@@ -1,41 +1,131 @@
 """PipelinePrecision: precision decisions that agree across every stage of the pipeline.
 
-Each stage holds only part of the gradients, so anything that looks at "all gradients" — the norm for clipping,
-an overflow check — must be reduced over the pipeline group. The strategy converts Lightning's default plugin into
-this one (a custom strategy receives a generic ``Precision`` through its setter).
+Each stage holds only part of the gradients, so anything that looks at "all gradients" — the norm for clipping, the
+fp16 overflow check — must be reduced over the ranks. The strategy converts the plugin Lightning builds from
+``Trainer(precision=...)`` into this one (a custom strategy receives it through its ``precision_plugin`` setter).
+
+[Note: fp16 loss scaling in a pipeline]
+On one device Lightning scales the loss before ``backward``. In a pipeline the backward runs inside the schedule, so
+the engine scales each micro-batch loss inside the schedule's loss function (last stage); the scaled gradients
+then flow through every stage. All ranks hold one ``ShardedGradScaler`` whose inf/NaN check is all-reduced over the
+whole world (pipeline and data-parallel), so every rank skips the same optimizer step and moves its scale
+identically. Ranks other than the last never call ``scale()`` on a loss, and a scaler that never scaled refuses
+``unscale_``: every rank initialises its scale up front.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Union
+import contextlib
+from typing import TYPE_CHECKING, Any, Callable, Generator, Literal, Optional, Union
 
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
+from lightning.fabric.utilities.types import Steppable
 from lightning.pytorch.plugins.precision import Precision
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_pipe.engine import PipelineEngine
 
-SUPPORTED_PRECISION = ("32-true",)
+PrecisionName = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"]
+SUPPORTED_PRECISION: tuple[str, ...] = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+_HALF = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "bf16-true": torch.bfloat16,
+         "16-true": torch.float16}
 
 
 class PipelinePrecision(Precision):
-    """fp32 training with gradient clipping by the *global* norm over all pipeline stages."""
+    """Autocast / half weights per stage, fp16 loss scaling agreed by all ranks, clipping by the global norm.
 
-    precision = "32-true"
+    Args:
+        precision: one of ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``, ``"16-true"``.
+        device: device type for autocast and the scaler (``"cuda"`` or ``"cpu"``).
+        init_scale, growth_interval: fp16 loss-scaler settings (``"16-mixed"`` only).
+    """
 
-    def __init__(self) -> None:
+    def __init__(self, precision: PrecisionName = "32-true", device: str = "cuda", init_scale: float = 2.0**16,
+                 growth_interval: int = 2000) -> None:
         super().__init__()
+        if precision not in SUPPORTED_PRECISION:
+            raise ValueError(f"PipelinePrecision supports {list(SUPPORTED_PRECISION)}, got precision={precision!r}; "
+                             "change `trainer.precision`.")
+        self.precision = precision  # type: ignore[assignment]
+        self.device = device
         self.engine: PipelineEngine | None = None
+        self._init_scale, self._growth_interval = init_scale, growth_interval
+        self.scaler: Optional[Any] = None  # created in `setup`, once the process group exists
+
+    # ------------------------------------------------------------------ dtype handling
+    @property
+    def is_mixed(self) -> bool:
+        return self.precision.endswith("-mixed")
+
+    @property
+    def half_dtype(self) -> Optional[torch.dtype]:
+        return _HALF.get(self.precision)
 
     @override
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        if self.engine is None:  # not set up yet / single process: plain clipping is global already
-            return super().clip_grad_by_norm(optimizer, clip_val)
-        self.engine.clip_grad_norm_(list(self.main_params(optimizer)), float(clip_val))
+    def convert_module(self, module: Module) -> Module:
+        if self.precision.endswith("-true") and self.half_dtype is not None:
+            return module.to(dtype=self.half_dtype)
+        return module
 
     @override
-    def backward(self, tensor: Any, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+    def tensor_init_context(self) -> contextlib.AbstractContextManager:
+        if self.precision.endswith("-true") and self.half_dtype is not None:
+            return _DtypeContextManager(self.half_dtype)
+        return contextlib.nullcontext()
+
+    @override
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        return self.tensor_init_context()
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        if self.precision.endswith("-true") and self.half_dtype is not None:
+            return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self.half_dtype)
+        return data
+
+    @override
+    def convert_output(self, data: Any) -> Any:
+        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor,
+                                   dst_type=torch.get_default_dtype())
+
+    @override
+    @contextlib.contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        """Autocast (mixed) or half default dtype (true) around every stage's forward and the loss."""
+        if self.is_mixed:
+            with torch.autocast(self.device, dtype=self.half_dtype, cache_enabled=False):
+                yield
+        elif self.half_dtype is not None:
+            with _DtypeContextManager(self.half_dtype):
+                yield
+        else:
+            yield
+
+    # ------------------------------------------------------------------ wiring to the engine
+    def setup(self, engine: PipelineEngine, device: torch.device) -> None:
+        """Attach to the engine; create the world-agreeing fp16 scaler ([Note: fp16 loss scaling in a pipeline])."""
+        self.engine = engine
+        self.device = device.type
+        if self.precision == "16-mixed" and self.scaler is None:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler(device=device.type, init_scale=self._init_scale,
+                                            growth_interval=self._growth_interval,
+                                            process_group=dist.group.WORLD if dist.is_initialized() else None)
+        if self.scaler is not None:
+            self.scaler.scale(torch.ones((), device=device))  # every rank initialises its scale
+            engine.loss_scaler = self.scaler.scale
+
+    # ------------------------------------------------------------------ backward / step
+    @override
+    def backward(self, tensor: Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
         """The schedule already ran backward inside training_step; hand its gradients over now (see the engine's
         [Note: gradients across Lightning's zero_grad])."""
         if self.engine is None:
@@ -43,7 +133,7 @@ class PipelinePrecision(Precision):
         self.engine.apply_pending_grads()
 
     @override
-    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+    def optimizer_step(self, optimizer: Steppable, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
         engine = self.engine
 
         def closure_then_sync() -> Any:
@@ -53,4 +143,45 @@ class PipelinePrecision(Precision):
                 engine.sync_gradients()
             return result
 
-        return super().optimizer_step(optimizer, model, closure_then_sync, **kwargs)
+        if self.scaler is None:
+            return super().optimizer_step(optimizer, model, closure_then_sync, **kwargs)
+        # fp16: like Lightning's MixedPrecision, but the inf check inside unscale_ is agreed by every rank.
+        closure_result = closure_then_sync()
+        self.scaler.unscale_(optimizer)  # type: ignore[arg-type]
+        self._after_closure(model, optimizer)  # hooks + clipping, on unscaled gradients
+        step_output = self.scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]
+        self.scaler.update()
+        return closure_result if step_output is None else step_output
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        if self.engine is None:  # not set up / one process: torch's clipping is global already
+            return super().clip_grad_by_norm(optimizer, clip_val)
+        self.engine.clip_grad_norm_(list(self.main_params(optimizer)), float(clip_val))
+
+    # ------------------------------------------------------------------ state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and state_dict:
+            self.scaler.load_state_dict(state_dict)
+
+
+def convert_precision_plugin(plugin: Precision) -> PipelinePrecision:
+    """Lightning's plugin for ``Trainer(precision=...)`` -> the pipeline's; anything else is refused by the caller."""
+    from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision
+
+    if isinstance(plugin, PipelinePrecision):
+        return plugin
+    if type(plugin) is Precision:
+        return PipelinePrecision("32-true")
+    if type(plugin) is MixedPrecision:
+        if plugin.scaler is not None and type(plugin.scaler) is not torch.amp.GradScaler:
+            raise TypeError("a custom GradScaler cannot be carried over")
+        return PipelinePrecision(plugin.precision, device=plugin.device)  # type: ignore[arg-type]
+    if type(plugin) is HalfPrecision:
+        return PipelinePrecision(plugin.precision)  # type: ignore[arg-type]
+    raise TypeError(type(plugin).__name__)

@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lightning_pipe.config import PipelineConfig, config_error
 from lightning_pipe.module import run_layers
@@ -42,13 +44,24 @@ class StageModule(nn.Module):
     several are the tuple the previous layer returned, so the chain semantics of the full model are kept.
     """
 
-    def __init__(self, layers: Sequence[nn.Module], layer_indices: range) -> None:
+    def __init__(self, layers: Sequence[nn.Module], layer_indices: range, recompute_every: int | None = None) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
         self.layer_indices = layer_indices
+        self.recompute_every = recompute_every
 
     def forward(self, *args: Any) -> Any:
-        return run_layers(self.layers, args[0] if len(args) == 1 else args)
+        hidden = args[0] if len(args) == 1 else args
+        k = self.recompute_every
+        if k is None or not torch.is_grad_enabled():
+            return run_layers(self.layers, hidden)
+        for j, layer in enumerate(self.layers):
+            if j % k == 0:
+                # Non-reentrant checkpointing: keeps only the layer's input; replays its RNG on recomputation.
+                hidden = checkpoint(layer, hidden, use_reentrant=False)
+            else:
+                hidden = layer(hidden)
+        return hidden
 
 
 def find_layers(module: nn.Module, attr: str) -> nn.Module:
@@ -106,7 +119,7 @@ def check_no_stray_parameters(module: nn.Module, attr: str) -> None:
 
 
 def localize_layers(module: nn.Module, attr: str, ranges: Sequence[range], local_stages: Sequence[int],
-                    stage_to_rank: Any) -> list[StageModule]:
+                    stage_to_rank: Any, recompute_every: int | None = None) -> list[StageModule]:
     """Swap other ranks' layers for placeholders; return this rank's stage modules in stage order."""
     layers = find_layers(module, attr)
     owner = {}
@@ -119,4 +132,5 @@ def localize_layers(module: nn.Module, attr: str, ranges: Sequence[range], local
         if owner[i] not in local:
             # Writing _modules directly keeps the original indices ("7") as names; del/insert would renumber.
             layers._modules[key] = RemoteLayer(i, owner[i], stage_to_rank(owner[i]))
-    return [StageModule([layers._modules[keys[i]] for i in ranges[s]], ranges[s]) for s in local_stages]
+    return [StageModule([layers._modules[keys[i]] for i in ranges[s]], ranges[s], recompute_every)
+            for s in local_stages]

@@ -35,7 +35,7 @@ from lightning_pipe.config import PipelineConfig, SplitSpec, Topology, config_er
 from lightning_pipe.engine import PipelineEngine, ProcessGroups
 from lightning_pipe.launchers import PipelineMultiProcessingLauncher
 from lightning_pipe.partition import split_layers
-from lightning_pipe.precision import SUPPORTED_PRECISION, PipelinePrecision
+from lightning_pipe.precision import SUPPORTED_PRECISION, PipelinePrecision, convert_precision_plugin
 from lightning_pipe.schedules import SchedulePlan, plan_schedule
 from lightning_pipe.stages import (
     RemoteLayer,
@@ -67,6 +67,8 @@ class PipelineStrategy(ParallelStrategy):
         split: ``"uniform"``, ``"parameters"`` or explicit per-stage layer counts.
         stages_per_rank: stages per rank for virtual-stage schedules (default: what the schedule needs).
         layers_attr: attribute holding the ordered layer list.
+        recompute: activation recomputation per stage: ``"none"``, ``"all"`` (every layer) or ``k`` (every k-th
+            layer of each stage): activations inside a recomputed layer are rebuilt in backward instead of kept.
         start_method: ``"popen"`` re-runs the script per rank (like ``ddp``); ``"spawn"`` for notebooks.
     """
 
@@ -80,6 +82,7 @@ class PipelineStrategy(ParallelStrategy):
         split: SplitSpec = "uniform",
         stages_per_rank: Optional[int] = None,
         layers_attr: str = "layers",
+        recompute: Union[str, int] = "none",
         schedule_options: Optional[dict[str, Any]] = None,
         accelerator: Any = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -95,7 +98,8 @@ class PipelineStrategy(ParallelStrategy):
                          precision_plugin=precision_plugin)
         self.pipeline_config = PipelineConfig(
             schedule=schedule, microbatches=microbatches, data_parallel_size=data_parallel_size, split=split,
-            stages_per_rank=stages_per_rank, layers_attr=layers_attr, schedule_options=schedule_options or {})
+            stages_per_rank=stages_per_rank, layers_attr=layers_attr, recompute=recompute,
+            schedule_options=schedule_options or {})
         # Unknown schedule names fail here, in the constructor, not on the ranks after launch.
         from lightning_pipe.schedules import get_schedule_spec
 
@@ -187,21 +191,24 @@ class PipelineStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ precision
     @property  # type: ignore[override]
-    def precision_plugin(self) -> Precision:
-        return self._precision_plugin if self._precision_plugin is not None else PipelinePrecision()
+    def precision_plugin(self) -> PipelinePrecision:
+        if self._precision_plugin is None:
+            self._precision_plugin = PipelinePrecision("32-true")
+        return self._precision_plugin  # type: ignore[return-value]
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        if plugin is None or isinstance(plugin, PipelinePrecision):
-            self._precision_plugin = plugin
-        elif type(plugin) is Precision:  # Lightning's default for precision="32-true"
-            self._precision_plugin = PipelinePrecision()
-        else:
+        if plugin is None:
+            self._precision_plugin = None
+            return
+        try:
+            self._precision_plugin = convert_precision_plugin(plugin)
+        except TypeError:
             raise config_error(
-                f"PipelineStrategy supports precision {list(SUPPORTED_PRECISION)}: clipping and overflow checks "
-                "must agree across stages, which the generic plugin cannot do.",
+                f"PipelineStrategy supports precision {list(SUPPORTED_PRECISION)} through PipelinePrecision: "
+                "clipping and fp16 overflow checks must agree across stages, which other plugins cannot do.",
                 f"precision plugin {type(plugin).__name__} (precision={getattr(plugin, 'precision', '?')!r})",
-                "trainer.precision", "use precision='32-true'")
+                "trainer.precision", f"use one of {list(SUPPORTED_PRECISION)}") from None
 
     # ------------------------------------------------------------------ setup
     @override
@@ -211,10 +218,10 @@ class PipelineStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         self._check_module(module)
+        self.precision_plugin.convert_module(module)
         self.model_to_device()
         self.engine = self._build_engine(module, trainer)
-        if isinstance(self.precision_plugin, PipelinePrecision):
-            self.precision_plugin.engine = self.engine
+        self.precision_plugin.setup(self.engine, self.root_device)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -259,7 +266,8 @@ class PipelineStrategy(ParallelStrategy):
                 )
         local_ids = plan.stages_of_rank(topo.pp_rank)
         groups = ProcessGroups(topo, tied, ranges, plan, backend=None)
-        stage_modules = localize_layers(module, cfg.layers_attr, ranges, local_ids, plan.stage_to_rank)
+        stage_modules = localize_layers(module, cfg.layers_attr, ranges, local_ids, plan.stage_to_rank,
+                                        cfg.recompute_every)
         module._pipeline_layout = (ranges, tied, plan)  # type: ignore[attr-defined]
         engine = PipelineEngine(module, stage_modules, local_ids, plan, groups, self.root_device)
         if layout is None:

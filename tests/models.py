@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 from lightning_pipe import PipelineModule
+from lightning_pipe.stages import RemoteLayer
 
 WIDTH = 8
 
@@ -40,7 +41,7 @@ class ToyRegressor(PipelineModule):
     """A residual MLP as a layer list; counts the hooks the strategy must keep firing."""
 
     def __init__(self, n_layers: int = 8, width: int = WIDTH, optimizer: str = "sgd", lr: float = 0.05,
-                 tied: bool = False, seed: int = 0) -> None:
+                 tied: bool = False, seed: int = 0, inf_grad_at_step: int | None = None) -> None:
         super().__init__()
         torch.manual_seed(seed)
         layers: list[nn.Module] = [nn.Linear(4, width)]
@@ -48,6 +49,7 @@ class ToyRegressor(PipelineModule):
         layers.append(TiedHead(layers[0].weight) if tied else nn.Linear(width, 4))
         self.layers = nn.Sequential(*layers)
         self.optimizer_name, self.lr = optimizer, lr
+        self.inf_grad_at_step = inf_grad_at_step  # fp16 tests: an overflow in one stage only
         self.calls: Counter = Counter()
         self.grad_norms_before_step: list[float] = []
 
@@ -67,6 +69,10 @@ class ToyRegressor(PipelineModule):
 
     def on_after_backward(self) -> None:
         self.calls["on_after_backward"] += 1
+        if self.inf_grad_at_step is not None and self.trainer.global_step == self.inf_grad_at_step:
+            layer = self.layers[len(self.layers) - 2]  # on the last stage only, under the pipeline
+            if not isinstance(layer, RemoteLayer) and layer.fc.weight.grad is not None:
+                layer.fc.weight.grad[0, 0] = float("inf")
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         self.calls["on_before_optimizer_step"] += 1

@@ -12,13 +12,15 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import MixedPrecision
 
-from lightning_pipe import PipelineStrategy
+from lightning_pipe import PipelinePrecision, PipelineStrategy
 from tests.models import ToyRegressor, loader, reference_train_loader, regression_data
 
 DEFAULTS: dict[str, Any] = dict(schedule="1f1b", dp=1, acc=1, clip=None, clip_algo="norm", steps=3, optimizer="sgd",
                                 tied=False, n_layers=8, microbatches=4, split="uniform", batch=8,
-                                stages_per_rank=None, predict=False, validate=True, n_data=192, model="toy")
+                                stages_per_rank=None, predict=False, validate=True, n_data=192, model="toy",
+                                precision="32-true", recompute="none", inf_grad_at_step=None)
 
 
 class NoLayerList(ToyRegressor):
@@ -38,24 +40,39 @@ class LossRecorder(Callback):
         self.losses: list[float] = []
         self.val_losses: list[float] = []
 
+        self.scales: list[float] = []
+
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None:
+            self.scales.append(float(scaler.get_scale()))
 
     def on_validation_end(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.state.fn == "fit":
             self.val_losses.append(float(trainer.callback_metrics["val_loss"]))
 
 
+def _precision(case: dict[str, Any], pipeline: bool) -> dict[str, Any]:
+    """fp16 AMP on CPU: Lightning would switch "16-mixed" to bf16 on CPU, so pass the plugins explicitly."""
+    if case["precision"] != "16-mixed":
+        return {"precision": case["precision"]}
+    if pipeline:
+        return {"plugins": [PipelinePrecision("16-mixed", device="cpu")]}
+    return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]}
+
+
 def _trainer(case: dict[str, Any], pipeline: bool, recorder: Callback) -> L.Trainer:
     if pipeline:
         strategy: Any = PipelineStrategy(schedule=case["schedule"], microbatches=case["microbatches"],
                                          data_parallel_size=case["dp"], split=case["split"],
-                                         stages_per_rank=case["stages_per_rank"])
+                                         stages_per_rank=case["stages_per_rank"],
+                                         schedule_options=case.get("schedule_options"), recompute=case["recompute"])
         devices = int(os.environ["TEST_WORLD_SIZE"])  # Lightning deletes WORLD_SIZE at teardown
     else:
         strategy, devices = "auto", 1
     return L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=case["steps"],
-                     accumulate_grad_batches=case["acc"], gradient_clip_val=case["clip"],
+                     **_precision(case, pipeline), accumulate_grad_batches=case["acc"], gradient_clip_val=case["clip"],
                      gradient_clip_algorithm=case["clip_algo"], logger=False, enable_checkpointing=False,
                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                      limit_val_batches=3, val_check_interval=2, check_val_every_n_epoch=None,
@@ -65,7 +82,8 @@ def _trainer(case: dict[str, Any], pipeline: bool, recorder: Callback) -> L.Trai
 def run_training(case: dict[str, Any], pipeline: bool) -> dict[str, Any]:
     case = {**DEFAULTS, **case}
     torch.manual_seed(1234)
-    model = MODELS[case["model"]](n_layers=case["n_layers"], optimizer=case["optimizer"], tied=case["tied"])
+    model = MODELS[case["model"]](n_layers=case["n_layers"], optimizer=case["optimizer"], tied=case["tied"],
+                                  inf_grad_at_step=case["inf_grad_at_step"])
     data = regression_data(case["n_data"])
     batch = case["batch"] * (1 if pipeline else case["dp"])
     recorder = LossRecorder()
@@ -77,6 +95,7 @@ def run_training(case: dict[str, Any], pipeline: bool) -> dict[str, Any]:
         "params": {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)},
         "losses": recorder.losses,
         "fit_val_losses": recorder.val_losses,
+        "scales": recorder.scales,
         "calls": dict(model.calls),
         "grad_sq_before_step": model.grad_norms_before_step,
     }

@@ -80,5 +80,21 @@ def test_string_strategy_is_registered():
 
 
 def test_unsupported_precision_is_refused_with_the_key():
-    with pytest.raises(PipelineConfigError, match=r"trainer.precision"):
-        L.Trainer(strategy="pipeline", accelerator="cpu", devices=2, precision="bf16-mixed", logger=False)
+    with pytest.raises(PipelineConfigError, match=r"DoublePrecision.*'64-true'.*trainer.precision"):
+        L.Trainer(strategy="pipeline", accelerator="cpu", devices=2, precision="64-true", logger=False)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "16-true"])
+def test_lightning_precision_plugins_are_converted(precision):
+    trainer = L.Trainer(strategy="pipeline", accelerator="cpu", devices=2, precision=precision, logger=False)
+    plugin = trainer.strategy.precision_plugin
+    assert isinstance(plugin, lightning_pipe.PipelinePrecision) and plugin.precision == precision
+    assert trainer.precision_plugin is plugin
+
+
+def test_recompute_setting():
+    assert PipelineConfig(recompute="all").recompute_every == 1
+    assert PipelineConfig(recompute=2).recompute_every == 2
+    assert PipelineConfig().recompute_every is None
+    with pytest.raises(PipelineConfigError, match=r"recompute='sometimes'.*strategy.recompute"):
+        PipelineConfig(recompute="sometimes")
