@@ -36,10 +36,21 @@ else:
     _LIGHTNING_PIPE_ERROR = None
 
 
-def set_threads(threads: int | None) -> None:
-    """One intra-op thread per rank when ranks share the cores; an explicit OMP_NUM_THREADS wins."""
-    if threads is not None and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(int(threads))
+def set_threads(threads: int | None, trainer_cfg: DictConfig) -> None:
+    """Split the CPU cores between this node's ranks (``threads=None``), or use ``threads``.
+
+    Ranks on one machine share its cores; torch's default (all cores per process) oversubscribes them and
+    slows every stage. An explicit ``OMP_NUM_THREADS`` wins over both.
+    """
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    if threads is None:
+        devices = trainer_cfg.get("devices")
+        if trainer_cfg.get("accelerator") != "cpu" or not isinstance(devices, int):
+            return
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = max(1, cores // max(1, devices))
+    torch.set_num_threads(int(threads))
 
 
 def build_strategy(cfg: DictConfig) -> Any:
@@ -72,7 +83,7 @@ def build_all(cfg: DictConfig, group: DictConfig | None) -> list[Any]:
 
 def train(cfg: DictConfig) -> dict[str, float]:
     """Fit the GPT described by ``cfg``; return the final metrics (val loss, baseline, tokens/s)."""
-    set_threads(cfg.get("torch_threads"))
+    set_threads(cfg.get("torch_threads"), cfg.trainer)
     pl.seed_everything(cfg.seed, workers=True)
 
     datamodule = hydra.utils.instantiate(cfg.data)
