@@ -14,14 +14,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from bench._ranks import run_ranks  # noqa: E402
 
 
 def _model():
@@ -140,13 +140,7 @@ def main() -> None:
     args = p.parse_args()
     if args.worker:
         return worker(args)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "times.json"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               __file__, "--worker", "--out", str(out)] + sys.argv[1:]
-        subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
-        times = json.loads(out.read_text())
+    times = run_ranks(__file__, 2, sys.argv[1:])
     hand, light = statistics.median(times["hand"]), statistics.median(times["lightning"])
     print(f"| path | median step (ms) | steps timed |\n|---|---|---|")
     print(f"| hand-written torch.distributed.pipelining | {hand * 1e3:.1f} | {len(times['hand'])} |")

@@ -125,6 +125,8 @@ class PipelineEngine:
         # fp16 loss scaling, set by PipelinePrecision ([Note: fp16 loss scaling in a pipeline] in precision.py)
         self.loss_scaler: Callable[[Tensor], Tensor] | None = None
         self._raw_losses: list[Tensor] = []
+        # Context managers entered around every training schedule step (see lightning_pipe.memory / trace).
+        self.step_contexts: list[Callable[[], contextlib.AbstractContextManager]] = []
 
     # ------------------------------------------------------------------ phase plumbing
     @contextlib.contextmanager
@@ -202,7 +204,10 @@ class PipelineEngine:
         for p in self._params:
             p.grad = None
         self._raw_losses = []
-        self.schedule.step(*self._step_args(inputs), target=target if self.has_last else None)
+        with contextlib.ExitStack() as stack:
+            for make_context in self.step_contexts:  # measurement (memory meter, trace recorder), off by default
+                stack.enter_context(make_context())
+            self.schedule.step(*self._step_args(inputs), target=target if self.has_last else None)
         self._pending_grads = [p.grad for p in self._params]
         for p, g in zip(self._params, saved):
             p.grad = g

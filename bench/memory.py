@@ -1,0 +1,97 @@
+"""Peak activation memory per stage: GPipe vs 1F1B vs ZeroBubble-V, with and without recomputation.
+
+What is measured: bytes autograd keeps for backward (saved tensors, deduplicated by storage, parameters excluded),
+live, at their peak during a training step — per rank, through the real Lightning strategy
+(``lightning_pipe.memory.ActivationMeter``). GPT-like model, m = 8 micro-batches, pipeline sizes 2 and 4 on CPU.
+Theory: GPipe keeps all m micro-batches' activations on the first stage, 1F1B at most p, so 1F1B / GPipe ≈ p / m.
+Last line: ``activation_ratio_1f1b_vs_gpipe=<x>`` for p = 4 (theory 0.5).
+
+    python bench/memory.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench._ranks import run_ranks  # noqa: E402
+
+M = 8
+CONFIGS = [  # (schedule, stages_per_rank, recompute)
+    ("gpipe", None, "none"),
+    ("1f1b", None, "none"),
+    ("zbv", 2, "none"),
+    ("gpipe", None, "all"),
+    ("1f1b", None, "all"),
+]
+
+
+def worker(args: argparse.Namespace) -> None:
+    import lightning.pytorch as L
+    import torch
+    import torch.distributed as dist
+    from lightning.pytorch.callbacks import Callback
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_pipe import PipelineStrategy
+    from lightning_pipe.memory import ActivationMeter
+    from recipes.gpt.model import GPT
+
+    class Meter(Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.meter = ActivationMeter.attach(trainer.strategy.engine)
+
+    world = int(os.environ["WORLD_SIZE"])
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (M * 4 * 3, 65), generator=g)
+    rows = []
+    for schedule, v, recompute in CONFIGS:
+        torch.manual_seed(0)
+        # 8 blocks: enough layers for 2 stages per rank at p = 4 (2 + 8 + ... = 11 layers >= 8 stages)
+        model = GPT(vocab_size=256, block_size=64, n_layer=8, n_head=4, n_embd=64, warmup_steps=1, max_steps=100)
+        meter = Meter()
+        trainer = L.Trainer(strategy=PipelineStrategy(schedule=schedule, microbatches=M, stages_per_rank=v,
+                                                      recompute=recompute),
+                            accelerator="cpu", devices=world, max_steps=2, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                            callbacks=[meter])
+        loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=M * 4, drop_last=True)
+        trainer.fit(model, loader)
+        peaks = [None] * world
+        dist.all_gather_object(peaks, meter.meter.peak_bytes)
+        rows.append({"schedule": schedule, "v": v or 1, "recompute": recompute, "peaks": peaks})
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(rows))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--sizes", default="2,4", help="pipeline sizes to run (ranks)")
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    print(f"| p | schedule | stages/rank | recompute | peak activation MiB per rank (rank 0 first) | "
+          f"max vs GPipe |\n|---|---|---|---|---|---|")
+    ratio = None
+    for size in (int(s) for s in args.sizes.split(",")):
+        rows = run_ranks(__file__, size, ["--sizes", str(size)])
+        gpipe = max(next(r for r in rows if r["schedule"] == "gpipe" and r["recompute"] == "none")["peaks"])
+        for r in rows:
+            mib = ", ".join(f"{b / 2**20:.2f}" for b in r["peaks"])
+            print(f"| {size} | {r['schedule']} | {r['v']} | {r['recompute']} | {mib} | {max(r['peaks']) / gpipe:.2f} |")
+        one = max(next(r for r in rows if r["schedule"] == "1f1b" and r["recompute"] == "none")["peaks"])
+        ratio = one / gpipe
+        print(f"| {size} | theory 1F1B/GPipe = p/m = {size}/{M} = {size / M:.2f} | | | | |")
+    print(f"activation_ratio_1f1b_vs_gpipe={ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()
