@@ -1,0 +1,104 @@
+"""The private torch APIs lightning_pipe relies on (all reached through lightning_pipe._compat) still exist and still
+behave as we use them. When torch moves one, this fails here, naming it, instead of a training run failing later."""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.distributed.pipelining import schedules as torch_schedules
+
+from lightning_pipe import _compat
+
+
+def test_versions_checked_reports_the_installed_versions() -> None:
+    checked = _compat.versions_checked()
+    assert set(checked) == {"torch", "lightning"}
+    if not checked["torch"]:
+        pytest.fail(f"torch {torch.__version__} is not a version lightning_pipe._compat was checked on "
+                    f"({_compat.CHECKED_TORCH}): re-run this file's checks and update CHECKED_TORCH.")
+
+
+@pytest.mark.parametrize("name", sorted(_compat.PRIVATE_TORCH_API))
+def test_private_api_exists(name: str) -> None:
+    assert _compat.PRIVATE_TORCH_API[name] is not None, (
+        f"torch {torch.__version__}: torch.distributed.pipelining.schedules.{name} is gone; update _compat")
+
+
+def test_private_signatures_are_the_ones_we_call() -> None:
+    assert list(inspect.signature(torch_schedules._validate_schedule).parameters) == [
+        "actions", "pp_group_size", "num_stages", "num_microbatches"]
+    assert list(inspect.signature(torch_schedules._add_send_recv).parameters) == [
+        "compute_actions", "stage_to_rank", "num_stages"]
+    runtime = torch_schedules._PipelineScheduleRuntime
+    assert callable(getattr(runtime, "_prepare_schedule_with_comms", None))
+    assert "scale_grads" in inspect.signature(torch_schedules.PipelineScheduleMulti.__init__).parameters
+
+
+def test_action_strings_round_trip() -> None:
+    for text in ("0F0", "3B12", "2I1", "2W1", "(0F3;3B1)OVERLAP_F_B"):
+        action = _compat.parse_action(text)
+        assert str(action) == text
+    a = _compat.parse_action("1I2")
+    assert (a.stage_index, a.computation_type.value, a.microbatch_index) == (1, "I", 2)
+    assert _compat.is_compute(a) and not _compat.is_compute(_compat.parse_action("1SEND_F2"))
+    assert {t.value for t in _compat.ComputationType} >= {"F", "B", "I", "W", "OVERLAP_F_B", "SEND_F", "RECV_F",
+                                                         "SEND_B", "RECV_B"}
+
+
+def _fake_stages(ids: list[int], num_stages: int, p: int = 2) -> list[SimpleNamespace]:
+    return [SimpleNamespace(stage_index=s, num_stages=num_stages, group_size=p, group_rank=0, is_first=s == 0,
+                            is_last=s == num_stages - 1, submod=None) for s in ids]
+
+
+@pytest.mark.parametrize("cls,multi,stages", [
+    (torch_schedules.ScheduleGPipe, False, [[0], [1]]),
+    (torch_schedules.ScheduleInterleaved1F1B, True, [[0, 2], [1, 3]]),
+    (torch_schedules.ScheduleLoopedBFS, True, [[0, 2], [1, 3]]),
+    (torch_schedules.ScheduleInterleavedZeroBubble, True, [[0, 2], [1, 3]]),
+    (torch_schedules.ScheduleZBVZeroBubble, True, [[0, 3], [1, 2]]),
+    (torch_schedules.ScheduleDualPipeV, True, [[0, 3], [1, 2]]),
+])
+def test_torch_computes_orders_without_a_process_group(cls: type, multi: bool, stages: list[list[int]]) -> None:
+    n = sum(len(s) for s in stages)
+    order = _compat.torch_pipeline_order(cls, multi, 2, n, stages, 4)
+    assert sorted(order) == [0, 1]
+    forwards = [a for acts in order.values() for a in acts if a is not None and a.computation_type.value == "F"]
+    assert len(forwards) + sum(len(a.sub_actions) // 2 for acts in order.values() for a in acts
+                               if a is not None and a.sub_actions) == n * 4
+
+
+def test_action_list_schedule_lowers_to_sends_and_receives_and_forward_only_filter() -> None:
+    acts = {0: [_compat.parse_action(a) for a in ["0F0", "0F1", "0B0", "0B1"]],
+            1: [_compat.parse_action(a) for a in ["1F0", "1B0", "1F1", "1B1"]]}
+    stages = _fake_stages([0], 2)
+    schedule = _compat.action_list_schedule(stages, 2, lambda o, t: o, acts)
+    assert isinstance(schedule, torch_schedules._PipelineScheduleRuntime)
+    assert schedule.scale_grads is False
+    lowered = schedule.pipeline_order_with_comms
+    kinds0 = [a.computation_type.value for a in lowered[0]]
+    assert "SEND_F" in kinds0 and "RECV_B" in kinds0 and "REDUCE_GRAD" in kinds0
+    for flag in ("_stages_forward_initialized", "_stages_backward_initialized"):
+        assert hasattr(schedule, flag)
+    with _compat.forward_only_actions(schedule):
+        fwd = schedule.pipeline_order_with_comms
+        assert {a.computation_type.value for r in fwd for a in fwd[r]} <= {"F", "SEND_F", "RECV_F"}
+        assert [str(a) for a in fwd[1] if a.computation_type.value == "F"] == ["1F0", "1F1"]
+    assert schedule.pipeline_order_with_comms is lowered  # restored
+    _compat.reset_schedule_shapes(schedule)
+    assert schedule._stages_forward_initialized is False
+
+
+def test_forward_only_keeps_forward_halves_of_overlapped_actions() -> None:
+    overlap = _compat.parse_action("(2F2;1B0)OVERLAP_F_B")
+    kept = _compat._forward_part([overlap, None, _compat.parse_action("1W0"), _compat.parse_action("2RECV_F3")])
+    assert [str(a) for a in kept] == ["2F2", "2RECV_F3"]
+
+
+def test_torch_refuses_what_our_validator_refuses() -> None:
+    bad = {0: [_compat.parse_action(a) for a in ["0F0", "0F1", "0B0"]],
+           1: [_compat.parse_action(a) for a in ["1F0", "1B0", "1F1", "1B1"]]}
+    with pytest.raises(AssertionError, match="expected 2 total backwards"):
+        _compat.torch_check_actions(bad, 2, 2, 2)
