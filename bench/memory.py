@@ -78,8 +78,8 @@ def main() -> None:
     args = p.parse_args()
     if args.worker:
         return worker(args)
-    print(f"| p | schedule | stages/rank | recompute | peak activation MiB per rank (rank 0 first) | "
-          f"max vs GPipe |\n|---|---|---|---|---|---|")
+    print("| p | schedule | stages/rank | recompute | peak activation MiB per rank (rank 0 first) | "
+          "max vs GPipe |\n|---|---|---|---|---|---|")
     ratio = None
     for size in (int(s) for s in args.sizes.split(",")):
         rows = run_ranks(__file__, size, ["--sizes", str(size)])

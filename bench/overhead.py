@@ -142,7 +142,7 @@ def main() -> None:
         return worker(args)
     times = run_ranks(__file__, 2, sys.argv[1:])
     hand, light = statistics.median(times["hand"]), statistics.median(times["lightning"])
-    print(f"| path | median step (ms) | steps timed |\n|---|---|---|")
+    print("| path | median step (ms) | steps timed |\n|---|---|---|")
     print(f"| hand-written torch.distributed.pipelining | {hand * 1e3:.1f} | {len(times['hand'])} |")
     print(f"| Trainer(strategy=PipelineStrategy) | {light * 1e3:.1f} | {len(times['lightning'])} |")
     print(f"schedule={args.schedule} microbatches={args.microbatches} ranks=2 batch={args.batch}")

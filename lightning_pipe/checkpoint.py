@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 FORMAT = "lightning_pipe.sharded/1"

@@ -78,7 +78,7 @@ def find_layers(module: nn.Module, attr: str) -> nn.Module:
             layers, (nn.Sequential, nn.ModuleList)):
         raise config_error(
             "The layer list must be an ordered chain: an nn.Sequential or nn.ModuleList whose layer i feeds "
-            f"layer i+1 (a dict or a plain module has no order to split).",
+            "layer i+1 (a dict or a plain module has no order to split).",
             f"{type(module).__name__}.{attr} of type {type(layers).__name__}", key)
     return layers
 

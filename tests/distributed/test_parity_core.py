@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.distributed.launcher import launch
-from tests.distributed.scenarios import DEFAULTS, run_training
+from tests.distributed.scenarios import run_training
 
 pytestmark = [pytest.mark.parity, pytest.mark.distributed]
 
