@@ -11,7 +11,7 @@ from typing import Any
 
 import lightning.pytorch as L
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_pipe import PipelinePrecision, PipelineStrategy
@@ -73,10 +73,18 @@ def _trainer(case: dict[str, Any], pipeline: bool, recorder: Callback) -> L.Trai
         strategy, devices = "auto", 1
     return L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=case["steps"],
                      **_precision(case, pipeline), accumulate_grad_batches=case["acc"], gradient_clip_val=case["clip"],
-                     gradient_clip_algorithm=case["clip_algo"], logger=False, enable_checkpointing=False,
+                     gradient_clip_algorithm=case["clip_algo"], logger=False,
+                     enable_checkpointing=case.get("monitor_dir") is not None,
                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                      limit_val_batches=3, val_check_interval=2, check_val_every_n_epoch=None,
-                     callbacks=[recorder])
+                     callbacks=[recorder, *_monitor(case)])
+
+
+def _monitor(case: dict[str, Any]) -> list[Callback]:
+    """ModelCheckpoint(monitor="val_loss"): the metric must exist, identical, on every rank."""
+    if case.get("monitor_dir") is None:
+        return []
+    return [ModelCheckpoint(dirpath=case["monitor_dir"], monitor="val_loss", mode="min", save_top_k=1)]
 
 
 def run_training(case: dict[str, Any], pipeline: bool) -> dict[str, Any]:
@@ -110,6 +118,8 @@ def run_training(case: dict[str, Any], pipeline: bool) -> dict[str, Any]:
         out["predictions"] = torch.cat(preds) if preds and preds[0] is not None else None
     if pipeline:
         out["topology"] = (trainer.strategy.topology.dp_rank, trainer.strategy.topology.pp_rank)
+    if trainer.checkpoint_callback is not None and case.get("monitor_dir") is not None:
+        out["best"] = (trainer.checkpoint_callback.best_model_path, float(trainer.checkpoint_callback.best_model_score))
     return out
 
 

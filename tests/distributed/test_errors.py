@@ -1,4 +1,5 @@
-"""Bad input on real ranks: every rank raises the same clear error, nobody hangs, the processes stay usable."""
+"""Bad input on real ranks: every rank raises the same clear error, nobody hangs, the processes stay usable
+(and then a good run with ModelCheckpoint(monitor="val_loss") works in the same processes)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,16 @@ CASES = [
     dict(model="no_layers", steps=1, expect_error=True),
     # explicit split that does not sum to the 8 layers
     dict(split=[3, 3], steps=1, expect_error=True),
-    # and afterwards a good run still works in the same processes
-    dict(steps=1, validate=False),
+    # and afterwards a good run still works in the same processes, monitored by ModelCheckpoint
+    dict(steps=4),
 ]
 
 
 @pytest.mark.timeout(300)
 def test_bad_input_fails_fast_on_every_rank(tmp_path):
-    results = launch("training", 2, [dict(c) for c in CASES], tmp_path, timeout=200)
+    cases = [dict(c) for c in CASES]
+    cases[-1]["monitor_dir"] = str(tmp_path / "ckpts")
+    results = launch("training", 2, cases, tmp_path, timeout=200)
     for rank_results in results:
         batch, no_layers, split, good = rank_results
         assert not batch["ok"] and "batch size 6, microbatches=4" in batch["error"]
@@ -30,4 +33,7 @@ def test_bad_input_fails_fast_on_every_rank(tmp_path):
         assert not no_layers["ok"] and "no attribute `layers`" in no_layers["error"]
         assert "strategy.layers_attr" in no_layers["error"]
         assert not split["ok"] and "counts [3, 3] (sum 6) for 8 layers" in split["error"]
-        assert good["ok"] and len(good["losses"]) == 1
+        assert good["ok"] and len(good["losses"]) == 4
+        # validation every 2 batches fed ModelCheckpoint's monitor on every rank with the same value
+        assert good["best"] == results[0][-1]["best"] and good["best"][1] == min(good["fit_val_losses"])
+        assert (tmp_path / "ckpts").exists() and good["best"][0]
