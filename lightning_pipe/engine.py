@@ -115,6 +115,7 @@ class PipelineEngine:
         self.has_last = any(st.is_last for st in self.stages)
         self.schedule = build_torch_schedule(plan, self.stages, self._schedule_loss)
         self.phase: str | None = None
+        self.batch_idx: int | None = None
         self.accumulate_grad_batches = 1
         self._loss_scale = 1.0
         self._shape: tuple[str, int] | None = None  # (train|eval, micro-batch rows) torch last initialised for
@@ -130,9 +131,9 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------ phase plumbing
     @contextlib.contextmanager
-    def running(self, phase: str) -> Iterator[None]:
+    def running(self, phase: str, batch_idx: int | None = None) -> Iterator[None]:
         """Set by the strategy around each Lightning step so compute_loss knows what to run."""
-        self.phase, self._used_this_step = phase, False
+        self.phase, self.batch_idx, self._used_this_step = phase, batch_idx, False
         try:
             yield
         finally:
@@ -176,7 +177,7 @@ class PipelineEngine:
             raise config_error(
                 f"A {what} batch must split into equal micro-batches: its size must be divisible by the "
                 "micro-batch count (and training needs every batch to be full: use drop_last=True).",
-                f"batch size {rows}, microbatches={m}", PipelineConfig.KEYS["batch_size"],
+                f"batch size {rows} (batch_idx {self.batch_idx}), microbatches={m}", PipelineConfig.KEYS["batch_size"],
                 f"to a multiple of {m}, or {PipelineConfig.KEYS['microbatches']}")
         return rows // m
 

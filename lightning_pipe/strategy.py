@@ -288,7 +288,8 @@ class PipelineStrategy(PipelineCheckpointing, ParallelStrategy):
         assert self.engine is not None
         trainer = self.lightning_module.trainer
         self.engine.accumulate_grad_batches = trainer.accumulate_grad_batches
-        with self.engine.running(phase):
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
+        with self.engine.running(phase, batch_idx):
             return parent(*args, **kwargs)
 
     @override

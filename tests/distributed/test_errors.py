@@ -28,7 +28,7 @@ def test_bad_input_fails_fast_on_every_rank(tmp_path):
     results = launch("training", 2, cases, tmp_path, timeout=200)
     for rank_results in results:
         batch, no_layers, split, good = rank_results
-        assert not batch["ok"] and "batch size 6, microbatches=4" in batch["error"]
+        assert not batch["ok"] and "batch size 6 (batch_idx 0), microbatches=4" in batch["error"]
         assert "data.batch_size" in batch["error"] and "drop_last=True" in batch["error"]
         assert not no_layers["ok"] and "no attribute `layers`" in no_layers["error"]
         assert "strategy.layers_attr" in no_layers["error"]
