@@ -1,0 +1,238 @@
+"""Every pipeline schedule on the same GPT-like model, 2 CPU ranks, the same micro-batch count: step time, speedup
+over one process, the theoretical and simulated bubble, and where each rank's time went.
+
+The model is recipes/gpt's GPT (embedding, n transformer blocks, final norm, tied head) cut into balanced stages:
+the embedding rides with the first blocks and norm + head with the last ones (2 stages: [emb+4, 4+norm+head] for
+8 blocks; 4 stages: [emb+2, 2, 2, 2+norm+head]). One torchrun invocation runs every schedule through
+``Trainer(strategy=PipelineStrategy(...))`` in rounds (alternating, to spread the machine's noise); the
+single-process reference (the same LightningModule, one thread, no micro-batching) runs before and after it.
+Step time is the median time between the ends of consecutive training steps (the best round's median).
+
+Columns: ``bubble theory`` is the schedule's textbook idle fraction (equal F and B; ZB: F = I = W);
+``bubble sim`` replays the schedule's real action order with F=1, B=2 (I=W=1) and free communication;
+``compute`` is the measured fraction of the step the ranks spent inside stage forward / backward calls, and
+``F``/``B``/``I``/``W`` the measured mean milliseconds of one such call. Last line: ``best_schedule=<name>
+speedup=<x>``.
+
+    python bench/schedules.py [--steps 8] [--rounds 2] [--microbatches 8] [--batch 32] [--layers 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench._ranks import run_ranks  # noqa: E402
+
+# (row name, schedule, stages per rank, extra strategy kwargs)
+ROWS = [("gpipe", "gpipe", 1), ("1f1b", "1f1b", 1), ("interleaved_1f1b", "interleaved_1f1b", 2),
+        ("looped_bfs", "looped_bfs", 2), ("zb_h1", "zb_h1", 2), ("zbv", "zbv", 2), ("dualpipev", "dualpipev", 2),
+        ("custom (1F1B lists)", "custom", 1)]
+
+
+def _model(args: argparse.Namespace):
+    import torch
+
+    from recipes.gpt.model import GPT
+
+    torch.manual_seed(0)
+    return GPT(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=4, n_embd=args.width,
+               dropout=0.0, warmup_steps=5, max_steps=1000)
+
+
+def _data(args: argparse.Namespace):
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    n = args.batch * (args.steps + args.warmup)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (n, args.seq + 1), generator=g)
+    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=args.batch, shuffle=False,
+                      drop_last=True)
+
+
+def balanced_split(n_blocks: int, n_stages: int) -> list[int]:
+    """Layer counts per stage: blocks spread evenly, embedding on the first stage, norm + head on the last."""
+    base, extra = divmod(n_blocks, n_stages)
+    counts = [base + (1 if s < extra else 0) for s in range(n_stages)]
+    counts[0] += 1
+    counts[-1] += 2
+    return counts
+
+
+class _StepClock:
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+
+
+def _instrument_stages() -> dict[str, list[float]]:
+    """Time every stage forward / backward call of this rank (by kind F, B, I, W) by wrapping torch's stage."""
+    from torch.distributed.pipelining import stage as torch_stage
+
+    spent: dict[str, list[float]] = defaultdict(list)
+    base = torch_stage._PipelineStageBase
+
+    def timed(fn, kind_of):
+        def wrapper(self, *a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(self, *a, **kw)
+            finally:
+                spent[kind_of(a, kw)].append(time.perf_counter() - t)
+        return wrapper
+
+    base.forward_one_chunk = timed(base.forward_one_chunk, lambda a, kw: "F")
+    base.backward_one_chunk = timed(base.backward_one_chunk,
+                                    lambda a, kw: "B" if kw.get("full_backward", True) else "I")
+    base.backward_weight_one_chunk = timed(base.backward_weight_one_chunk, lambda a, kw: "W")
+    return spent
+
+
+def _run_pipeline(args: argparse.Namespace, schedule: str, v: int, spent: dict[str, list[float]]) -> dict:
+    import lightning.pytorch as L
+    import torch.distributed as dist
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_pipe import PipelineStrategy
+    from lightning_pipe.config import PipelineConfig
+    from lightning_pipe.schedules import compute_order, plan_schedule
+
+    clock = _StepClock()
+
+    class Clock(Callback):
+        def on_train_batch_end(self, *a) -> None:
+            clock.ends.append(time.perf_counter())
+            if len(clock.ends) == args.warmup:
+                spent.clear()  # count compute over the timed steps only
+
+    world = int(os.environ["WORLD_SIZE"])
+    options = {}
+    if schedule == "custom":
+        order = compute_order(plan_schedule(PipelineConfig(schedule="1f1b", microbatches=args.microbatches), world))
+        options = {"actions": [[str(a) for a in order[r] if a is not None] for r in range(world)]}
+    strategy = PipelineStrategy(schedule=schedule, microbatches=args.microbatches, stages_per_rank=v,
+                                split=balanced_split(args.layers, world * v), schedule_options=options)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=args.steps + args.warmup,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[Clock()], limit_val_batches=0,
+                        use_distributed_sampler=False)
+    trainer.fit(_model(args), _data(args))
+    diffs = [b - a for a, b in zip(clock.ends, clock.ends[1:])][args.warmup - 1:]
+    timed = sum(diffs)
+    mine = {"compute": sum(sum(x) for x in spent.values()) / timed if timed else 0.0,
+            "ms": {k: 1e3 * statistics.mean(x) for k, x in spent.items() if x}}
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, mine)
+    return {"step": statistics.median(diffs), "ranks": gathered}
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    spent = _instrument_stages()
+    rows = [r for r in ROWS if args.only is None or r[0] in args.only.split(",")]
+    results: dict[str, list] = defaultdict(list)
+    for _ in range(args.rounds):
+        for name, schedule, v in rows:
+            results[name].append(_run_pipeline(args, schedule, v, spent))
+            dist.barrier()
+    if int(os.environ["RANK"]) == 0:
+        Path(args.out).write_text(json.dumps(results))
+
+
+def single_process(args: argparse.Namespace) -> float:
+    """The same LightningModule on one process, one thread, whole batches (no pipeline, no micro-batches)."""
+    import lightning.pytorch as L
+    import torch
+    from lightning.pytorch.callbacks import Callback
+
+    torch.set_num_threads(1)
+    ends: list[float] = []
+
+    class Clock(Callback):
+        def on_train_batch_end(self, *a) -> None:
+            ends.append(time.perf_counter())
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=args.steps + args.warmup, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[Clock()], limit_val_batches=0)
+    trainer.fit(_model(args), _data(args))
+    return statistics.median([b - a for a, b in zip(ends, ends[1:])][args.warmup - 1:])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--only", default=None, help="comma-separated row names (default: all)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+
+    import logging
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    from lightning_pipe.config import PipelineConfig
+    from lightning_pipe.schedules import compute_order, plan_schedule, simulate
+
+    t0 = time.perf_counter()
+    single = [single_process(args)]
+    results = run_ranks(__file__, 2, sys.argv[1:])
+    single.append(single_process(args))
+    t_single = min(single)
+
+    print(f"GPT: {args.layers} blocks, width {args.width}, seq {args.seq}, batch {args.batch}, "
+          f"{args.microbatches} micro-batches, 2 CPU ranks x 1 thread; one process: {t_single * 1e3:.0f} ms/step\n")
+    print("| schedule | stages/rank | step (ms) | speedup vs 1 process | bubble theory | bubble sim | compute "
+          "r0 / r1 | F / B / I / W ms (r0) |")
+    print("|---|---|---|---|---|---|---|---|")
+    best = None
+    for name, schedule, v in ROWS:
+        if name not in results:
+            continue
+        runs = results[name]
+        step = min(r["step"] for r in runs)
+        best_run = min(runs, key=lambda r: r["step"])
+        if schedule == "custom":
+            plan = plan_schedule(PipelineConfig(schedule="1f1b", microbatches=args.microbatches), 2)
+        else:
+            plan = plan_schedule(PipelineConfig(schedule=schedule, microbatches=args.microbatches,
+                                                stages_per_rank=v), 2)
+        theory = plan.theoretical_bubble()
+        sim = simulate(compute_order(plan), plan.num_stages).bubble
+        compute = " / ".join(f"{r['compute']:.0%}" for r in best_run["ranks"])
+        ms = best_run["ranks"][0]["ms"]
+        parts = " / ".join(f"{ms[k]:.1f}" if k in ms else "-" for k in "FBIW")
+        speedup = t_single / step
+        print(f"| {name} | {v} | {step * 1e3:.0f} | {speedup:.2f}x | {theory:.1%} | {sim:.1%} | {compute} | "
+              f"{parts} |")
+        if best is None or speedup > best[1]:
+            best = (name, speedup)
+    print(f"\n(total bench time {time.perf_counter() - t0:.0f} s)")
+    assert best is not None
+    print(f"best_schedule={best[0].split()[0]} speedup={best[1]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
