@@ -184,3 +184,42 @@ def forward_only_actions(schedule: Any) -> Iterator[None]:
         yield
     finally:
         schedule.pipeline_order_with_comms = full
+
+
+# --------------------------------------------------------------------------- execution trace (lightning_pipe.trace)
+# [Note: how the trace is recorded] in trace.py: while a step is recorded, these torch names are wrapped on this rank's
+# own stage and schedule objects (instance attributes) and, for the two module functions, in torch's schedules module;
+# all are restored when the step ends. Checked on torch 2.13 for PipelineScheduleSingle (GPipe, 1F1B) and the
+# _PipelineScheduleRuntime family, which all reach compute and P2P through exactly these names.
+TRACE_TORCH_API = {
+    "_PipelineStageBase.forward_one_chunk": ("stage", "forward_one_chunk"),
+    "_PipelineStageBase.backward_one_chunk": ("stage", "backward_one_chunk"),
+    "_PipelineStageBase.backward_weight_one_chunk": ("stage", "backward_weight_one_chunk"),
+    "_PipelineStageBase.get_fwd_send_ops": ("stage", "get_fwd_send_ops"),
+    "_PipelineStageBase.get_fwd_recv_ops": ("stage", "get_fwd_recv_ops"),
+    "_PipelineStageBase.get_bwd_send_ops": ("stage", "get_bwd_send_ops"),
+    "_PipelineStageBase.get_bwd_recv_ops": ("stage", "get_bwd_recv_ops"),
+    "_PipelineSchedule._compute_loss": ("schedule", "_compute_loss"),
+    "schedules._batch_p2p": ("module", "_batch_p2p"),
+    "schedules._wait_batch_p2p": ("module", "_wait_batch_p2p"),
+}
+
+
+def missing_trace_api() -> list[str]:
+    """The names of ``TRACE_TORCH_API`` this torch lacks (empty when recording can work)."""
+    from torch.distributed.pipelining import stage as _torch_stage
+
+    owners = {"stage": getattr(_torch_stage, "_PipelineStageBase", None),
+              "schedule": getattr(_torch_schedules, "_PipelineSchedule", None), "module": _torch_schedules}
+    return [key for key, (owner, attr) in TRACE_TORCH_API.items()
+            if owners[owner] is None or not callable(getattr(owners[owner], attr, None))]
+
+
+def require_trace_api() -> None:
+    missing = missing_trace_api()
+    if missing:
+        raise RuntimeError(
+            f"torch {torch.__version__} lacks {missing}, which lightning_pipe.trace wraps to record what a pipeline "
+            f"step ran (checked on torch {CHECKED_TORCH}). Update TRACE_TORCH_API in lightning_pipe._compat and "
+            "lightning_pipe.trace, or remove the PipelineTimeline callback."
+        )

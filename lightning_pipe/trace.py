@@ -1,0 +1,550 @@
+"""What really ran in a pipeline step: per-rank execution records, the measured bubble, Chrome trace and PNG export.
+
+[Note: how the trace is recorded]
+While a step is recorded, :class:`StepRecorder` wraps, *on this rank's own objects only*, the methods every torch
+schedule (``PipelineScheduleSingle`` and the ``_PipelineScheduleRuntime`` family alike) calls to do work:
+
+- compute: ``stage.forward_one_chunk`` (F), ``stage.backward_one_chunk`` (B, or I when ``full_backward=False``),
+  ``stage.backward_weight_one_chunk`` (W) and the schedule's ``_compute_loss`` (L, on the last stage);
+- communication: ``stage.get_{fwd,bwd}_{send,recv}_ops`` only *tag* the P2P ops they return (which stage and
+  micro-batch they carry); torch's module-level ``_batch_p2p`` (posting the ops) and ``_wait_batch_p2p`` (blocking
+  until they complete) are timed and labelled from those tags ("post" and "wait" slices).
+
+Everything is restored when the step ends, so a step that is not recorded runs torch's code untouched. Times come
+from ``time.perf_counter_ns`` on CPU (CLOCK_MONOTONIC: one clock for every process of a machine) and from CUDA
+events on GPU (the step start is anchored to the host clock after one ``synchronize``; events are read once, when
+the record is first used). Records of different ranks are put on one axis through the wall clock
+(``time.time_ns``) read next to the monotonic clock when the recorder was made: exact between processes of one
+machine, as good as NTP between machines.
+
+[Note: measured bubble]
+For one rank and one step: ``bubble = 1 - busy / wall`` where ``wall`` is the time the rank spent inside the
+schedule's ``step()`` and ``busy`` the summed duration of its compute slices (F, B, I, W and the loss). Waiting for
+a peer, posting sends/receives and schedule bookkeeping count as idle. The pipeline's bubble is the mean over ranks.
+Torch's theory, ``(p - 1) / (m + p - 1)`` for GPipe/1F1B, assumes equal stage times and free communication; the
+measurement includes what the theory leaves out (the loss on the last stage, P2P latency, uneven stages).
+
+The private torch names wrapped here are listed in :mod:`lightning_pipe._compat` (``TRACE_TORCH_API``) and checked
+before the first recorded step: if torch renames one, recording fails loudly instead of silently tracing nothing.
+
+Command line, on records saved by :class:`~lightning_pipe.callbacks.PipelineTimeline` (``records.json``)::
+
+    python -m lightning_pipe.trace plot records.json timeline.png [--steps 2]
+    python -m lightning_pipe.trace chrome records.json trace.json
+    python -m lightning_pipe.trace summary records.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+COMPUTE_KINDS = ("F", "B", "I", "W", "L")
+COMM_KINDS = ("post", "wait")
+KIND_NAMES = {"F": "forward", "B": "backward", "I": "backward (input grad)", "W": "backward (weight grad)",
+              "L": "loss", "post": "post send/recv", "wait": "wait send/recv"}
+RECORDS_VERSION = 1
+
+
+# ---------------------------------------------------------------------------------------------------------- records
+@dataclass
+class Slice:
+    """One action on one rank. Times are nanoseconds on the shared axis (see [Note: how the trace is recorded])."""
+
+    kind: str
+    """F, B, I, W, L (compute) or post, wait (communication)."""
+    stage: int | None
+    mb: int | None
+    start_ns: int
+    end_ns: int
+    label: str = ""
+    """What a communication slice carried, e.g. ``send F1 + recv B0``."""
+
+    @property
+    def name(self) -> str:
+        if self.kind in COMPUTE_KINDS:
+            return f"{self.kind}{self.mb} s{self.stage}"
+        return f"{self.kind} {self.label}".strip()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "stage": self.stage, "mb": self.mb, "start_ns": self.start_ns,
+                "end_ns": self.end_ns, "label": self.label}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Slice:
+        return cls(d["kind"], d.get("stage"), d.get("mb"), int(d["start_ns"]), int(d["end_ns"]), d.get("label", ""))
+
+
+@dataclass
+class StepRecord:
+    """Everything one rank did in one schedule step."""
+
+    rank: int
+    pp_rank: int
+    dp_rank: int
+    stages: list[int]
+    step: int
+    """Index of the recorded batch (the callback's batch counter; several per optimizer step with accumulation)."""
+    start_ns: int
+    end_ns: int
+    slices: list[Slice] = field(default_factory=list)
+
+    @property
+    def wall_ns(self) -> int:
+        return max(self.end_ns - self.start_ns, 1)
+
+    def busy_ns(self) -> int:
+        return sum(s.end_ns - s.start_ns for s in self.slices if s.kind in COMPUTE_KINDS)
+
+    def comm_ns(self) -> int:
+        return sum(s.end_ns - s.start_ns for s in self.slices if s.kind in COMM_KINDS)
+
+    def bubble(self) -> float:
+        """``1 - busy / wall`` for this rank ([Note: measured bubble])."""
+        return 1.0 - self.busy_ns() / self.wall_ns
+
+    def compute_order(self) -> list[str]:
+        """Compute actions in execution order, as torch writes them (``"1F0"``; the loss as ``"1L0"``)."""
+        return [f"{s.stage}{s.kind}{s.mb}" for s in self.slices if s.kind in COMPUTE_KINDS]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "pp_rank": self.pp_rank, "dp_rank": self.dp_rank, "stages": self.stages,
+                "step": self.step, "start_ns": self.start_ns, "end_ns": self.end_ns,
+                "bubble": self.bubble(), "slices": [s.to_dict() for s in self.slices]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StepRecord:
+        return cls(d["rank"], d["pp_rank"], d.get("dp_rank", 0), list(d.get("stages", [])), d["step"],
+                   int(d["start_ns"]), int(d["end_ns"]), [Slice.from_dict(s) for s in d["slices"]])
+
+
+def pipeline_bubble(records: Sequence[StepRecord]) -> float:
+    """Mean of the ranks' bubbles (one record per rank of one step)."""
+    return sum(r.bubble() for r in records) / len(records)
+
+
+# ---------------------------------------------------------------------------------------------------------- clocks
+class _CpuClock:
+    """Host monotonic clock; ``mark()`` returns nanoseconds directly."""
+
+    def begin(self) -> int:
+        return time.perf_counter_ns()
+
+    def mark(self) -> Any:
+        return time.perf_counter_ns()
+
+    def resolve(self, start_host_ns: int, marks: list[Any]) -> list[int]:
+        return list(marks)
+
+
+class _CudaClock:
+    """CUDA events on the current stream: what the device executed, not when the host enqueued it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._start: Any = None
+
+    def begin(self) -> int:
+        torch.cuda.synchronize(self.device)  # anchor the first event to the host clock (recorded steps only)
+        host = time.perf_counter_ns()
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._start.record()
+        return host
+
+    def mark(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def resolve(self, start_host_ns: int, marks: list[Any]) -> list[int]:
+        if marks:
+            marks[-1].synchronize()
+        return [start_host_ns + int(self._start.elapsed_time(e) * 1e6) for e in marks]
+
+
+# ---------------------------------------------------------------------------------------------------------- recorder
+class StepRecorder:
+    """Records the schedule steps of one :class:`~lightning_pipe.engine.PipelineEngine` while ``armed``.
+
+    ``attach(engine)`` adds :meth:`step` to ``engine.step_contexts``; a step runs untouched unless ``armed`` is true
+    (set it per step, e.g. from a callback). Finished steps are appended to ``records`` (oldest dropped past
+    ``keep``) and handed to ``on_record`` if given.
+    """
+
+    def __init__(self, engine: Any, keep: int | None = 64, on_record: Callable[[StepRecord], None] | None = None,
+                 clock: str = "auto") -> None:
+        from lightning_pipe._compat import require_trace_api
+
+        require_trace_api()
+        self.engine = engine
+        self.armed = False
+        self.step_index = 0
+        self.keep = keep
+        self.records: list[StepRecord] = []
+        self.on_record = on_record
+        device = torch.device(getattr(engine, "device", "cpu"))
+        use_cuda = clock == "cuda" or (clock == "auto" and device.type == "cuda")
+        self._clock: _CpuClock | _CudaClock = _CudaClock(device) if use_cuda else _CpuClock()
+        # Offset from the monotonic clock to the wall clock, read once: puts every rank on one axis.
+        self._wall_offset = time.time_ns() - time.perf_counter_ns()
+        topo = getattr(getattr(engine, "groups", None), "topology", None)
+        self.rank = getattr(topo, "global_rank", 0)
+        self.pp_rank = getattr(topo, "pp_rank", 0)
+        self.dp_rank = getattr(topo, "dp_rank", 0)
+        self.stage_ids = [st.stage_index for st in engine.stages]
+        self._attached = False
+
+    # -- engine hook
+    def attach(self) -> StepRecorder:
+        if not self._attached:
+            self.engine.step_contexts.append(self.step)
+            self._attached = True
+        return self
+
+    def detach(self) -> None:
+        if self._attached:
+            with contextlib.suppress(ValueError):
+                self.engine.step_contexts.remove(self.step)
+            self._attached = False
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """The context ``engine.step_contexts`` enters around ``schedule.step``: records if armed."""
+        if not self.armed:
+            yield
+            return
+        run = _Run(self._clock)
+        start_host = self._clock.begin()
+        with run.patched(self.engine.stages, self.engine.schedule):
+            try:
+                yield
+            finally:
+                end_mark = self._clock.mark()
+        record = run.finish(start_host, end_mark, self._wall_offset)
+        record.rank, record.pp_rank, record.dp_rank = self.rank, self.pp_rank, self.dp_rank
+        record.stages, record.step = list(self.stage_ids), self.step_index
+        self.records.append(record)
+        if self.keep is not None and len(self.records) > self.keep:
+            del self.records[: len(self.records) - self.keep]
+        if self.on_record is not None:
+            self.on_record(record)
+
+
+class _Run:
+    """The wrappers and raw marks of one recorded step."""
+
+    def __init__(self, clock: _CpuClock | _CudaClock) -> None:
+        self.clock = clock
+        self.raw: list[tuple[str, int | None, int | None, str, Any, Any]] = []
+        self._op_tags: dict[int, tuple[Any, str]] = {}  # id(P2POp) -> (op kept alive, "send F1")
+        self._work_labels: dict[int, tuple[Any, str]] = {}  # id(list of Work) -> (list kept alive, label)
+        self._last_forward: dict[int, int] = {}  # stage -> micro-batch of its latest forward (for the loss)
+
+    def _timed(self, kind: str, stage: int | None, mb: int | None, label: str, fn: Callable[[], Any]) -> Any:
+        start = self.clock.mark()
+        try:
+            return fn()
+        finally:
+            self.raw.append((kind, stage, mb, label, start, self.clock.mark()))
+
+    @contextlib.contextmanager
+    def patched(self, stages: Sequence[Any], schedule: Any) -> Iterator[None]:
+        from torch.distributed.pipelining import schedules as torch_schedules
+
+        undo: list[Callable[[], None]] = []
+
+        def set_instance(obj: Any, name: str, value: Any) -> None:
+            had = name in vars(obj)
+            old = vars(obj).get(name)
+            setattr(obj, name, value)
+            undo.append(lambda: setattr(obj, name, old) if had else delattr(obj, name))
+
+        try:
+            for stage in stages:
+                self._wrap_stage(stage, set_instance)
+            last = [st.stage_index for st in stages if st.is_last]
+            original_loss = schedule._compute_loss
+
+            def compute_loss(*args: Any, **kwargs: Any) -> Any:
+                stage = last[0] if last else None
+                mb = self._last_forward.get(stage) if stage is not None else None
+                return self._timed("L", stage, mb, "", lambda: original_loss(*args, **kwargs))
+
+            set_instance(schedule, "_compute_loss", compute_loss)
+
+            original_batch, original_wait = torch_schedules._batch_p2p, torch_schedules._wait_batch_p2p
+
+            def batch_p2p(p2p_ops: list, *args: Any, **kwargs: Any) -> Any:
+                if not p2p_ops:
+                    return original_batch(p2p_ops, *args, **kwargs)
+                label = " + ".join(self._op_tags.get(id(op), (None, "p2p"))[1] for op in p2p_ops)
+                works = self._timed("post", None, None, label, lambda: original_batch(p2p_ops, *args, **kwargs))
+                self._work_labels[id(works)] = (works, label)
+                return works
+
+            def wait_batch_p2p(work: list, *args: Any, **kwargs: Any) -> Any:
+                if not work:
+                    return original_wait(work, *args, **kwargs)
+                _, label = self._work_labels.pop(id(work), (None, "p2p"))
+                return self._timed("wait", None, None, label, lambda: original_wait(work, *args, **kwargs))
+
+            torch_schedules._batch_p2p, torch_schedules._wait_batch_p2p = batch_p2p, wait_batch_p2p
+
+            def restore_p2p() -> None:
+                torch_schedules._batch_p2p, torch_schedules._wait_batch_p2p = original_batch, original_wait
+
+            undo.append(restore_p2p)
+            yield
+        finally:
+            for fn in reversed(undo):
+                fn()
+            self._op_tags.clear()
+            self._work_labels.clear()
+
+    def _wrap_stage(self, stage: Any, set_instance: Callable[[Any, str, Any], None]) -> None:
+        s = stage.stage_index
+        fwd, bwd, wgt = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
+
+        def forward_one_chunk(mb: int, *args: Any, **kwargs: Any) -> Any:
+            self._last_forward[s] = mb
+            return self._timed("F", s, mb, "", lambda: fwd(mb, *args, **kwargs))
+
+        def backward_one_chunk(mb: int, *args: Any, **kwargs: Any) -> Any:
+            full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
+            return self._timed("B" if full else "I", s, mb, "", lambda: bwd(mb, *args, **kwargs))
+
+        def backward_weight_one_chunk(mb: int, *args: Any, **kwargs: Any) -> Any:
+            return self._timed("W", s, mb, "", lambda: wgt(mb, *args, **kwargs))
+
+        set_instance(stage, "forward_one_chunk", forward_one_chunk)
+        set_instance(stage, "backward_one_chunk", backward_one_chunk)
+        set_instance(stage, "backward_weight_one_chunk", backward_weight_one_chunk)
+        for name, tag in (("get_fwd_send_ops", "send F"), ("get_fwd_recv_ops", "recv F"),
+                          ("get_bwd_send_ops", "send B"), ("get_bwd_recv_ops", "recv B")):
+            set_instance(stage, name, self._tagging(getattr(stage, name), tag))
+
+    def _tagging(self, original: Callable[..., list], tag: str) -> Callable[..., list]:
+        def get_ops(mb: int, *args: Any, **kwargs: Any) -> list:
+            ops = original(mb, *args, **kwargs)
+            for op in ops:
+                self._op_tags[id(op)] = (op, f"{tag}{mb}")
+            return ops
+
+        return get_ops
+
+    def finish(self, start_host_ns: int, end_mark: Any, wall_offset: int) -> StepRecord:
+        marks = [m for item in self.raw for m in item[4:6]] + [end_mark]
+        ns = self.clock.resolve(start_host_ns, marks)
+        slices = [Slice(kind, stage, mb, ns[2 * i] + wall_offset, ns[2 * i + 1] + wall_offset, label)
+                  for i, (kind, stage, mb, label, _, _) in enumerate(self.raw)]
+        return StepRecord(0, 0, 0, [], 0, start_host_ns + wall_offset, ns[-1] + wall_offset, slices)
+
+
+# ---------------------------------------------------------------------------------------------------------- files
+def save_records(records: Sequence[StepRecord], path: str | Path, meta: dict[str, Any] | None = None) -> Path:
+    """Write records (any ranks, any steps) as JSON; ``meta``: schedule name, p, v, m, theoretical bubble..."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"version": RECORDS_VERSION, "meta": meta or {},
+                                "records": [r.to_dict() for r in records]}))
+    return path
+
+
+def load_records(path: str | Path) -> tuple[list[StepRecord], dict[str, Any]]:
+    data = json.loads(Path(path).read_text())
+    if data.get("version") != RECORDS_VERSION:
+        raise ValueError(f"{path}: not a lightning_pipe trace records file (version {data.get('version')!r}, "
+                         f"expected {RECORDS_VERSION})")
+    return [StepRecord.from_dict(r) for r in data["records"]], data.get("meta", {})
+
+
+def by_step(records: Sequence[StepRecord]) -> dict[int, list[StepRecord]]:
+    """Step index -> that step's records, one per rank, in rank order."""
+    out: dict[int, list[StepRecord]] = {}
+    for r in records:
+        out.setdefault(r.step, []).append(r)
+    return {k: sorted(v, key=lambda r: r.rank) for k, v in sorted(out.items())}
+
+
+def chrome_trace(records: Sequence[StepRecord], meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Trace-event JSON (chrome://tracing, https://ui.perfetto.dev): one process per rank, one slice per action.
+
+    Times are microseconds from the earliest recorded step start. Each recorded step is a slice that encloses its
+    actions on the same track.
+    """
+    if not records:
+        return {"traceEvents": [], "displayTimeUnit": "ms", "otherData": meta or {}}
+    t0 = min(r.start_ns for r in records)
+    events: list[dict[str, Any]] = []
+    for rank in sorted({r.rank for r in records}):
+        rec = next(r for r in records if r.rank == rank)
+        stages = ",".join(map(str, rec.stages))
+        events.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0,
+                       "args": {"name": f"rank {rank} (pp {rec.pp_rank}, dp {rec.dp_rank}, stages {stages})"}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
+        events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": 0, "args": {"name": "pipeline"}})
+
+    def us(ns: int) -> float:
+        return round((ns - t0) / 1000.0, 3)
+
+    for r in records:
+        events.append({"ph": "X", "name": f"step {r.step}", "cat": "step", "pid": r.rank, "tid": 0,
+                       "ts": us(r.start_ns), "dur": round(r.wall_ns / 1000.0, 3),
+                       "args": {"bubble": round(r.bubble(), 4), "busy_ms": r.busy_ns() / 1e6,
+                                "comm_ms": r.comm_ns() / 1e6}})
+        for s in r.slices:
+            args: dict[str, Any] = {"step": r.step}
+            if s.stage is not None:
+                args["stage"] = s.stage
+            if s.mb is not None:
+                args["microbatch"] = s.mb
+            if s.label:
+                args["carries"] = s.label
+            events.append({"ph": "X", "name": s.name, "cat": KIND_NAMES[s.kind], "pid": r.rank, "tid": 0,
+                           "ts": us(s.start_ns), "dur": max(round((s.end_ns - s.start_ns) / 1000.0, 3), 0.001),
+                           "args": args})
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": meta or {}}
+
+
+def write_chrome_trace(records: Sequence[StepRecord], path: str | Path, meta: dict[str, Any] | None = None) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(chrome_trace(records, meta)))
+    return path
+
+
+COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#8DCB9B", "W": "#DD8452", "L": "#8172B2",
+          "post": "#B0B0B0", "wait": "#D9D9D9"}
+
+
+def plot_timeline(records: Sequence[StepRecord], path: str | Path, steps: int | None = 2,
+                  meta: dict[str, Any] | None = None, dpi: int = 110) -> Path:
+    """A PNG timeline: one row per rank, compute slices coloured by kind, communication grey, idle white.
+
+    ``steps``: the last N recorded steps (``None``: all).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    grouped = by_step(records)
+    if not grouped:
+        raise ValueError("no records to plot")
+    chosen = list(grouped)[-steps:] if steps else list(grouped)
+    recs = [r for k in chosen for r in grouped[k]]
+    ranks = sorted({r.rank for r in recs})
+    # Steps side by side: each starts at its earliest rank's start; what ran between steps (optimizer, data,
+    # logging) is cut out and shown as a dashed separator.
+    spans = {k: (min(r.start_ns for r in grouped[k]), max(r.end_ns for r in grouped[k])) for k in chosen}
+    total_ms = sum(b - a for a, b in spans.values()) / 1e6
+    gap_ms = 0.03 * total_ms if len(chosen) > 1 else 0.0
+    offset_ms: dict[int, float] = {}
+    x = 0.0
+    for k in chosen:
+        offset_ms[k] = x
+        x += (spans[k][1] - spans[k][0]) / 1e6 + gap_ms
+    span_ms = x - gap_ms
+
+    def at(step: int, ns: int) -> float:
+        return offset_ms[step] + (ns - spans[step][0]) / 1e6
+
+    fig, ax = plt.subplots(figsize=(12, 1.3 + 0.7 * len(ranks)))
+    for k in chosen[1:]:
+        ax.axvline(offset_ms[k] - gap_ms / 2, color="#666666", linestyle="--", linewidth=0.8)
+    for r in recs:
+        y = ranks.index(r.rank)
+        # the step's extent: idle inside it shows as white on a thin frame
+        ax.broken_barh([(at(r.step, r.start_ns), r.wall_ns / 1e6)], (y - 0.4, 0.8), facecolors="white",
+                       edgecolors="#999999", linewidth=0.6)
+        for s in r.slices:
+            x0, w = at(r.step, s.start_ns), (s.end_ns - s.start_ns) / 1e6
+            comm = s.kind in COMM_KINDS
+            height = 0.3 if comm else 0.8
+            ax.broken_barh([(x0, w)], (y - height / 2, height), facecolors=COLORS[s.kind],
+                           edgecolors="none" if comm else "black", linewidth=0 if comm else 0.3)
+            if not comm and s.kind != "L" and w > span_ms / 80:
+                ax.text(x0 + w / 2, y, str(s.mb), ha="center", va="center", fontsize=7, color="white")
+    labels = []
+    for rank in ranks:
+        rec = next(r for r in recs if r.rank == rank)
+        labels.append(f"rank {rank}\nstage{'s' if len(rec.stages) > 1 else ''} {','.join(map(str, rec.stages))}")
+    ax.set_yticks(range(len(ranks)), labels)
+    ax.set_ylim(len(ranks) - 0.5, -0.5)
+    ax.set_xlim(0, span_ms * 1.01)
+    ax.set_xlabel("time in step (ms)" + ("; steps side by side, time between steps cut" if gap_ms else ""))
+    present = {s.kind for r in recs for s in r.slices}
+    handles = [Patch(facecolor=COLORS[k], edgecolor="black" if k in COMPUTE_KINDS else "none", label=KIND_NAMES[k])
+               for k in (*COMPUTE_KINDS, *COMM_KINDS) if k in present]
+    handles.append(Patch(facecolor="white", edgecolor="#999999", label="idle"))
+    ax.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=len(handles), fontsize=8,
+              frameon=False)
+    meta = meta or {}
+    measured = sum(pipeline_bubble(grouped[k]) for k in chosen) / len(chosen)
+    title = f"{meta.get('schedule', 'pipeline')}: p={meta.get('p', len(ranks))}"
+    if meta.get("v", 1) not in (None, 1):
+        title += f", v={meta['v']}"
+    if "m" in meta:
+        title += f", m={meta['m']}"
+    title += f" | measured bubble {measured:.1%}"
+    if meta.get("theoretical_bubble") is not None:
+        title += f" (theory {meta['theoretical_bubble']:.1%})"
+    title += f" | steps {chosen[0]}" + (f"-{chosen[-1]}" if len(chosen) > 1 else "")
+    ax.set_title(title, fontsize=10, pad=22)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
+def summary(records: Sequence[StepRecord], meta: dict[str, Any] | None = None) -> str:
+    lines = ["| step | rank | wall ms | busy ms | comm ms | bubble |", "|---|---|---|---|---|---|"]
+    for k, recs in by_step(records).items():
+        for r in recs:
+            lines.append(f"| {k} | {r.rank} | {r.wall_ns / 1e6:.2f} | {r.busy_ns() / 1e6:.2f} | "
+                         f"{r.comm_ns() / 1e6:.2f} | {r.bubble():.3f} |")
+    bubbles = [pipeline_bubble(v) for v in by_step(records).values()]
+    if bubbles:
+        lines.append(f"mean measured bubble: {sum(bubbles) / len(bubbles):.3f}")
+    theory = (meta or {}).get("theoretical_bubble")
+    if theory is not None and not (isinstance(theory, float) and math.isnan(theory)):
+        lines.append(f"theoretical bubble: {theory:.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m lightning_pipe.trace",
+                                     description="Turn saved pipeline trace records (records.json) into pictures.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    plot = sub.add_parser("plot", help="PNG timeline (ranks as rows)")
+    plot.add_argument("records")
+    plot.add_argument("out")
+    plot.add_argument("--steps", type=int, default=2, help="last N recorded steps (0: all)")
+    chrome = sub.add_parser("chrome", help="Chrome/Perfetto trace-event JSON")
+    chrome.add_argument("records")
+    chrome.add_argument("out")
+    summ = sub.add_parser("summary", help="per step and rank: wall, busy, comm, bubble")
+    summ.add_argument("records")
+    args = parser.parse_args(argv)
+    records, meta = load_records(args.records)
+    if args.command == "plot":
+        print(plot_timeline(records, args.out, steps=args.steps or None, meta=meta))
+    elif args.command == "chrome":
+        print(write_chrome_trace(records, args.out, meta))
+    else:
+        print(summary(records, meta))
+
+
+if __name__ == "__main__":
+    main()
