@@ -87,3 +87,8 @@ def test_pipeline_two_cpu_stages(tmp_path: Path) -> None:
     assert "[train] corpus 200000 bytes | val_loss" in proc.stdout
     logged = {k for row in metrics(run) for k, v in row.items() if v}
     assert {"train_loss", "val_loss", "tokens_per_s"} <= logged
+
+    # The pipeline's checkpoint (sharded across stages) samples on one device like a single-device one.
+    pytest.importorskip("lightning_pipe.checkpoint", reason="sharded pipeline checkpoints not available")
+    text = sample.main(["--ckpt", str(run / "checkpoints" / "last.ckpt"), "--prompt", "def ", "--tokens", "10"])
+    assert text.startswith("def ")
