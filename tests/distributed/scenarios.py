@@ -220,3 +220,54 @@ def run_ckpt_crash(case: dict[str, Any]) -> dict[str, Any]:
     ckpt_lib.write_shards = dying_write
     ckpt = ModelCheckpoint(dirpath=case["dir"], save_top_k=-1, every_n_train_steps=2, save_last="link")
     return _ckpt_run(case, callbacks=[ckpt])
+
+
+# ---------------------------------------------------------------------------------------------------------- timeline
+# Used by tests/distributed/test_trace.py: train with the PipelineTimeline callback, return what it recorded/logged.
+
+TRACE_DEFAULTS: dict[str, Any] = dict(schedule="1f1b", microbatches=4, split="uniform", n_layers=8, width=8,
+                                      mb_rows=2, steps=3, every_n_steps=1, warmup_steps=1, export_dir=None,
+                                      csv_dir=None, stages_per_rank=None)
+
+
+class MetricsSeen(Callback):
+    """What the logger connector holds after each batch (the callback's values are logged on_train_batch_end)."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, float]] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._grab(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self._grab(trainer)
+
+    def _grab(self, trainer: L.Trainer) -> None:
+        self.seen.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("pipeline/")})
+
+
+def run_trace(case: dict[str, Any]) -> dict[str, Any]:
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_pipe.callbacks import PipelineTimeline
+
+    case = {**TRACE_DEFAULTS, **case}
+    torch.manual_seed(0)
+    model = ToyRegressor(n_layers=case["n_layers"], width=case["width"])
+    m = case["microbatches"]
+    batch = m * case["mb_rows"]
+    data = regression_data(batch * case["steps"])
+    timeline = PipelineTimeline(every_n_steps=case["every_n_steps"], export_dir=case["export_dir"],
+                                warmup_steps=case["warmup_steps"])
+    seen = MetricsSeen()
+    strategy = PipelineStrategy(schedule=case["schedule"], microbatches=m, split=case["split"],
+                                stages_per_rank=case["stages_per_rank"])
+    logger: Any = CSVLogger(case["csv_dir"], name="", version="") if case["csv_dir"] else False
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=int(os.environ["TEST_WORLD_SIZE"]),
+                        max_steps=case["steps"], logger=logger, log_every_n_steps=1, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        callbacks=[timeline, seen])
+    trainer.fit(model, loader(data, batch))
+    return {"records": [r.to_dict() for r in timeline.records], "last_bubble": timeline.last_bubble,
+            "per_pp": timeline.last_bubbles_per_pp_rank, "seen": seen.seen,
+            "theory": trainer.strategy.engine.plan.theoretical_bubble() if trainer.strategy.engine else None}

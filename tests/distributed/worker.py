@@ -28,6 +28,11 @@ SCENARIOS.update({
     "ckpt": scenarios.run_ckpt,
 })
 
+# timeline / measured bubble (tests/distributed/test_trace.py)
+SCENARIOS.update({
+    "trace": scenarios.run_trace,
+})
+
 
 def main() -> None:
     name, out_dir = sys.argv[1], Path(sys.argv[2])

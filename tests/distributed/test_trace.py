@@ -1,0 +1,144 @@
+"""PipelineTimeline on 2 real ranks: the trace holds exactly what each rank ran, the bubble metric is logged the
+same on every rank (and reaches a logger), an unbalanced split measures a larger bubble, files are exported."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_pipe.config import PipelineConfig
+from lightning_pipe.schedules import compute_order, flatten, plan_schedule
+from tests.distributed.launcher import launch
+
+pytestmark = [pytest.mark.distributed]
+
+HEAVY = dict(n_layers=16, width=256, mb_rows=32, microbatches=8, steps=4)
+
+
+def expected_1f1b_p2(m: int) -> dict[int, list[tuple[str, str]]]:
+    """What ``Schedule1F1B._step_microbatches`` does at p = 2 (torch 2.13): (kind, stage/mb or P2P label)."""
+    r0 = [("F", "0/0"), ("post", "send F0"), ("F", "0/1"), ("wait", "send F0")]
+    for b in range(m - 2):
+        r0 += [("post", f"send F{b + 1} + recv B{b}"), ("wait", f"send F{b + 1} + recv B{b}"), ("B", f"0/{b}"),
+               ("F", f"0/{b + 2}")]
+    r0 += [("post", f"send F{m - 1} + recv B{m - 2}"), ("wait", f"send F{m - 1} + recv B{m - 2}"),
+           ("B", f"0/{m - 2}"), ("post", f"recv B{m - 1}"), ("wait", f"recv B{m - 1}"), ("B", f"0/{m - 1}")]
+    r1 = [("post", "recv F0"), ("wait", "recv F0"), ("F", "1/0"), ("L", "1/0"), ("B", "1/0")]
+    for f in range(1, m):
+        r1 += [("post", f"send B{f - 1} + recv F{f}"), ("wait", f"send B{f - 1} + recv F{f}"), ("F", f"1/{f}"),
+               ("L", f"1/{f}"), ("B", f"1/{f}")]
+    r1 += [("post", f"send B{m - 1}"), ("wait", f"send B{m - 1}")]
+    return {0: r0, 1: r1}
+
+
+def actions(record: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(s["kind"], s["label"] if s["kind"] in ("post", "wait") else f"{s['stage']}/{s['mb']}")
+            for s in record["slices"]]
+
+
+def compute_only(record: dict[str, Any]) -> list[str]:
+    return [f"{s['stage']}{s['kind']}{s['mb']}" for s in record["slices"] if s["kind"] in ("F", "B", "I", "W")]
+
+
+def mean_bubble(results: list[list[dict[str, Any]]], idx: int) -> float:
+    """Mean over recorded steps and ranks, from the raw records (independent of the callback's gather)."""
+    values = []
+    for rank_results in results:
+        for rec in rank_results[idx]["records"]:
+            busy = sum(s["end_ns"] - s["start_ns"] for s in rec["slices"] if s["kind"] in ("F", "B", "I", "W", "L"))
+            values.append(1 - busy / (rec["end_ns"] - rec["start_ns"]))
+    return sum(values) / len(values)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[list[dict[str, Any]]], Path]:
+    tmp = tmp_path_factory.mktemp("trace")
+    cases = [
+        dict(schedule="1f1b", microbatches=4, steps=3, export_dir=str(tmp / "export"), csv_dir=str(tmp / "csv")),
+        dict(schedule="gpipe", microbatches=4, steps=2),
+        dict(schedule="zb_h1", stages_per_rank=2, microbatches=4, steps=2),
+        dict(schedule="1f1b", split=[1, 15], **HEAVY),
+        dict(schedule="1f1b", split=[8, 8], **HEAVY),
+    ]
+    return launch("trace", 2, cases, tmp / "run", timeout=300), tmp
+
+
+@pytest.mark.timeout(360)
+def test_1f1b_trace_holds_exactly_what_each_rank_ran(runs: Any) -> None:
+    results, _ = runs
+    expected = expected_1f1b_p2(4)
+    for rank in (0, 1):
+        records = results[rank][0]["records"]
+        assert [r["step"] for r in records] == [1, 2]  # warmup_steps=1: the shape-inference step is not recorded
+        for rec in records:
+            assert actions(rec) == expected[rank], f"rank {rank} step {rec['step']}"
+            starts = [s["start_ns"] for s in rec["slices"]]
+            assert starts == sorted(starts)
+            assert rec["start_ns"] <= starts[0] and rec["slices"][-1]["end_ns"] <= rec["end_ns"]
+
+
+@pytest.mark.timeout(360)
+def test_trace_order_matches_the_schedule_plan_for_gpipe_and_zero_bubble(runs: Any) -> None:
+    results, _ = runs
+    for idx, (name, v) in ((1, ("gpipe", None)), (2, ("zb_h1", 2))):
+        plan = plan_schedule(PipelineConfig(schedule=name, microbatches=4, stages_per_rank=v), 2)
+        order = compute_order(plan)
+        for rank in (0, 1):
+            (rec,) = results[rank][idx]["records"]
+            want = [str(part) for a in order[rank] if a is not None for part in flatten(a)]
+            assert compute_only(rec) == want, f"{name} rank {rank}"
+    kinds = {s["kind"] for rank in (0, 1) for s in results[rank][2]["records"][0]["slices"]}
+    assert {"I", "W"} <= kinds  # zero-bubble splits the backward: both halves recorded
+
+
+@pytest.mark.timeout(360)
+def test_bubble_metric_logged_identically_on_every_rank_and_reaches_the_logger(runs: Any) -> None:
+    results, tmp = runs
+    r0, r1 = results[0][0], results[1][0]
+    final0, final1 = r0["seen"][-1], r1["seen"][-1]
+    assert final0 == final1, "every rank logs the gathered value"
+    assert set(final0) == {"pipeline/bubble", "pipeline/bubble_theory", "pipeline/bubble_pp0",
+                           "pipeline/bubble_pp1", "pipeline/step_ms"}
+    assert final0["pipeline/bubble_theory"] == pytest.approx(1 / 5)  # (p - 1) / (m + p - 1), p = 2, m = 4
+    assert 0 < final0["pipeline/bubble"] < 1
+    assert final0["pipeline/bubble"] == pytest.approx(
+        (final0["pipeline/bubble_pp0"] + final0["pipeline/bubble_pp1"]) / 2, abs=1e-6)
+    # the per-rank values are the last records' own bubbles
+    last = [results[rank][0]["records"][-1] for rank in (0, 1)]
+    for rank, rec in enumerate(last):
+        assert final0[f"pipeline/bubble_pp{rank}"] == pytest.approx(rec["bubble"], abs=1e-6)
+    with open(tmp / "csv" / "metrics.csv") as f:
+        rows = [row for row in csv.DictReader(f) if row.get("pipeline/bubble")]
+    assert len(rows) == 2  # two recorded steps, logged from rank 0
+    assert float(rows[-1]["pipeline/bubble"]) == pytest.approx(final0["pipeline/bubble"], abs=1e-6)
+
+
+@pytest.mark.timeout(360)
+def test_unbalanced_split_measures_a_larger_bubble(runs: Any) -> None:
+    results, _ = runs
+    unbalanced, balanced = mean_bubble(results, 3), mean_bubble(results, 4)
+    assert unbalanced > balanced + 0.1, (unbalanced, balanced)
+    # the idle rank is the one holding a single small layer
+    per_pp = results[0][3]["per_pp"]
+    assert per_pp[0] > per_pp[1] and per_pp[0] > 0.8, per_pp
+
+
+@pytest.mark.timeout(360)
+def test_export_writes_records_chrome_trace_and_png(runs: Any) -> None:
+    _, tmp = runs
+    out = tmp / "export"
+    png = (out / "timeline.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    trace = json.loads((out / "trace.json").read_text())
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in slices} == {0, 1}
+    assert all(e["dur"] > 0 and e["ts"] >= 0 for e in slices)
+    records = json.loads((out / "records.json").read_text())
+    assert records["meta"]["schedule"] == "1f1b" and records["meta"]["m"] == 4
+    assert sorted((r["rank"], r["step"]) for r in records["records"]) == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    # one slice per recorded action plus one per (rank, step)
+    assert len(slices) == sum(len(r["slices"]) for r in records["records"]) + 4
