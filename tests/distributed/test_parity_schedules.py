@@ -84,18 +84,24 @@ def _order_strings(schedule: str, stages_per_rank: int | None, microbatches: int
 @pytest.mark.timeout(600)
 def test_custom_action_lists_match_single_device_and_1f1b(tmp_path) -> None:
     """A custom schedule written as 1F1B's action lists reproduces 1F1B bit for bit; ZB-V's lists given as a CSV
-    file (V placement "as given", I/W split) and a hand-written I/W schedule match one device. Malformed lists are
+    file (V placement "as given", I/W split), a hand-written I/W schedule and a contiguous placement (two
+adjacent stages per rank) match one device. Malformed lists are
     refused on every rank before the process group exists, naming rank, step and action."""
     one_f_one_b = _order_strings("1f1b", None, 4)
     csv_path = tmp_path / "zbv.csv"
     csv_path.write_text("\n".join(",".join(row) for row in _order_strings("zbv", 2, 4)) + "\n")
     hand_written = [["0F0", "0F1", "0F2", "0F3", "0I0", "0W0", "0I1", "0W1", "0I2", "0W2", "0I3", "0W3"],
                     ["1F0", "1I0", "1F1", "1I1", "1W0", "1F2", "1I2", "1W1", "1F3", "1I3", "1W2", "1W3"]]
+    # contiguous placement (rank 0: stages 0, 1; rank 1: stages 2, 3), neither loop nor V: "as given"
+    contiguous = [[f"{s}F{m}" for m in range(4) for s in (0, 1)] + [f"{s}B{m}" for m in range(4) for s in (1, 0)],
+                  [a for m in range(4) for a in (f"2F{m}", f"3F{m}", f"3B{m}", f"2B{m}")]]
     good = [dict(schedule="1f1b", acc=2, clip=0.05, optimizer="adamw"),
             dict(schedule="custom", schedule_options={"actions": one_f_one_b}, acc=2, clip=0.05, optimizer="adamw"),
             dict(schedule="custom", microbatches=None, schedule_options={"csv": str(csv_path), "placement": "v"},
                  predict=True),
-            dict(schedule="custom", microbatches=None, schedule_options={"actions": hand_written}, clip=0.05)]
+            dict(schedule="custom", microbatches=None, schedule_options={"actions": hand_written}, clip=0.05),
+            dict(schedule="custom", microbatches=None, schedule_options={"actions": contiguous}, acc=2,
+                 optimizer="adamw", predict=True)]
     bad = {
         "missing backward": ([["0F0", "0F1", "0B0", "0F2", "0B1", "0F3", "0B2"], one_f_one_b[1]],
                              "rank 0, step 5: action '0F3' has no '0B3'"),

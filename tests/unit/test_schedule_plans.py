@@ -192,6 +192,12 @@ def test_custom_matches_1f1b_order_and_placement() -> None:
     assert simulate(compute_order(pl), 2).bubble == pytest.approx(0.2)
 
 
+def test_custom_placement_is_as_given() -> None:
+    contiguous = [["0F0", "1F0", "1B0", "0B0"], ["2F0", "3F0", "3B0", "2B0"]]
+    pl = custom(contiguous)
+    assert pl.stage_ranks == (0, 0, 1, 1) and pl.stages_of_rank(1) == [2, 3] and pl.microbatches == 1
+
+
 def test_custom_from_csv_and_comma_strings(tmp_path) -> None:
     zbv = compute_order(plan("zbv", 2, 2, 4))
     path = tmp_path / "zbv.csv"
