@@ -24,6 +24,7 @@ if str(REPO_ROOT) not in sys.path:
 import hydra  # noqa: E402
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
+from hydra.errors import InstantiationException  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from recipes.gpt.callbacks import TokensPerSecond  # noqa: E402
@@ -62,7 +63,7 @@ def build_strategy(cfg: DictConfig) -> Any:
     return cfg.name
 
 
-def build_all(cfg: DictConfig, group: DictConfig | None) -> list[Any]:
+def build_all(group: DictConfig | None) -> list[Any]:
     """Instantiate every ``_target_`` entry of a callbacks/logger group; a logger whose package is missing
     (TensorBoard is an optional dependency) is skipped with a note instead of failing the run."""
     objects = []
@@ -73,7 +74,7 @@ def build_all(cfg: DictConfig, group: DictConfig | None) -> list[Any]:
             objects.append(hydra.utils.instantiate(node))
         except (ImportError, ModuleNotFoundError) as err:
             print(f"[train] skipping {key} ({node._target_}): {err}", file=sys.stderr)
-        except hydra.errors.InstantiationException as err:
+        except InstantiationException as err:
             if isinstance(err.__cause__, ImportError):
                 print(f"[train] skipping {key} ({node._target_}): {err.__cause__}", file=sys.stderr)
             else:
@@ -88,8 +89,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
     datamodule = hydra.utils.instantiate(cfg.data)
     model = hydra.utils.instantiate(cfg.model)
-    callbacks = build_all(cfg, cfg.get("callbacks"))
-    loggers = build_all(cfg, cfg.get("logger"))
+    callbacks = build_all(cfg.get("callbacks"))
+    loggers = build_all(cfg.get("logger"))
     trainer: pl.Trainer = hydra.utils.instantiate(
         cfg.trainer, strategy=build_strategy(cfg.strategy), callbacks=callbacks, logger=loggers or False
     )

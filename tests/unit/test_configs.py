@@ -87,8 +87,8 @@ def instantiate_parts(cfg: DictConfig, tmp_path: Path) -> None:
     assert model.layers[-1].head.weight is model.layers[0].wte.weight
     datamodule = instantiate(cfg.data)
     assert datamodule.block_size == cfg.model.block_size
-    build_all(cfg, cfg.get("callbacks"))
-    build_all(cfg, cfg.get("logger"))
+    build_all(cfg.get("callbacks"))
+    build_all(cfg.get("logger"))
 
 
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}/{o}" for g, o in OPTIONS])
@@ -112,8 +112,8 @@ def test_option_composes_and_instantiates(group: str, option: str, tmp_path: Pat
         trainer = instantiate(
             cfg.trainer,
             strategy=build_strategy(cfg.strategy),
-            callbacks=build_all(cfg, cfg.callbacks),
-            logger=build_all(cfg, cfg.logger) or False,
+            callbacks=build_all(cfg.callbacks),
+            logger=build_all(cfg.logger) or False,
         )
         assert trainer.max_steps == cfg.trainer.max_steps
 
