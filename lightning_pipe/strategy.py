@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import logging
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
@@ -26,7 +25,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from typing_extensions import override
@@ -46,7 +45,6 @@ from lightning_pipe.stages import (
     localize_layers,
 )
 
-log = logging.getLogger(__name__)
 
 
 def _destroy_process_group() -> None:
@@ -274,9 +272,22 @@ class PipelineStrategy(PipelineCheckpointing, ParallelStrategy):
         if layout is None:
             engine.broadcast_initial_state()
         module._pipeline_engine = engine  # type: ignore[attr-defined]
-        log.info("pipeline rank %d (replica %d): stages %s, layers %s", topo.pp_rank, topo.dp_rank, local_ids,
-                 [list(ranges[s]) for s in local_ids])
+        self._log_layout(plan, ranges, local_ids, sum(p.numel() for p in engine._params))
         return engine
+
+    def _log_layout(self, plan: SchedulePlan, ranges: list[range], local_ids: list[int], n_params: int) -> None:
+        """One table on rank 0: which layers and how many parameters each stage holds (Lightning's model summary
+        only sees rank 0's stage)."""
+        topo = self._topology()
+        rows: list[Any] = [None] * self.world_size
+        dist.all_gather_object(rows, (topo.dp_rank, topo.pp_rank, local_ids, n_params))
+        lines = [f"PipelineStrategy: schedule={plan.spec.name}, microbatches={plan.microbatches}, "
+                 f"{plan.num_stages} stages on {topo.pipeline_size} ranks x {topo.data_parallel_size} replica(s)"]
+        for dp_rank, pp_rank, stages, count in rows:
+            if dp_rank == 0:
+                spans = ", ".join(f"stage {s}: layers {ranges[s].start}-{ranges[s].stop - 1}" for s in stages)
+                lines.append(f"  pipeline rank {pp_rank}: {spans} ({count:,} parameters)")
+        rank_zero_info("\n".join(lines))
 
     @override
     def model_to_device(self) -> None:
