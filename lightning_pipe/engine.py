@@ -122,7 +122,6 @@ class PipelineEngine:
         self._pending_grads: list[Tensor | None] | None = None
         # Deduplicated: a V schedule can put both ends of a tied weight on one rank (one object, two stages).
         self._params = list({id(p): p for sm in stage_modules for p in sm.parameters()}.values())
-        self._used_this_step = False
         # fp16 loss scaling, set by PipelinePrecision ([Note: fp16 loss scaling in a pipeline] in precision.py)
         self.loss_scaler: Callable[[Tensor], Tensor] | None = None
         self._raw_losses: list[Tensor] = []
@@ -133,7 +132,7 @@ class PipelineEngine:
     @contextlib.contextmanager
     def running(self, phase: str, batch_idx: int | None = None) -> Iterator[None]:
         """Set by the strategy around each Lightning step so compute_loss knows what to run."""
-        self.phase, self.batch_idx, self._used_this_step = phase, batch_idx, False
+        self.phase, self.batch_idx = phase, batch_idx
         try:
             yield
         finally:
@@ -156,7 +155,7 @@ class PipelineEngine:
     def loss(self, module: nn.Module, batch: Any) -> Tensor:
         if self.phase == "train":
             return self._train_step(module, batch)
-        if self.phase in ("validate", "test", "predict", "sanity"):
+        if self.phase in ("validate", "test", "predict"):
             return self._eval_loss(module, batch)
         raise RuntimeError(
             "compute_loss was called outside a Lightning step (training_step / validation_step / test_step). "
@@ -212,7 +211,6 @@ class PipelineEngine:
         self._pending_grads = [p.grad for p in self._params]
         for p, g in zip(self._params, saved):
             p.grad = g
-        self._used_this_step = True
         if self.has_last:
             # The last m recorded losses are this step's (torch may call the loss once more while inferring shapes).
             m = self.plan.microbatches
