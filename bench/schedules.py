@@ -14,7 +14,7 @@ Columns: ``bubble theory`` is the schedule's textbook idle fraction (equal F and
 ``F``/``B``/``I``/``W`` the measured mean milliseconds of one such call. Last line: ``best_schedule=<name>
 speedup=<x>``.
 
-    python bench/schedules.py [--steps 8] [--rounds 2] [--microbatches 8] [--batch 32] [--layers 8]
+    python bench/schedules.py [--steps 8] [--rounds 3] [--microbatches 8] [--batch 32] [--layers 8]
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--layers", type=int, default=8)
