@@ -60,7 +60,8 @@ class PipelineStrategy(PipelineCheckpointing, ParallelStrategy):
     torch.distributed.pipelining runs the schedule. Settings are those of :class:`~lightning_pipe.PipelineConfig`.
 
     Args:
-        schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``looped_bfs``, ``zb_h1``, ``zbv``, ``dualpipev``.
+        schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``looped_bfs``, ``zb_h1``, ``zbv``, ``dualpipev``,
+            ``custom`` (per-rank action lists in ``schedule_options``: ``actions`` inline or a ``csv`` path).
         microbatches: micro-batches per batch (default: 2 x number of stages). The batch size must divide by it.
         data_parallel_size: replicas of the pipeline; gradients are averaged across replicas of each stage.
         split: ``"uniform"``, ``"parameters"`` or explicit per-stage layer counts.
@@ -68,6 +69,7 @@ class PipelineStrategy(PipelineCheckpointing, ParallelStrategy):
         layers_attr: attribute holding the ordered layer list.
         recompute: activation recomputation per stage: ``"none"``, ``"all"`` (every layer) or ``k`` (every k-th
             layer of each stage): activations inside a recomputed layer are rebuilt in backward instead of kept.
+        schedule_options: schedule-specific options (see ``schedule``).
         start_method: ``"popen"`` re-runs the script per rank (like ``ddp``); ``"spawn"`` for notebooks.
     """
 
