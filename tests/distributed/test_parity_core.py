@@ -23,6 +23,8 @@ def core_cases(dp: int) -> list[dict[str, Any]]:
                           optimizer="adamw" if acc == 2 else "sgd", predict=(dp == 1 and acc == 1 and clip is None)))
     # Tied input/output weights held by the first and the last stage (GPT-2 style), with clipping and accumulation.
     cases.append(dict(schedule="1f1b", dp=dp, acc=2, clip=0.05, tied=True, optimizer="adamw"))
+    # gradient_clip_algorithm="value": elementwise, after the data-parallel average
+    cases.append(dict(schedule="gpipe", dp=dp, acc=2, clip=0.002, clip_algo="value"))
     return cases
 
 
