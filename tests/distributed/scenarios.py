@@ -131,6 +131,9 @@ def run_training(case: dict[str, Any], pipeline: bool) -> dict[str, Any]:
         pred_data = regression_data(22, seed=7)
         preds = trainer.predict(model, loader(pred_data, case["batch"], drop_last=False))
         out["predictions"] = torch.cat(preds) if preds and preds[0] is not None else None
+        # A new Trainer (new strategy) on the same, already split module: the layout is reused.
+        fresh = _trainer(case, pipeline, LossRecorder())
+        out["val_loss_new_trainer"] = fresh.validate(model, loader(data, batch), verbose=False)[0]["val_loss"]
     if pipeline:
         out["topology"] = (trainer.strategy.topology.dp_rank, trainer.strategy.topology.pp_rank)
     if trainer.checkpoint_callback is not None and case.get("monitor_dir") is not None:

@@ -72,6 +72,9 @@ def assert_case_parity(results: list[list[dict[str, Any]]], case_idx: int, case:
     if case.get("predict"):
         torch.testing.assert_close(results[0][case_idx]["predictions"], ref["predictions"], atol=ATOL, rtol=0)
         assert results[0][case_idx]["predictions"].shape[0] == 22
+        for res in results:
+            torch.testing.assert_close(torch.tensor(res[case_idx]["val_loss_new_trainer"]),
+                                       torch.tensor(ref["val_loss"]), atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("pp,dp", [(2, 1), (4, 1), (2, 2)], ids=["pp2", "pp4", "pp2xdp2"])
