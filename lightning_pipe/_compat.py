@@ -17,6 +17,52 @@ from torch.distributed.pipelining import schedules as _torch_schedules
 CHECKED_TORCH = ("2.13",)
 CHECKED_LIGHTNING = ("2.6",)
 
+
+# ---------------------------------------------------------------------------------------- Lightning internals
+# Private Lightning names the strategy builds on (DDPStrategy uses the same ones). Imported here only, so that a
+# Lightning release that moves one fails at `import lightning_pipe` with a message naming it.
+def _lightning(module: str, name: str) -> Any:
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise ImportError(
+            f"lightning {lightning.__version__} has no {module}.{name}; lightning_pipe was checked on lightning "
+            f"{CHECKED_LIGHTNING} and needs it. Install lightning 2.6 or update lightning_pipe._compat."
+        ) from err
+
+
+StrategyRegistryType = _lightning("lightning.fabric.strategies", "_StrategyRegistry")
+distributed_is_initialized = _lightning("lightning.fabric.utilities.distributed", "_distributed_is_initialized")
+default_backend_for_device = _lightning("lightning.fabric.utilities.distributed",
+                                        "_get_default_process_group_backend_for_device")
+init_dist_connection = _lightning("lightning.fabric.utilities.distributed", "_init_dist_connection")
+sync_ddp_if_available = _lightning("lightning.fabric.utilities.distributed", "_sync_ddp_if_available")
+optimizers_to_device = _lightning("lightning.fabric.utilities.optimizer", "_optimizers_to_device")
+convert_fp_tensor = _lightning("lightning.fabric.plugins.precision.utils", "_convert_fp_tensor")
+DtypeContextManager = _lightning("lightning.fabric.plugins.precision.utils", "_DtypeContextManager")
+MultiProcessingLauncher = _lightning("lightning.pytorch.strategies.launchers", "_MultiProcessingLauncher")
+SubprocessScriptLauncher = _lightning("lightning.pytorch.strategies.launchers", "_SubprocessScriptLauncher")
+
+def dcp_load_everything(storage_reader: Any) -> dict[str, Any]:
+    """Every entry of a torch.distributed.checkpoint directory, in one process, without knowing the keys first
+    (consolidation). Torch's public ``load`` needs a state dict of the right keys; this is what ``dcp_to_torch_save``
+    does internally, with the same two private names."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    flat: dict[str, Any] = {}
+    _load_state_dict(flat, storage_reader=storage_reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return flat
+
+
+# Private methods we override or call: (class, method name).
+PRIVATE_LIGHTNING_METHODS = (
+    (MultiProcessingLauncher, "_collect_rank_zero_results"),  # launchers.PipelineMultiProcessingLauncher
+    (_lightning("lightning.pytorch.plugins.precision", "Precision"), "_after_closure"),  # fp16 optimizer_step
+)
+
 # Names of the private flags by which torch's schedules remember that P2P buffer shapes were inferred.
 _SINGLE_FLAGS = ("_stage_forward_initialized", "_stage_backward_initialized")
 _MULTI_FLAGS = ("_stages_forward_initialized", "_stages_backward_initialized")

@@ -355,13 +355,10 @@ def names_from_positions(saved: dict[str, Any], group_names: Sequence[Sequence[s
 
 # ---------------------------------------------------------------------------------------------------------- convert
 def _read_all(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    from lightning_pipe._compat import dcp_load_everything
 
     _, meta = read_sharded_metadata(path)
-    flat: dict[str, Any] = {}
-    _load_state_dict(flat, storage_reader=_dcp_reader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    return flat, meta
+    return dcp_load_everything(_dcp_reader(path)), meta
 
 
 def consolidated(path: str | os.PathLike) -> dict[str, Any]:

@@ -10,11 +10,12 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch.distributed as dist
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from typing_extensions import override
 
+from lightning_pipe._compat import MultiProcessingLauncher
 
-class PipelineMultiProcessingLauncher(_MultiProcessingLauncher):
+
+class PipelineMultiProcessingLauncher(MultiProcessingLauncher):
     @override
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Optional[Any]:
         module = trainer.lightning_module

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Literal, Optional, U
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.fabric.utilities.types import Steppable
 from lightning.pytorch.plugins.precision import Precision
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -28,6 +27,8 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
+
+from lightning_pipe._compat import DtypeContextManager, convert_fp_tensor
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_pipe.engine import PipelineEngine
@@ -77,7 +78,7 @@ class PipelinePrecision(Precision):
     @override
     def tensor_init_context(self) -> contextlib.AbstractContextManager:
         if self.precision.endswith("-true") and self.half_dtype is not None:
-            return _DtypeContextManager(self.half_dtype)
+            return DtypeContextManager(self.half_dtype)
         return contextlib.nullcontext()
 
     @override
@@ -87,12 +88,12 @@ class PipelinePrecision(Precision):
     @override
     def convert_input(self, data: Any) -> Any:
         if self.precision.endswith("-true") and self.half_dtype is not None:
-            return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self.half_dtype)
+            return apply_to_collection(data, function=convert_fp_tensor, dtype=Tensor, dst_type=self.half_dtype)
         return data
 
     @override
     def convert_output(self, data: Any) -> Any:
-        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor,
+        return apply_to_collection(data, function=convert_fp_tensor, dtype=Tensor,
                                    dst_type=torch.get_default_dtype())
 
     @override
@@ -103,7 +104,7 @@ class PipelinePrecision(Precision):
             with torch.autocast(self.device, dtype=self.half_dtype, cache_enabled=False):
                 yield
         elif self.half_dtype is not None:
-            with _DtypeContextManager(self.half_dtype):
+            with DtypeContextManager(self.half_dtype):
                 yield
         else:
             yield

@@ -10,19 +10,9 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
@@ -30,6 +20,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_pipe import _compat
 from lightning_pipe.config import PipelineConfig, SplitSpec, Topology, config_error
 from lightning_pipe.engine import PipelineEngine, ProcessGroups
 from lightning_pipe.launchers import PipelineMultiProcessingLauncher
@@ -160,7 +151,8 @@ class PipelineStrategy(PipelineCheckpointing, ParallelStrategy):
         if self.cluster_environment.creates_processes_externally:
             self._launcher = None  # torchrun / SLURM / our tests started the ranks
         elif self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = _compat.SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
+                                                              self.num_nodes)
         else:
             self._launcher = PipelineMultiProcessingLauncher(self, start_method=self._start_method)
 
@@ -179,13 +171,13 @@ class PipelineStrategy(PipelineCheckpointing, ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        backend = self._process_group_backend or _compat.default_backend_for_device(self.root_device)
         self._process_group_backend = backend
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         if not dist.is_initialized():
-            _init_dist_connection(self.cluster_environment, backend, **kwargs)
+            _compat.init_dist_connection(self.cluster_environment, backend, **kwargs)
             # Lightning only does this for NCCL; gloo process groups alive at interpreter exit can abort the
             # process ("terminate called without an active exception") after a perfectly good run.
             atexit.register(_destroy_process_group)
@@ -227,7 +219,7 @@ class PipelineStrategy(PipelineCheckpointing, ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            _compat.optimizers_to_device(self.optimizers, self.root_device)
 
     def _check_module(self, module: LightningModule) -> None:
         missing = [name for name in ("loss_fn", "split_batch", "compute_loss") if not hasattr(module, name)]
@@ -324,7 +316,7 @@ class PipelineStrategy(PipelineCheckpointing, ParallelStrategy):
     # ------------------------------------------------------------------ collectives
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not _distributed_is_initialized():
+        if not _compat.distributed_is_initialized():
             return
         if dist.get_backend() == "nccl":
             dist.barrier(device_ids=[self.root_device.index])
@@ -333,17 +325,17 @@ class PipelineStrategy(PipelineCheckpointing, ParallelStrategy):
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
+        if not _compat.distributed_is_initialized():
             return obj
         holder = [obj]
-        dist.broadcast_object_list(holder, src, group=_group.WORLD)
+        dist.broadcast_object_list(holder, src, group=dist.group.WORLD)
         return holder[0]
 
     @override
     def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
                reduce_op: Optional[Union[Any, str]] = "mean") -> Union[Tensor, Any]:
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return _compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     @override
@@ -357,7 +349,7 @@ class PipelineStrategy(PipelineCheckpointing, ParallelStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register("pipeline", cls, description="Pipeline parallelism (torch.distributed.pipelining)")
         strategy_registry.register("pipeline_spawn", cls, description="Pipeline parallelism, spawned processes",
                                    start_method="spawn")

@@ -13,12 +13,12 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_pipe import _compat
 from lightning_pipe import checkpoint as ckpt_lib
 
 
@@ -71,7 +71,7 @@ class PipelineCheckpointing:
         except ckpt_lib.CheckpointError as err:
             result, error = None, str(err)
         errors: list[Any] = [None] * self.world_size
-        if _distributed_is_initialized():
+        if _compat.distributed_is_initialized():
             dist.all_gather_object(errors, error)
         else:
             errors = [error]
@@ -81,7 +81,7 @@ class PipelineCheckpointing:
         return result
 
     def _gather(self, obj: Any) -> list[Any]:
-        if not _distributed_is_initialized():
+        if not _compat.distributed_is_initialized():
             return [obj]
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj)

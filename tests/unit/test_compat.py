@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 from types import SimpleNamespace
 
+import lightning
 import pytest
 import torch
 from torch.distributed.pipelining import schedules as torch_schedules
@@ -102,3 +103,22 @@ def test_torch_refuses_what_our_validator_refuses() -> None:
            1: [_compat.parse_action(a) for a in ["1F0", "1B0", "1F1", "1B1"]]}
     with pytest.raises(AssertionError, match="expected 2 total backwards"):
         _compat.torch_check_actions(bad, 2, 2, 2)
+
+
+@pytest.mark.parametrize("cls,method", _compat.PRIVATE_LIGHTNING_METHODS,
+                         ids=[f"{c.__name__}.{m}" for c, m in _compat.PRIVATE_LIGHTNING_METHODS])
+def test_private_lightning_methods_we_override_or_call_exist(cls: type, method: str) -> None:
+    assert callable(getattr(cls, method, None)), (
+        f"lightning {lightning.__version__}: {cls.__name__}.{method} is gone; lightning_pipe relies on it")
+
+
+def test_missing_lightning_internal_fails_at_import_naming_it() -> None:
+    with pytest.raises(ImportError, match=r"lightning\.fabric\.strategies\._NoSuchThing.*lightning_pipe\._compat"):
+        _compat._lightning("lightning.fabric.strategies", "_NoSuchThing")
+
+
+def test_dcp_private_loader_exists() -> None:
+    from torch.distributed.checkpoint import default_planner, state_dict_loader
+
+    assert hasattr(default_planner, "_EmptyStateDictLoadPlanner"), "used by _compat.dcp_load_everything"
+    assert "no_dist" in inspect.signature(state_dict_loader._load_state_dict).parameters
