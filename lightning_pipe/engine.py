@@ -122,6 +122,7 @@ class PipelineEngine:
         self._pending_grads: list[Tensor | None] | None = None
         # Deduplicated: a V schedule can put both ends of a tied weight on one rank (one object, two stages).
         self._params = list({id(p): p for sm in stage_modules for p in sm.parameters()}.values())
+        self._ties = self._local_ties()  # looked up once: used at every optimizer step
         # fp16 loss scaling, set by PipelinePrecision ([Note: fp16 loss scaling in a pipeline] in precision.py)
         self.loss_scaler: Callable[[Tensor], Tensor] | None = None
         self._raw_losses: list[Tensor] = []
@@ -292,26 +293,23 @@ class PipelineEngine:
         grads = [p.grad for p in self._params if p.grad is not None]
         if self.groups.dp is not None and grads:
             _all_reduce_coalesced(grads, self.groups.dp, average=True)
-        for tie, group, _owner in self.groups.tied:
-            param = self._tied_param(tie)
-            if param is not None and param.grad is not None:
+        for param, group, _owner in self._ties:
+            if param.grad is not None:
                 dist.all_reduce(param.grad, group=group)
 
-    def _tied_param(self, tie: TiedParameter) -> nn.Parameter | None:
+    def _local_ties(self) -> list[tuple[nn.Parameter, Any, bool]]:
+        """(this rank's copy, group of its holders, owner?) for each parameter tied across pipeline ranks."""
         params = dict(self.module.named_parameters(remove_duplicate=False))
-        for name in tie.names:
-            if name in params:
-                return params[name]
-        return None
+        ties = []
+        for tie, group, owner in self.groups.tied:
+            param = next((params[n] for n in tie.names if n in params), None)
+            if param is not None:
+                ties.append((param, group, owner))
+        return ties
 
     def norm_excluded(self) -> set[int]:
         """Tied copies that another rank already counts in the global norm."""
-        out = set()
-        for tie, _group, owner in self.groups.tied:
-            param = self._tied_param(tie)
-            if param is not None and not owner:
-                out.add(id(param))
-        return out
+        return {id(param) for param, _group, owner in self._ties if not owner}
 
     def broadcast_initial_state(self) -> None:
         """Start identical: replicas from data-parallel rank 0 (as DDP does), tied copies from their owner."""
@@ -319,10 +317,8 @@ class PipelineEngine:
         if self.groups.dp is not None:
             for t in tensors:
                 dist.broadcast(t.data, group=self.groups.dp, group_src=0)
-        for tie, group, _owner in self.groups.tied:
-            param = self._tied_param(tie)
-            if param is not None:
-                dist.broadcast(param.data, group=group, group_src=0)
+        for param, group, _owner in self._ties:
+            dist.broadcast(param.data, group=group, group_src=0)
 
     def clip_grad_norm_(self, parameters: Sequence[nn.Parameter], max_norm: float,
                         norm_type: float = 2.0) -> Tensor:
