@@ -134,3 +134,41 @@ def localize_layers(module: nn.Module, attr: str, ranges: Sequence[range], local
             layers._modules[key] = RemoteLayer(i, owner[i], stage_to_rank(owner[i]))
     return [StageModule([layers._modules[keys[i]] for i in ranges[s]], ranges[s], recompute_every)
             for s in local_stages]
+
+
+def materialize(module: nn.Module, attr: str, stage_modules: Sequence[StageModule], tied: Sequence[TiedParameter],
+                device: torch.device) -> bool:
+    """Allocate and initialise this rank's layers if they were built on the meta device; False if they were not.
+
+    Each local layer is initialised by ``module.reset_layer(index, layer)`` when the module defines it (make it
+    deterministic per layer, e.g. seeded by ``index``, and call it in ``configure_model`` too: then one device and
+    every pipeline layout start from the same values), else by each submodule's ``reset_parameters()``.
+    """
+    tensors = [t for sm in stage_modules for t in list(sm.parameters()) + list(sm.buffers())]
+    if not any(t.is_meta for t in tensors):
+        return False
+    for sm in stage_modules:
+        sm.to_empty(device=device)
+    _retie(module, tied)  # to_empty gives every module its own new Parameter: tie the local copies again
+    reset_layer = getattr(module, "reset_layer", None)
+    for sm in stage_modules:
+        for index, layer in zip(sm.layer_indices, sm.layers):
+            if callable(reset_layer):
+                reset_layer(index, layer)
+            else:
+                for sub in layer.modules():
+                    if callable(getattr(sub, "reset_parameters", None)):
+                        sub.reset_parameters()
+    return True
+
+
+def _retie(module: nn.Module, tied: Sequence[TiedParameter]) -> None:
+    for tie in tied:
+        owners = []
+        for name in tie.names:
+            prefix, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(prefix)
+            if leaf in owner._parameters:
+                owners.append((owner, leaf))
+        for owner, leaf in owners[1:]:
+            owner._parameters[leaf] = owners[0][0]._parameters[owners[0][1]]

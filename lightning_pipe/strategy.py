@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import atexit
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from typing import Any, Generator, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,7 @@ from lightning_pipe.stages import (
     find_layers,
     find_tied_parameters,
     localize_layers,
+    materialize,
 )
 
 
@@ -212,8 +214,7 @@ class PipelineStrategy(PipelineCheckpointing, ParallelStrategy):
         assert module is not None
         self._check_module(module)
         self.precision_plugin.convert_module(module)
-        self.model_to_device()
-        self.engine = self._build_engine(module, trainer)
+        self.engine = self._build_engine(module, trainer)  # moves this rank's layers to the device
         self.precision_plugin.setup(self.engine, self.root_device)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -261,6 +262,9 @@ class PipelineStrategy(PipelineCheckpointing, ParallelStrategy):
         groups = ProcessGroups(topo, tied, ranges, plan, backend=None)
         stage_modules = localize_layers(module, cfg.layers_attr, ranges, local_ids, plan.stage_to_rank,
                                         cfg.recompute_every)
+        # Layers built on the meta device (configure_model) are allocated now, on this rank only.
+        materialize(module, cfg.layers_attr, stage_modules, tied, self.root_device)
+        self.model_to_device()
         module._pipeline_layout = (ranges, tied, plan)  # type: ignore[attr-defined]
         engine = PipelineEngine(module, stage_modules, local_ids, plan, groups, self.root_device)
         if layout is None:
@@ -282,6 +286,15 @@ class PipelineStrategy(PipelineCheckpointing, ParallelStrategy):
                 spans = ", ".join(f"stage {s}: layers {ranges[s].start}-{ranges[s].stop - 1}" for s in stages)
                 lines.append(f"  pipeline rank {pp_rank}: {spans} ({count:,} parameters)")
         rank_zero_info("\n".join(lines))
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """``configure_model`` builds on the meta device: no rank allocates layers it will not hold. Each rank
+        allocates its own layers at setup and initialises them with the module's ``reset_layer(index, layer)``
+        (see the README's "Large models")."""
+        with torch.device("meta"):
+            yield
 
     @override
     def model_to_device(self) -> None:

@@ -80,6 +80,34 @@ class ToyRegressor(PipelineModule):
         self.grad_norms_before_step.append(sq)
 
 
+class MetaBuiltRegressor(ToyRegressor):
+    """Builds its layers in ``configure_model`` (on the meta device under the pipeline) and initialises each with a
+    per-layer seed through ``reset_layer``, so one device and any pipeline layout start from the same values."""
+
+    def __init__(self, n_layers: int = 8, tied: bool = False, **kwargs: Any) -> None:
+        super().__init__(n_layers=n_layers, tied=tied, **kwargs)
+        self.n_layers, self.tied = n_layers, tied
+        self.layers = None  # built in configure_model
+
+    def configure_model(self) -> None:
+        if self.layers is not None:
+            return
+        first = nn.Linear(4, WIDTH)
+        layers: list[nn.Module] = [first, *(Block(WIDTH) for _ in range(self.n_layers - 2))]
+        layers.append(TiedHead(first.weight) if self.tied else nn.Linear(WIDTH, 4))
+        self.layers = nn.Sequential(*layers)
+        for index, layer in enumerate(self.layers):
+            self.reset_layer(index, layer)
+
+    def reset_layer(self, index: int, layer: nn.Module) -> None:
+        g = torch.Generator().manual_seed(100 + index)
+        with torch.no_grad():
+            for name, p in layer.named_parameters():
+                if p.is_meta or (isinstance(layer, TiedHead) and name == "weight"):
+                    continue  # meta: nothing to fill yet; a tied weight is initialised by its first layer
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+
 def regression_data(n: int = 96, seed: int = 1) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 4, generator=g)

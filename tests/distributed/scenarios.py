@@ -16,7 +16,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import TensorDataset
 
 from lightning_pipe import PipelinePrecision, PipelineStrategy
-from tests.models import ToyRegressor, loader, reference_train_loader, regression_data
+from tests.models import MetaBuiltRegressor, ToyRegressor, loader, reference_train_loader, regression_data
 
 DEFAULTS: dict[str, Any] = dict(schedule="1f1b", dp=1, acc=1, clip=None, clip_algo="norm", steps=3, optimizer="sgd",
                                 tied=False, n_layers=8, microbatches=4, split="uniform", batch=8,
@@ -46,7 +46,7 @@ def token_data(n: int, seed: int = 1) -> TensorDataset:
     return TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
 
-MODELS = {"toy": ToyRegressor, "no_layers": NoLayerList, "gpt": tiny_gpt}
+MODELS = {"toy": ToyRegressor, "no_layers": NoLayerList, "gpt": tiny_gpt, "meta": MetaBuiltRegressor}
 DATA = {"gpt": token_data}
 
 
@@ -135,6 +135,8 @@ def run_training(case: dict[str, Any], pipeline: bool) -> dict[str, Any]:
         fresh = _trainer(case, pipeline, LossRecorder())
         out["val_loss_new_trainer"] = fresh.validate(model, loader(data, batch), verbose=False)[0]["val_loss"]
     if pipeline:
+        # every tensor this rank holds is allocated; other stages' layers never were (meta, then placeholders)
+        out["meta_tensors"] = sum(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
         out["topology"] = (trainer.strategy.topology.dp_rank, trainer.strategy.topology.pp_rank)
     if trainer.checkpoint_callback is not None and case.get("monitor_dir") is not None:
         out["best"] = (trainer.checkpoint_callback.best_model_path, float(trainer.checkpoint_callback.best_model_score))

@@ -23,6 +23,8 @@ def core_cases(dp: int) -> list[dict[str, Any]]:
                           optimizer="adamw" if acc == 2 else "sgd", predict=(dp == 1 and acc == 1 and clip is None)))
     # Tied input/output weights held by the first and the last stage (GPT-2 style), with clipping and accumulation.
     cases.append(dict(schedule="1f1b", dp=dp, acc=2, clip=0.05, tied=True, optimizer="adamw"))
+    # layers built on the meta device in configure_model, allocated per rank at setup (tied across stages)
+    cases.append(dict(schedule="1f1b", dp=dp, model="meta", tied=True, clip=0.05))
     # gradient_clip_algorithm="value": elementwise, after the data-parallel average
     cases.append(dict(schedule="gpipe", dp=dp, acc=2, clip=0.002, clip_algo="value"))
     return cases
@@ -58,6 +60,7 @@ def assert_case_parity(results: list[list[dict[str, Any]]], case_idx: int, case:
         r = res[case_idx]
         # hooks fire as on one device: zero_grad per optimizer step, backward per batch
         assert r["calls"] == ref["calls"], (r["calls"], ref["calls"])
+        assert r["meta_tensors"] == 0
         if "val_loss" in ref:
             # validation during fit (every 2 batches), trainer.validate and trainer.test: forward-only pipeline
             assert len(ref["fit_val_losses"]) >= 1

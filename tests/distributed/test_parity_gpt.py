@@ -13,7 +13,9 @@ pytestmark = [pytest.mark.parity, pytest.mark.distributed]
 CASES = {
     2: [dict(model="gpt", schedule="1f1b", clip=1.0, tied=True, n_data=64),
         # V placement: both ends of the tied weight on rank 0 (one object, two stages)
-        dict(model="gpt", schedule="zbv", stages_per_rank=2, acc=2, tied=True, n_data=64)],
+        dict(model="gpt", schedule="zbv", stages_per_rank=2, acc=2, tied=True, n_data=64),
+        # built on the meta device; both ends of the tie on rank 0 must be re-tied after allocation
+        dict(model="meta", schedule="zbv", stages_per_rank=2, tied=True, clip=0.05)],
     4: [dict(model="gpt", schedule="gpipe", clip=1.0, tied=True, n_data=64)],
 }
 
