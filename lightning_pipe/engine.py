@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage
 
+from lightning_pipe import _compat
 from lightning_pipe.config import PipelineConfig, Topology, config_error
 from lightning_pipe.schedules import SchedulePlan, build_torch_schedule
 from lightning_pipe.stages import StageModule, TiedParameter
@@ -184,9 +185,7 @@ class PipelineEngine:
     def _ensure_shape(self, mode: str, mb_rows: int) -> None:
         """Torch infers P2P buffer shapes once per train/eval switch; re-initialise when the row count changes."""
         if self._shape is not None and self._shape[0] == mode and self._shape[1] != mb_rows:
-            from lightning_pipe._compat import reset_schedule_shapes
-
-            reset_schedule_shapes(self.schedule)
+            _compat.reset_schedule_shapes(self.schedule)
         self._shape = (mode, mb_rows)
 
     def _step_args(self, inputs: Any) -> tuple:
@@ -247,9 +246,7 @@ class PipelineEngine:
         self._ensure_shape("eval", mb_rows)
         # Lightning evaluates under inference_mode; torch's P2P buffers must stay ordinary tensors so that the
         # next training step can reuse them, so run under no_grad instead.
-        from lightning_pipe._compat import forward_only_actions
-
-        with torch.inference_mode(False), torch.no_grad(), forward_only_actions(self.schedule):
+        with torch.inference_mode(False), torch.no_grad(), _compat.forward_only_actions(self.schedule):
             args = self._step_args(_pad_rows(inputs, padded))
             dummy_target = torch.zeros(padded, device=self.device) if self.has_last else None
             out = self.schedule.eval(*args, target=dummy_target)
