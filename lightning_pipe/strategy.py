@@ -40,6 +40,17 @@ from lightning_pipe.stages import (
 
 
 
+def _param_counts(layers: Any) -> list[int]:
+    """Parameters per layer for split="parameters"; a tied parameter counts once, in the first layer using it."""
+    seen: set[int] = set()
+    counts = []
+    for layer in layers:
+        fresh = [p for p in layer.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in fresh)
+        counts.append(sum(p.numel() for p in fresh))
+    return counts
+
+
 def _destroy_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
@@ -246,7 +257,7 @@ class PipelineStrategy(PipelineCheckpointing, ParallelStrategy):
         layout = getattr(module, "_pipeline_layout", None)
         if layout is None:
             check_no_stray_parameters(module, cfg.layers_attr)
-            param_counts = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+            param_counts = _param_counts(layers)
             ranges = split_layers(len(layers), plan.num_stages, cfg.split, param_counts)
             tied = find_tied_parameters(module, cfg.layers_attr)
         else:

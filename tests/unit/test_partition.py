@@ -59,3 +59,12 @@ def test_more_stages_than_layers_is_refused():
     msg = str(err.value)
     assert "4 stages for 3 layers" in msg and "cannot exceed the number of layers" in msg
     assert "schedule.stages_per_rank" in msg
+
+
+def test_parameter_split_counts_a_tied_weight_once():
+    from lightning_pipe.strategy import _param_counts
+    from tests.models import ToyRegressor
+
+    counts = _param_counts(ToyRegressor(n_layers=4, tied=True).layers)
+    assert counts[0] == 4 * 8 + 8  # the input projection owns the tied weight
+    assert counts[-1] == 4  # the tied head adds only its bias
