@@ -90,16 +90,9 @@ def hand_written(args: argparse.Namespace) -> list[float]:
 
 def through_lightning(args: argparse.Namespace) -> list[float]:
     import lightning.pytorch as L
-    from lightning.pytorch.callbacks import Callback
 
+    from bench._timing import StepClock
     from lightning_pipe import PipelineStrategy
-
-    class StepClock(Callback):
-        def __init__(self) -> None:
-            self.ends: list[float] = []
-
-        def on_train_batch_end(self, *a) -> None:
-            self.ends.append(time.perf_counter())
 
     clock = StepClock()
     trainer = L.Trainer(strategy=PipelineStrategy(schedule=args.schedule, microbatches=args.microbatches),
@@ -108,8 +101,7 @@ def through_lightning(args: argparse.Namespace) -> list[float]:
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],
                         use_distributed_sampler=False)  # same batches, in the same order, as the hand-written loop
     trainer.fit(_model(), _data(args.batch * (args.steps + args.warmup), args.batch))
-    diffs = [b - a for a, b in zip(clock.ends, clock.ends[1:])]
-    return diffs[args.warmup - 1:]
+    return clock.durations(args.warmup)
 
 
 def worker(args: argparse.Namespace) -> None:

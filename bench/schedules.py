@@ -11,7 +11,7 @@ Step time is the median time between the ends of consecutive training steps (the
 Columns: ``bubble theory`` is the schedule's textbook idle fraction (equal F and B; ZB: F = I = W);
 ``bubble sim`` replays the schedule's real action order with F=1, B=2 (I=W=1) and free communication;
 ``compute`` is the measured fraction of the step the ranks spent inside stage forward / backward calls, and
-``F``/``B``/``I``/``W`` the measured mean milliseconds of one such call. Last line: ``best_schedule=<name>
+``F``/``B``/``I``/``W`` the measured mean milliseconds of one such call (recorded by lightning_pipe.trace). Last line: ``best_schedule=<name>
 speedup=<x>``.
 
     python bench/schedules.py [--steps 8] [--rounds 3] [--microbatches 8] [--batch 32] [--layers 8]
@@ -69,51 +69,30 @@ def balanced_split(n_blocks: int, n_stages: int) -> list[int]:
     return counts
 
 
-class _StepClock:
-    def __init__(self) -> None:
-        self.ends: list[float] = []
-
-
-def _instrument_stages() -> dict[str, list[float]]:
-    """Time every stage forward / backward call of this rank (by kind F, B, I, W) by wrapping torch's stage."""
-    from torch.distributed.pipelining import stage as torch_stage
-
-    spent: dict[str, list[float]] = defaultdict(list)
-    base = torch_stage._PipelineStageBase
-
-    def timed(fn, kind_of):
-        def wrapper(self, *a, **kw):
-            t = time.perf_counter()
-            try:
-                return fn(self, *a, **kw)
-            finally:
-                spent[kind_of(a, kw)].append(time.perf_counter() - t)
-        return wrapper
-
-    base.forward_one_chunk = timed(base.forward_one_chunk, lambda a, kw: "F")
-    base.backward_one_chunk = timed(base.backward_one_chunk,
-                                    lambda a, kw: "B" if kw.get("full_backward", True) else "I")
-    base.backward_weight_one_chunk = timed(base.backward_weight_one_chunk, lambda a, kw: "W")
-    return spent
-
-
-def _run_pipeline(args: argparse.Namespace, schedule: str, v: int, spent: dict[str, list[float]]) -> dict:
+def _run_pipeline(args: argparse.Namespace, schedule: str, v: int) -> dict:
     import lightning.pytorch as L
     import torch.distributed as dist
     from lightning.pytorch.callbacks import Callback
 
+    from bench._timing import StepClock
     from lightning_pipe import PipelineStrategy
     from lightning_pipe.config import PipelineConfig
     from lightning_pipe.schedules import compute_order, plan_schedule
+    from lightning_pipe.trace import StepRecorder
 
-    clock = _StepClock()
+    class Record(Callback):
+        """The library's trace recorder (lightning_pipe.trace) measures each stage call of the timed steps."""
 
-    class Clock(Callback):
-        def on_train_batch_end(self, *a) -> None:
-            clock.ends.append(time.perf_counter())
-            if len(clock.ends) == args.warmup:
-                spent.clear()  # count compute over the timed steps only
+        def on_train_start(self, trainer: L.Trainer, *a) -> None:
+            self.recorder = StepRecorder(trainer.strategy.engine, keep=None).attach()
 
+    record = Record()
+
+    def arm(finished: int) -> None:
+        if finished == args.warmup:
+            record.recorder.armed = True  # record the timed steps only
+
+    clock = StepClock(on_step=arm)
     world = int(os.environ["WORLD_SIZE"])
     options = {}
     if schedule == "custom":
@@ -123,11 +102,16 @@ def _run_pipeline(args: argparse.Namespace, schedule: str, v: int, spent: dict[s
                                 split=balanced_split(args.layers, world * v), schedule_options=options)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=args.steps + args.warmup,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[Clock()], limit_val_batches=0,
+                        enable_model_summary=False, callbacks=[clock, record], limit_val_batches=0,
                         use_distributed_sampler=False)
     trainer.fit(_model(args), _data(args))
-    diffs = [b - a for a, b in zip(clock.ends, clock.ends[1:])][args.warmup - 1:]
+    diffs = clock.durations(args.warmup)
     timed = sum(diffs)
+    spent: dict[str, list[float]] = defaultdict(list)
+    for rec in record.recorder.records:
+        for sl in rec.slices:
+            if sl.kind in "FBIW":  # stage forward / backward calls (the loss is not counted)
+                spent[sl.kind].append((sl.end_ns - sl.start_ns) / 1e9)
     mine = {"compute": sum(sum(x) for x in spent.values()) / timed if timed else 0.0,
             "ms": {k: 1e3 * statistics.mean(x) for k, x in spent.items() if x}}
     gathered: list = [None] * world
@@ -142,12 +126,11 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     if not dist.is_initialized():
         dist.init_process_group("gloo")
-    spent = _instrument_stages()
     rows = [r for r in ROWS if args.only is None or r[0] in args.only.split(",")]
     results: dict[str, list] = defaultdict(list)
     for _ in range(args.rounds):
         for name, schedule, v in rows:
-            results[name].append(_run_pipeline(args, schedule, v, spent))
+            results[name].append(_run_pipeline(args, schedule, v))
             dist.barrier()
     if int(os.environ["RANK"]) == 0:
         Path(args.out).write_text(json.dumps(results))
@@ -157,20 +140,16 @@ def single_process(args: argparse.Namespace) -> float:
     """The same LightningModule on one process, one thread, whole batches (no pipeline, no micro-batches)."""
     import lightning.pytorch as L
     import torch
-    from lightning.pytorch.callbacks import Callback
+
+    from bench._timing import StepClock
 
     torch.set_num_threads(1)
-    ends: list[float] = []
-
-    class Clock(Callback):
-        def on_train_batch_end(self, *a) -> None:
-            ends.append(time.perf_counter())
-
+    clock = StepClock()
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=args.steps + args.warmup, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[Clock()], limit_val_batches=0)
+                        callbacks=[clock], limit_val_batches=0)
     trainer.fit(_model(args), _data(args))
-    return statistics.median([b - a for a, b in zip(ends, ends[1:])][args.warmup - 1:])
+    return statistics.median(clock.durations(args.warmup))
 
 
 def main() -> None:
