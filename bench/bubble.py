@@ -1,6 +1,6 @@
 """Measured pipeline bubble vs theory: GPipe and 1F1B at p = 2, m in {2, 4, 8, 16, 32}, 2 CPU ranks (gloo).
 
-The measurement is the one users get from ``lightning_pipe.callbacks.PipelineTimeline``: per rank and step,
+The measurement is the one users get from ``lightning_pipe.PipelineTimeline``: per rank and step,
 ``1 - busy compute / step wall time`` (compute = stage forward/backward calls and the loss), averaged over ranks;
 the table shows the median over the recorded steps. The model is a balanced residual MLP (8 blocks of width 512,
 4 per stage, 32 rows per micro-batch: a few ms per stage call, so P2P latency is small next to compute).
@@ -78,7 +78,7 @@ def _fit(args: argparse.Namespace, schedule: str, m: int, steps: int, timeline: 
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_pipe import PipelineStrategy
-    from lightning_pipe.callbacks import PipelineTimeline
+    from lightning_pipe import PipelineTimeline
 
     class IterClock(Callback):
         def __init__(self) -> None:
@@ -171,7 +171,7 @@ def _replay(records: list[dict], latency_ns: float) -> float:
 
 def _wrapper_cost_ns(n: int = 200_000) -> float:
     """What the recorder adds to one action: a timed wrapper around a no-op, minus the bare call (this process)."""
-    from lightning_pipe.trace import _CpuClock, _Run
+    from lightning_pipe.trace.recorder import _CpuClock, _Run
 
     run = _Run(_CpuClock())
 

@@ -1,16 +1,20 @@
 """lightning_pipe: pipeline parallelism for PyTorch Lightning.
 
 ``import lightning_pipe`` registers ``Trainer(strategy="pipeline")`` (and ``"pipeline_spawn"``) with Lightning.
+
+Layout: a plain-torch core (``config``, ``partition``, ``stages``, ``schedules``, ``engine``, ``grads``,
+``checkpoint``, ``trace``, ``memory``) that never imports Lightning, and the Lightning adapter in
+``lightning_pipe.lightning``; private torch / Lightning names live in ``lightning_pipe._compat``.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_pipe.config import PipelineConfig, PipelineConfigError, Topology
-from lightning_pipe.module import PipelineModule
-from lightning_pipe.partition import split_layers
-from lightning_pipe.precision import PipelinePrecision
-from lightning_pipe.schedules import available_schedules, get_schedule_spec
-from lightning_pipe.strategy import PipelineStrategy
+from lightning_pipe.config import PipelineConfig, PipelineConfigError
+from lightning_pipe.lightning.callbacks import PipelineTimeline
+from lightning_pipe.lightning.module import PipelineModule
+from lightning_pipe.lightning.precision import PipelinePrecision
+from lightning_pipe.lightning.strategy import PipelineStrategy
+from lightning_pipe.schedules import available_schedules, compute_order
 
 __version__ = "0.1.0"
 
@@ -20,10 +24,9 @@ __all__ = [
     "PipelineModule",
     "PipelinePrecision",
     "PipelineStrategy",
-    "Topology",
+    "PipelineTimeline",
     "available_schedules",
-    "get_schedule_spec",
-    "split_layers",
+    "compute_order",
 ]
 
 # Lightning has no entry-point discovery for strategies: register on import. Launched ranks re-run the user's

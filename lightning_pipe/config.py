@@ -6,7 +6,7 @@ while its peers wait in a P2P receive would hang the job, so the rules live wher
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Sequence, Union
 
 SplitSpec = Union[str, Sequence[int]]
@@ -102,10 +102,6 @@ class PipelineConfig:
         if value.isdigit() and int(value) >= 1:
             return int(value)
         return None
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
 
 
 @dataclass(frozen=True)

@@ -21,58 +21,38 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage
 
-from lightning_pipe import _compat
+from lightning_pipe._compat import torch as _compat
 from lightning_pipe.config import PipelineConfig, Topology, config_error
+from lightning_pipe.grads import GradientSync, ProcessGroups
+from lightning_pipe.partition import layer_param_counts, split_layers
 from lightning_pipe.schedules import SchedulePlan, build_torch_schedule
-from lightning_pipe.stages import StageModule, TiedParameter
+from lightning_pipe.stages import (
+    StageModule,
+    TiedParameter,
+    check_no_stray_parameters,
+    find_layers,
+    find_tied_parameters,
+    localize_layers,
+    materialize,
+)
 
 
-class ProcessGroups:
-    """The groups one rank talks over. Built collectively: every rank creates every group, in the same order."""
+@dataclass(frozen=True)
+class PipelineLayout:
+    """How a module was cut: layer ranges per stage, the tied parameters, and the plan. Kept on the module so a
+    later Trainer in the same process (validate after fit) reuses it: the other ranks' layers are gone."""
 
-    def __init__(self, topology: Topology, tied: Sequence[TiedParameter], ranges: Sequence[range],
-                 plan: SchedulePlan, backend: str | None = None) -> None:
-        self.topology = topology
-        p, d = topology.pipeline_size, topology.data_parallel_size
-        self.pp: dist.ProcessGroup | None = None
-        self.dp: dist.ProcessGroup | None = None
-        for dp_rank in range(d):
-            group = dist.new_group(topology.pp_group_ranks(dp_rank), backend=backend)
-            if dp_rank == topology.dp_rank:
-                self.pp = group
-        for pp_rank in range(p):
-            group = dist.new_group(topology.dp_group_ranks(pp_rank), backend=backend) if d > 1 else None
-            if pp_rank == topology.pp_rank:
-                self.dp = group
-        # Tied parameters held by several pipeline ranks: one group per tie and replica, over the holding ranks.
-        self.tied: list[tuple[TiedParameter, dist.ProcessGroup | None, bool]] = []
-        for tie in tied:
-            holders = sorted({plan.stage_to_rank(_stage_of(ranges, i)) for i in tie.layer_indices})
-            if len(holders) < 2:
-                continue
-            mine = None
-            for dp_rank in range(d):
-                ranks = [dp_rank * p + h for h in holders]
-                group = dist.new_group(ranks, backend=backend)
-                if topology.global_rank in ranks:
-                    mine = group
-            if mine is not None:
-                # The first holder "owns" it: it alone counts it in the global gradient norm.
-                self.tied.append((tie, mine, topology.pp_rank == holders[0]))
-
-    def global_rank_of_pp(self, pp_rank: int) -> int:
-        return self.topology.dp_rank * self.topology.pipeline_size + pp_rank
-
-
-def _stage_of(ranges: Sequence[range], layer: int) -> int:
-    return next(s for s, r in enumerate(ranges) if layer in r)
+    ranges: tuple[range, ...]
+    tied: tuple[TiedParameter, ...]
+    plan: SchedulePlan
 
 
 def _rows(inputs: Any) -> int:
@@ -122,9 +102,9 @@ class PipelineEngine:
         self._shape: tuple[str, int] | None = None  # (train|eval, micro-batch rows) torch last initialised for
         self._pending_grads: list[Tensor | None] | None = None
         # Deduplicated: a V schedule can put both ends of a tied weight on one rank (one object, two stages).
-        self._params = list({id(p): p for sm in stage_modules for p in sm.parameters()}.values())
-        self._ties = self._local_ties()  # looked up once: used at every optimizer step
-        # fp16 loss scaling, set by PipelinePrecision ([Note: fp16 loss scaling in a pipeline] in precision.py)
+        self.parameters = list({id(p): p for sm in stage_modules for p in sm.parameters()}.values())
+        self.grads = GradientSync(module, self.parameters, groups, device)
+        # fp16 loss scaling, set by PipelinePrecision ([Note: fp16 loss scaling in a pipeline] in lightning/precision.py)
         self.loss_scaler: Callable[[Tensor], Tensor] | None = None
         self._raw_losses: list[Tensor] = []
         # Context managers entered around every training schedule step (see lightning_pipe.memory / trace).
@@ -200,16 +180,16 @@ class PipelineEngine:
         self._ensure_shape("train", self._check_rows(_rows(inputs), "training"))
         self._loss_scale = 1.0 / (self.plan.microbatches * self.accumulate_grad_batches)
         # [Note: gradients across Lightning's zero_grad]: keep what earlier batches accumulated out of the way.
-        saved = [p.grad for p in self._params]
-        for p in self._params:
+        saved = [p.grad for p in self.parameters]
+        for p in self.parameters:
             p.grad = None
         self._raw_losses = []
         with contextlib.ExitStack() as stack:
             for make_context in self.step_contexts:  # measurement (memory meter, trace recorder), off by default
                 stack.enter_context(make_context())
             self.schedule.step(*self._step_args(inputs), target=target if self.has_last else None)
-        self._pending_grads = [p.grad for p in self._params]
-        for p, g in zip(self._params, saved):
+        self._pending_grads = [p.grad for p in self.parameters]
+        for p, g in zip(self.parameters, saved):
             p.grad = g
         if self.has_last:
             # The last m recorded losses are this step's (torch may call the loss once more while inferring shapes).
@@ -226,7 +206,7 @@ class PipelineEngine:
                 "training_step did not run the pipeline: under PipelineStrategy it must get its loss from "
                 "`self.compute_loss(batch)` (the schedule's forward and backward run there)."
             )
-        for p, fresh in zip(self._params, self._pending_grads):
+        for p, fresh in zip(self.parameters, self._pending_grads):
             if fresh is None:
                 continue
             if p.grad is None:
@@ -284,85 +264,35 @@ class PipelineEngine:
         out = holder[0]
         return out.to(self.device) if isinstance(out, Tensor) else out
 
-    # ------------------------------------------------------------------ gradients before the optimizer step
-    def sync_gradients(self) -> None:
-        """Average over data-parallel replicas, then sum the copies of tied parameters held by several stages."""
-        grads = [p.grad for p in self._params if p.grad is not None]
-        if self.groups.dp is not None and grads:
-            _all_reduce_coalesced(grads, self.groups.dp, average=True)
-        for param, group, _owner in self._ties:
-            if param.grad is not None:
-                dist.all_reduce(param.grad, group=group)
 
-    def _local_ties(self) -> list[tuple[nn.Parameter, Any, bool]]:
-        """(this rank's copy, group of its holders, owner?) for each parameter tied across pipeline ranks."""
-        params = dict(self.module.named_parameters(remove_duplicate=False))
-        ties = []
-        for tie, group, owner in self.groups.tied:
-            param = next((params[n] for n in tie.names if n in params), None)
-            if param is not None:
-                ties.append((param, group, owner))
-        return ties
+def build_engine(module: nn.Module, config: PipelineConfig, plan: SchedulePlan, topology: Topology,
+                 device: torch.device, layout: PipelineLayout | None = None) -> tuple[PipelineEngine, PipelineLayout]:
+    """Cut ``module``'s layer list for ``plan`` and build this rank's engine. Collective: every rank calls it.
 
-    def norm_excluded(self) -> set[int]:
-        """Tied copies that another rank already counts in the global norm."""
-        return {id(param) for param, _group, owner in self._ties if not owner}
-
-    def broadcast_initial_state(self) -> None:
-        """Start identical: replicas from data-parallel rank 0 (as DDP does), tied copies from their owner."""
-        tensors = [t for sm in self.stage_modules for t in list(sm.parameters()) + list(sm.buffers())]
-        if self.groups.dp is not None:
-            for t in tensors:
-                dist.broadcast(t.data, group=self.groups.dp, group_src=0)
-        for param, group, _owner in self._ties:
-            dist.broadcast(param.data, group=group, group_src=0)
-
-    def clip_grad_norm_(self, parameters: Sequence[nn.Parameter], max_norm: float,
-                        norm_type: float = 2.0) -> Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` with the norm taken over every stage of the pipeline."""
-        excluded = self.norm_excluded()
-        grads = [p.grad for p in parameters if p.grad is not None]
-        counted = [p.grad for p in parameters if p.grad is not None and id(p) not in excluded]
-        norm_type = float(norm_type)
-        if norm_type == math.inf:
-            local = (torch.stack([g.detach().abs().max().float() for g in counted]).max()
-                     if counted else torch.zeros((), device=self.device))
-            if self.plan.pipeline_size > 1:
-                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.groups.pp)
-            total = local
-        else:
-            local = (torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type
-                                  for g in counted]).sum() if counted else torch.zeros((), device=self.device))
-            if self.plan.pipeline_size > 1:
-                dist.all_reduce(local, group=self.groups.pp)
-            total = local ** (1.0 / norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
-        return total
-
-
-def _all_reduce_coalesced(tensors: list[Tensor], group: dist.ProcessGroup, average: bool,
-                          bucket_bytes: int = 64 * 2**20) -> None:
-    """All-reduce many tensors as a few flat buckets (one per dtype and ~64 MiB)."""
-    world = dist.get_world_size(group)
-    by_dtype: dict[torch.dtype, list[Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for same in by_dtype.values():
-        bucket: list[Tensor] = []
-        size = 0
-        for t in same + [None]:  # type: ignore[list-item]
-            if t is not None:
-                bucket.append(t)
-                size += t.numel() * t.element_size()
-            if bucket and (t is None or size >= bucket_bytes):
-                flat = torch.cat([b.reshape(-1) for b in bucket])
-                dist.all_reduce(flat, group=group)
-                if average:
-                    flat.div_(world)
-                offset = 0
-                for b in bucket:
-                    b.copy_(flat[offset:offset + b.numel()].view_as(b))
-                    offset += b.numel()
-                bucket, size = [], 0
+    Other ranks' layers are replaced by placeholders (names kept); layers built on the meta device are allocated
+    on ``device`` for this rank only; replicas and tied copies start identical. With ``layout`` (the module was
+    already cut in this process) the same cut is reused and nothing is broadcast again.
+    """
+    layers = find_layers(module, config.layers_attr)
+    fresh = layout is None
+    if layout is None:
+        check_no_stray_parameters(module, config.layers_attr)
+        ranges = split_layers(len(layers), plan.num_stages, config.split, layer_param_counts(layers))
+        layout = PipelineLayout(tuple(ranges), tuple(find_tied_parameters(module, config.layers_attr)), plan)
+    elif layout.plan != plan:
+        raise RuntimeError(
+            f"{type(module).__name__} was already split for another pipeline ({layout.plan}); its other layers are "
+            "gone from this rank. Build a new module (or load it from a checkpoint) to use a different layout."
+        )
+    local_ids = plan.stages_of_rank(topology.pp_rank)
+    groups = ProcessGroups(topology, layout.tied, layout.ranges, plan)
+    stage_modules = localize_layers(module, config.layers_attr, layout.ranges, local_ids, plan.stage_to_rank,
+                                    config.recompute_every)
+    # Layers built on the meta device (configure_model) are allocated now, on this rank only.
+    materialize(module, config.layers_attr, stage_modules, layout.tied, device)
+    module.to(device)
+    engine = PipelineEngine(module, stage_modules, local_ids, plan, groups, device)
+    if fresh:
+        engine.grads.broadcast_initial_state(
+            [t for sm in stage_modules for t in list(sm.parameters()) + list(sm.buffers())])
+    return engine, layout

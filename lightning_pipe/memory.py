@@ -68,6 +68,6 @@ class ActivationMeter:
     @classmethod
     def attach(cls, engine: object) -> ActivationMeter:
         """Count every training step of ``engine`` from now on."""
-        meter = cls(list(engine._params))  # type: ignore[attr-defined]
+        meter = cls(list(engine.parameters))  # type: ignore[attr-defined]
         engine.step_contexts.append(meter.measure)  # type: ignore[attr-defined]
         return meter

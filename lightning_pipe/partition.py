@@ -5,7 +5,9 @@ No torch.distributed here: everything is plain data so it can be unit-tested and
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
+
+from torch import nn
 
 from lightning_pipe.config import PipelineConfig, SplitSpec, config_error
 
@@ -80,3 +82,14 @@ def split_layers(n_layers: int, n_stages: int, split: SplitSpec,
         ranges.append(range(start, start + c))
         start += c
     return ranges
+
+
+def layer_param_counts(layers: Iterable[nn.Module]) -> list[int]:
+    """Parameters per layer for ``split="parameters"``; a tied parameter counts once, in the first layer using it."""
+    seen: set[int] = set()
+    counts = []
+    for layer in layers:
+        fresh = [p for p in layer.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in fresh)
+        counts.append(sum(p.numel() for p in fresh))
+    return counts

@@ -16,7 +16,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_pipe.config import PipelineConfig, config_error
-from lightning_pipe.module import run_layers
+
+
+def run_layers(layers: nn.Module, inputs: Any) -> Any:
+    """Run a layer list as a chain (the semantics every stage keeps)."""
+    hidden = inputs
+    for layer in layers:
+        hidden = layer(hidden)
+    return hidden
 
 
 class RemoteLayer(nn.Module):

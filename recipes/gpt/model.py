@@ -18,10 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-try:  # the public name once lightning_pipe/__init__.py exists
-    from lightning_pipe import PipelineModule
-except ImportError:  # pragma: no cover - early in the project only
-    from lightning_pipe.module import PipelineModule
+from lightning_pipe import PipelineModule
 
 
 class Embedding(nn.Module):

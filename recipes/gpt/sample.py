@@ -17,24 +17,17 @@ if str(REPO_ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from lightning_pipe.checkpoint import consolidated  # noqa: E402
 from recipes.gpt.model import GPT  # noqa: E402
 
 
-def load_gpt(ckpt_path: str | Path, map_location: str = "cpu") -> GPT:
+def load_gpt(ckpt_path: str | Path) -> GPT:
     """Build the GPT from a checkpoint: hyper-parameters + ``state_dict`` with the plain model's ``layers.*`` names.
 
-    The one place that knows the checkpoint format. Reads an ordinary Lightning ``.ckpt`` file, and a sharded
-    pipeline checkpoint directory through ``lightning_pipe.checkpoint.consolidated`` when the library has it.
+    Reads an ordinary Lightning ``.ckpt`` file or a sharded pipeline checkpoint directory, both through
+    ``lightning_pipe.checkpoint.consolidated``.
     """
-    try:
-        from lightning_pipe.checkpoint import consolidated
-    except ImportError:  # an older lightning_pipe: single-file checkpoints only
-        consolidated = None
-    if consolidated is not None:
-        ckpt = consolidated(ckpt_path)
-    else:
-        # weights_only=False: the checkpoint is the user's own and also holds optimizer/loop state.
-        ckpt = torch.load(ckpt_path, map_location=map_location, weights_only=False)
+    ckpt = consolidated(ckpt_path)
     model = GPT(**ckpt["hyper_parameters"])
     # A partial checkpoint (one pipeline stage's layers) must fail loudly rather than sample from random layers.
     missing = sorted({k.split(".")[1] for k in model.state_dict()} - {k.split(".")[1] for k in ckpt["state_dict"]})

@@ -29,12 +29,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from recipes.gpt.callbacks import TokensPerSecond  # noqa: E402
 
-try:  # registers Trainer(strategy="pipeline"); the single-device recipe runs without it
-    import lightning_pipe  # noqa: E402, F401
-except ImportError as err:  # pragma: no cover - only while the library is being written
-    _LIGHTNING_PIPE_ERROR: ImportError | None = err
-else:
-    _LIGHTNING_PIPE_ERROR = None
+import lightning_pipe  # noqa: E402, F401  (registers Trainer(strategy="pipeline"))
 
 
 def set_threads(threads: int | None, trainer_cfg: DictConfig) -> None:
@@ -57,8 +52,6 @@ def set_threads(threads: int | None, trainer_cfg: DictConfig) -> None:
 def build_strategy(cfg: DictConfig) -> Any:
     """A ``_target_`` config is instantiated (the pipeline); ``{name: auto|ddp|...}`` is passed to Lightning as is."""
     if "_target_" in cfg:
-        if _LIGHTNING_PIPE_ERROR is not None and str(cfg._target_).startswith("lightning_pipe"):
-            raise ImportError(f"strategy={cfg._target_} needs lightning_pipe: {_LIGHTNING_PIPE_ERROR}")
         return hydra.utils.instantiate(cfg)
     return cfg.name
 

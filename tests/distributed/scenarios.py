@@ -166,7 +166,7 @@ def optimizer_by_name(module: Any, optimizer: Any) -> dict[str, torch.Tensor]:
     from lightning_pipe.checkpoint import ModuleNames
 
     layout = getattr(module, "_pipeline_layout", None)
-    names = ModuleNames(module, "layers", layout[1] if layout is not None else ())
+    names = ModuleNames(module, "layers", layout.tied if layout is not None else ())
     out = {}
     for p, st in optimizer.state.items():
         if id(p) in names.owned or layout is None:
@@ -225,7 +225,7 @@ def run_ckpt_crash(case: dict[str, Any]) -> dict[str, Any]:
     """Save every 2 steps; rank ``crash_rank`` dies (os._exit) in the middle of the second save."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lightning_pipe import checkpoint as ckpt_lib
+    from lightning_pipe.checkpoint import format as ckpt_lib
 
     case = {**CKPT_DEFAULTS, **case}
     calls = {"n": 0}
@@ -269,7 +269,7 @@ class MetricsSeen(Callback):
 def run_trace(case: dict[str, Any]) -> dict[str, Any]:
     from lightning.pytorch.loggers import CSVLogger
 
-    from lightning_pipe.callbacks import PipelineTimeline
+    from lightning_pipe import PipelineTimeline
 
     case = {**TRACE_DEFAULTS, **case}
     torch.manual_seed(0)

@@ -15,7 +15,7 @@ import lightning.pytorch as L
 import pytest
 import torch
 
-from lightning_pipe import checkpoint as ckpt_lib
+from lightning_pipe.checkpoint import format as ckpt_lib
 from tests.distributed.launcher import RanksFailed, launch
 from tests.distributed.scenarios import CKPT_DEFAULTS, LossRecorder, StateAtStart, optimizer_by_name
 from tests.models import ToyRegressor, reference_train_loader, regression_data

@@ -67,7 +67,7 @@ def test_v_placement_schedules_match_single_device(tmp_path) -> None:
 @pytest.mark.timeout(600)
 def test_zero_bubble_with_data_parallel_matches_single_device(tmp_path) -> None:
     """DP 2 x PP 2 with the zero-bubble schedules: torch's I/W split bypasses DDP's gradient hooks (pytorch #144530);
-    the strategy's own all-reduce (engine.sync_gradients) averages the replicas after the whole schedule."""
+    the strategy's own all-reduce (engine.grads.sync) averages the replicas after the whole schedule."""
     cases = [dict(schedule="zbv", stages_per_rank=2, dp=2, acc=1, clip=None),
              dict(schedule="zb_h1", stages_per_rank=2, dp=2, acc=2, clip=0.05, optimizer="adamw"),
              dict(schedule="dualpipev", stages_per_rank=2, dp=2, acc=2, clip=0.05, optimizer="adamw")]

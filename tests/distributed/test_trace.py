@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from lightning_pipe.config import PipelineConfig
-from lightning_pipe.schedules import compute_order, flatten, plan_schedule
+from lightning_pipe.schedules import compute_order, plan_schedule
+from lightning_pipe.schedules.simulate import flatten
 from tests.distributed.launcher import launch
 
 pytestmark = [pytest.mark.distributed]

@@ -8,7 +8,7 @@ import lightning.pytorch as L
 import pytest
 import torch
 
-from lightning_pipe import checkpoint as ckpt_lib
+from lightning_pipe.checkpoint import format as ckpt_lib
 from tests.models import ToyRegressor, loader, regression_data
 
 

@@ -1,5 +1,5 @@
-"""The private torch APIs lightning_pipe relies on (all reached through lightning_pipe._compat) still exist and still
-behave as we use them. When torch moves one, this fails here, naming it, instead of a training run failing later."""
+"""The private torch / Lightning APIs lightning_pipe relies on (all reached through lightning_pipe._compat) still
+exist and still behave as we use them. When one moves, this fails here, naming it, instead of a run failing later."""
 
 from __future__ import annotations
 
@@ -11,15 +11,17 @@ import pytest
 import torch
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from lightning_pipe import _compat
+from lightning_pipe._compat import lightning as _lightning_compat
+from lightning_pipe._compat import torch as _compat
 
 
-def test_versions_checked_reports_the_installed_versions() -> None:
-    checked = _compat.versions_checked()
-    assert set(checked) == {"torch", "lightning"}
-    if not checked["torch"]:
-        pytest.fail(f"torch {torch.__version__} is not a version lightning_pipe._compat was checked on "
+def test_installed_versions_are_the_checked_ones() -> None:
+    if not _compat.versions_checked():
+        pytest.fail(f"torch {torch.__version__} is not a version lightning_pipe._compat.torch was checked on "
                     f"({_compat.CHECKED_TORCH}): re-run this file's checks and update CHECKED_TORCH.")
+    if not _lightning_compat.versions_checked():
+        pytest.fail(f"lightning {lightning.__version__} is not a version lightning_pipe._compat.lightning was "
+                    f"checked on ({_lightning_compat.CHECKED_LIGHTNING}): re-run this file and update it.")
 
 
 @pytest.mark.parametrize("name", sorted(_compat.PRIVATE_TORCH_API))
@@ -105,16 +107,29 @@ def test_torch_refuses_what_our_validator_refuses() -> None:
         _compat.torch_check_actions(bad, 2, 2, 2)
 
 
-@pytest.mark.parametrize("cls,method", _compat.PRIVATE_LIGHTNING_METHODS,
-                         ids=[f"{c.__name__}.{m}" for c, m in _compat.PRIVATE_LIGHTNING_METHODS])
+@pytest.mark.parametrize("cls,method", _lightning_compat.PRIVATE_LIGHTNING_METHODS,
+                         ids=[f"{c.__name__}.{m}" for c, m in _lightning_compat.PRIVATE_LIGHTNING_METHODS])
 def test_private_lightning_methods_we_override_or_call_exist(cls: type, method: str) -> None:
     assert callable(getattr(cls, method, None)), (
         f"lightning {lightning.__version__}: {cls.__name__}.{method} is gone; lightning_pipe relies on it")
 
 
 def test_missing_lightning_internal_fails_at_import_naming_it() -> None:
-    with pytest.raises(ImportError, match=r"lightning\.fabric\.strategies\._NoSuchThing.*lightning_pipe\._compat"):
-        _compat._lightning("lightning.fabric.strategies", "_NoSuchThing")
+    with pytest.raises(ImportError, match=r"lightning\.fabric\.strategies\._NoSuchThing.*_compat/lightning\.py"):
+        _lightning_compat._resolve("lightning.fabric.strategies", "_NoSuchThing")
+
+
+def test_missing_torch_internal_fails_at_import_naming_it() -> None:
+    with pytest.raises(ImportError, match=r"torch\.distributed\.pipelining\.schedules\._NoSuchThing.*2\.13"):
+        _compat._resolve(torch_schedules, "_NoSuchThing", "torch.distributed.pipelining.schedules")
+
+
+def test_optimizer_unwrap_reaches_the_torch_optimizer() -> None:
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    assert _lightning_compat.unwrap_optimizer(LightningOptimizer(sgd)) is sgd
+    assert _lightning_compat.unwrap_optimizer(sgd) is sgd
 
 
 def test_dcp_private_loader_exists() -> None:

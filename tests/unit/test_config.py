@@ -4,7 +4,8 @@ import lightning.pytorch as L
 import pytest
 
 import lightning_pipe
-from lightning_pipe import PipelineConfig, PipelineConfigError, PipelineStrategy, Topology
+from lightning_pipe import PipelineConfig, PipelineConfigError, PipelineStrategy
+from lightning_pipe.config import Topology
 from lightning_pipe.schedules import available_schedules, plan_schedule
 
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lightning_pipe import PipelineConfigError, PipelineModule
-from lightning_pipe.module import default_split_batch
+from lightning_pipe.lightning.module import default_split_batch
 from lightning_pipe.stages import (
     RemoteLayer,
     check_no_stray_parameters,

@@ -62,7 +62,7 @@ def test_more_stages_than_layers_is_refused():
 
 
 def test_parameter_split_counts_a_tied_weight_once():
-    from lightning_pipe.strategy import _param_counts
+    from lightning_pipe.partition import layer_param_counts as _param_counts
     from tests.models import ToyRegressor
 
     counts = _param_counts(ToyRegressor(n_layers=4, tied=True).layers)

@@ -7,7 +7,7 @@ import pytest
 
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.config import PipelineConfig, PipelineConfigError
-from lightning_pipe.custom_schedule import load_actions, validate_actions
+from lightning_pipe.schedules.custom import load_actions, validate_actions
 from lightning_pipe.partition import split_layers
 from lightning_pipe.schedules import (
     ScheduleDeadlock,

@@ -13,7 +13,6 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_pipe.trace import (
     StepRecord,
     StepRecorder,
-    by_step,
     plot_timeline,
     save_records,
     write_chrome_trace,
@@ -179,6 +178,6 @@ class PipelineTimeline(Callback):
         except ImportError as err:  # matplotlib is an optional (dev) dependency
             rank_zero_warn(f"PipelineTimeline: no timeline.png ({err}); "
                            "`python -m lightning_pipe.trace plot records.json out.png` draws it later.")
-        if len(by_step(records)) and trainer.is_global_zero:
+        if trainer.is_global_zero:
             print(f"[PipelineTimeline] wrote {', '.join(str(p) for p in files.values())}")
         return files

@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 from typing_extensions import override
 
-from lightning_pipe._compat import MultiProcessingLauncher
+from lightning_pipe._compat.lightning import MultiProcessingLauncher
 
 
 class PipelineMultiProcessingLauncher(MultiProcessingLauncher):

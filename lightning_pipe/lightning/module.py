@@ -15,23 +15,12 @@ layers and the loss on one device, and the whole pipeline schedule (forward *and
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
-from torch import Tensor, nn
+from torch import Tensor
 
-if TYPE_CHECKING:  # pragma: no cover
-    from lightning_pipe.engine import PipelineEngine
-
-
-@runtime_checkable
-class PipelineEngineHandle(Protocol):
-    """What :class:`PipelineModule` needs from the strategy's engine (kept tiny to avoid an import cycle)."""
-
-    def loss(self, module: pl.LightningModule, batch: Any) -> Tensor: ...
-
-    def output(self, module: pl.LightningModule, batch: Any) -> Any: ...
-
+from lightning_pipe.stages import run_layers
 
 def default_split_batch(batch: Any) -> tuple[Any, Any]:
     """``(x, y)`` / ``[x, y]`` -> ``(x, y)``; a bare tensor -> ``(tensor, None)``; a dict with ``input``/``target``."""
@@ -50,12 +39,12 @@ def default_split_batch(batch: Any) -> tuple[Any, Any]:
     )
 
 
-def run_layers(layers: nn.Module, inputs: Any) -> Any:
-    """Run a layer list as a chain (the semantics every stage keeps)."""
-    hidden = inputs
-    for layer in layers:
-        hidden = layer(hidden)
-    return hidden
+class PipelineEngineHandle(Protocol):
+    """What :class:`PipelineModule` needs from the strategy's engine (:class:`lightning_pipe.engine.PipelineEngine`)."""
+
+    def loss(self, module: pl.LightningModule, batch: Any) -> Tensor: ...
+
+    def output(self, module: pl.LightningModule, batch: Any) -> Any: ...
 
 
 class PipelineModule(pl.LightningModule):
@@ -80,7 +69,7 @@ class PipelineModule(pl.LightningModule):
     """
 
     # Set by PipelineStrategy.setup; None on one device / DDP.
-    _pipeline_engine: PipelineEngine | None = None
+    _pipeline_engine: PipelineEngineHandle | None = None
 
     # ---------------------------------------------------------------- contract
     def loss_fn(self, output: Any, target: Any) -> Tensor:

@@ -17,7 +17,7 @@ Everything is checked as plain data on every rank, before any process group traf
 the step (position in that rank's list, counting idle steps) and the action: unparsable or communication actions,
 a stage on two ranks (or not on the rank the placement says), duplicate actions, a backward before its forward or
 a weight-backward before its input-backward on the same rank, a forward without backward, and orders that
-deadlock (replayed by :func:`lightning_pipe.schedules.simulate`). Torch's own ``_validate_schedule`` and send/recv
+deadlock (replayed by :func:`lightning_pipe.schedules.simulate.simulate`). Torch's own ``_validate_schedule`` and send/recv
 lowering then run on the same data as a second opinion. Torch sends and receives by itself at run time.
 """
 
@@ -27,23 +27,13 @@ import csv
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from lightning_pipe import _compat
+from lightning_pipe._compat import torch as _compat
 from lightning_pipe.config import PipelineConfig, config_error
-from lightning_pipe.schedules import (
-    ScheduleDeadlock,
-    SchedulePlan,
-    ScheduleSpec,
-    flatten,
-    register_schedule,
-    simulate,
-)
+from lightning_pipe.schedules.plan import SchedulePlan, ScheduleSpec
+from lightning_pipe.schedules.simulate import ScheduleDeadlock, flatten, simulate
 
 KEY = ("schedule.schedule_options (PipelineStrategy(schedule_options={'actions': [[...], ...]}) "
        "or {'csv': path})")
-
-
-def _fmt(action: Any) -> str:
-    return str(action)
 
 
 def load_actions(options: dict[str, Any]) -> list[list[Any]]:
@@ -74,7 +64,7 @@ def _parse_row(rank: int, row: Any) -> list[Any]:
         if item is None or (isinstance(item, str) and item.strip() in ("", "None", "none")):
             out.append(None)
             continue
-        if _compat.Action is not None and isinstance(item, _compat.Action):
+        if isinstance(item, _compat.Action):
             action = item
         else:
             try:
@@ -87,10 +77,10 @@ def _parse_row(rank: int, row: Any) -> list[Any]:
                 raise config_error(
                     "Custom action lists are compute-only (F, B, I, W, OVERLAP_F_B of those): torch adds the sends, "
                     "receives and gradient reductions itself.",
-                    f"rank {rank}, step {step}: action '{_fmt(action)}'", KEY)
+                    f"rank {rank}, step {step}: action '{action}'", KEY)
             if part.microbatch_index is None:
                 raise config_error("Every compute action names its micro-batch, e.g. '0F0'.",
-                                   f"rank {rank}, step {step}: action '{_fmt(action)}'", KEY)
+                                   f"rank {rank}, step {step}: action '{action}'", KEY)
         out.append(action)
     return out
 
@@ -124,14 +114,14 @@ def validate_actions(actions: list[list[Any]], pipeline_size: int, microbatches:
     owner: dict[int, tuple[int, int, Any]] = {}
     for rank, step, action, part in located:
         s = part.stage_index
-        where = f"rank {rank}, step {step}: action '{_fmt(action)}'"
+        where = f"rank {rank}, step {step}: action '{action}'"
         if expected is not None and expected(s) != rank:
             raise config_error(f"With placement '{placement}' stage {s} lives on rank {expected(s)}; a rank can only "
                                "run its own stages.", where, KEY)
         if s in owner and owner[s][0] != rank:
             r0, st0, a0 = owner[s]
             raise config_error(f"A stage lives on one rank: stage {s} is already run by rank {r0} "
-                               f"(step {st0}: '{_fmt(a0)}').", where, KEY)
+                               f"(step {st0}: '{a0}').", where, KEY)
         owner.setdefault(s, (rank, step, action))
         if not 0 <= part.microbatch_index < m:
             raise config_error(f"Micro-batch indices run from 0 to microbatches - 1 = {m - 1}.", where,
@@ -155,7 +145,7 @@ def validate_actions(actions: list[list[Any]], pipeline_size: int, microbatches:
     seen: dict[tuple[int, str, int], tuple[int, int, Any]] = {}
     for rank, step, action, part in located:
         s, kind, mb = part.stage_index, part.computation_type.value, part.microbatch_index
-        where = f"rank {rank}, step {step}: action '{_fmt(action)}'"
+        where = f"rank {rank}, step {step}: action '{action}'"
         if (s, kind, mb) in seen:
             r0, st0, _ = seen[(s, kind, mb)]
             raise config_error("Each action runs once per batch.", f"{where} repeats step {st0}", KEY)
@@ -178,11 +168,11 @@ def validate_actions(actions: list[list[Any]], pipeline_size: int, microbatches:
             if (s, "B", mb) not in seen and (s, "I", mb) not in seen:
                 rank, step, action = seen[(s, "F", mb)]
                 raise config_error("Every forward needs its backward: B, or I then W.",
-                                   f"rank {rank}, step {step}: action '{_fmt(action)}' has no '{s}B{mb}'", KEY)
+                                   f"rank {rank}, step {step}: action '{action}' has no '{s}B{mb}'", KEY)
             if (s, "I", mb) in seen and (s, "W", mb) not in seen:
                 rank, step, action = seen[(s, "I", mb)]
                 raise config_error("An input-backward (I) needs its weight-backward (W) in the same batch.",
-                                   f"rank {rank}, step {step}: action '{_fmt(action)}' has no '{s}W{mb}'", KEY)
+                                   f"rank {rank}, step {step}: action '{action}' has no '{s}W{mb}'", KEY)
 
     order = {rank: list(row) for rank, row in enumerate(actions)}
     try:
@@ -214,8 +204,7 @@ def build(plan: SchedulePlan, stages: list[Any], loss_fn: Callable[..., Any]) ->
                                         {rank: list(row) for rank, row in enumerate(plan.actions)})
 
 
-CUSTOM = ScheduleSpec("custom", _compat.PipelineScheduleRuntime or object,
+CUSTOM = ScheduleSpec("custom", _compat.PipelineScheduleRuntime,
                       "per-rank action lists (inline or CSV) run by torch's schedule runtime",
                       multi_stage=True, placement="given", default_stages_per_rank=1, allowed_stages_per_rank=None,
                       min_microbatches="none", resolve=resolve, build=build)
-register_schedule(CUSTOM)

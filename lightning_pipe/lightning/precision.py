@@ -28,7 +28,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_pipe._compat import DtypeContextManager, convert_fp_tensor
+from lightning_pipe._compat.lightning import DtypeContextManager, convert_fp_tensor
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_pipe.engine import PipelineEngine
@@ -135,19 +135,10 @@ class PipelinePrecision(Precision):
 
     @override
     def optimizer_step(self, optimizer: Steppable, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
-        engine = self.engine
-
-        def closure_then_sync() -> Any:
-            # After every accumulated backward, before on_before_optimizer_step and clipping see the gradients.
-            result = closure()
-            if engine is not None:
-                engine.sync_gradients()
-            return result
-
         if self.scaler is None:
-            return super().optimizer_step(optimizer, model, closure_then_sync, **kwargs)
+            return super().optimizer_step(optimizer, model, closure, **kwargs)
         # fp16: like Lightning's MixedPrecision, but the inf check inside unscale_ is agreed by every rank.
-        closure_result = closure_then_sync()
+        closure_result = closure()
         self.scaler.unscale_(optimizer)  # type: ignore[arg-type]
         self._after_closure(model, optimizer)  # hooks + clipping, on unscaled gradients
         step_output = self.scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]
@@ -158,7 +149,7 @@ class PipelinePrecision(Precision):
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         if self.engine is None:  # not set up / one process: torch's clipping is global already
             return super().clip_grad_by_norm(optimizer, clip_val)
-        self.engine.clip_grad_norm_(list(self.main_params(optimizer)), float(clip_val))
+        self.engine.grads.clip_grad_norm_(list(self.main_params(optimizer)), float(clip_val))
 
     # ------------------------------------------------------------------ state
     @override

@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
-from lightning_pipe.trace import (
+from lightning_pipe.trace.recorder import (
     COMM_KINDS,
     COMPUTE_KINDS,
     KIND_NAMES,
@@ -196,7 +196,3 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(write_chrome_trace(records, args.out, meta))
     else:
         print(summary(records, meta))
-
-
-if __name__ == "__main__":
-    main()

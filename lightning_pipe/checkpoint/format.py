@@ -355,7 +355,7 @@ def names_from_positions(saved: dict[str, Any], group_names: Sequence[Sequence[s
 
 # ---------------------------------------------------------------------------------------------------------- convert
 def _read_all(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    from lightning_pipe._compat import dcp_load_everything
+    from lightning_pipe._compat.torch import dcp_load_everything
 
     _, meta = read_sharded_metadata(path)
     return dcp_load_everything(_dcp_reader(path)), meta
@@ -476,7 +476,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

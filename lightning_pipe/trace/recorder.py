@@ -174,23 +174,17 @@ class StepRecorder:
 
     ``attach(engine)`` adds :meth:`step` to ``engine.step_contexts``; a step runs untouched unless ``armed`` is true
     (set it per step, e.g. from a callback). Finished steps are appended to ``records`` (oldest dropped past
-    ``keep``) and handed to ``on_record`` if given.
+    ``keep``). CUDA events time a CUDA engine, the host clock anything else.
     """
 
-    def __init__(self, engine: Any, keep: int | None = 64, on_record: Callable[[StepRecord], None] | None = None,
-                 clock: str = "auto") -> None:
-        from lightning_pipe._compat import require_trace_api
-
-        require_trace_api()
+    def __init__(self, engine: Any, keep: int | None = 64) -> None:
         self.engine = engine
         self.armed = False
         self.step_index = 0
         self.keep = keep
         self.records: list[StepRecord] = []
-        self.on_record = on_record
         device = torch.device(getattr(engine, "device", "cpu"))
-        use_cuda = clock == "cuda" or (clock == "auto" and device.type == "cuda")
-        self._clock: _CpuClock | _CudaClock = _CudaClock(device) if use_cuda else _CpuClock()
+        self._clock: _CpuClock | _CudaClock = _CudaClock(device) if device.type == "cuda" else _CpuClock()
         # Offset from the monotonic clock to the wall clock, read once: puts every rank on one axis.
         self._wall_offset = time.time_ns() - time.perf_counter_ns()
         topo = getattr(getattr(engine, "groups", None), "topology", None)
@@ -232,8 +226,6 @@ class StepRecorder:
         self.records.append(record)
         if self.keep is not None and len(self.records) > self.keep:
             del self.records[: len(self.records) - self.keep]
-        if self.on_record is not None:
-            self.on_record(record)
 
 
 class _Run:
@@ -370,21 +362,3 @@ def by_step(records: Sequence[StepRecord]) -> dict[int, list[StepRecord]]:
     for r in records:
         out.setdefault(r.step, []).append(r)
     return {k: sorted(v, key=lambda r: r.rank) for k, v in sorted(out.items())}
-
-
-_EXPORTS = ("chrome_trace", "write_chrome_trace", "plot_timeline", "summary", "main", "COLORS")
-
-
-def __getattr__(name: str) -> Any:
-    # Export lives in trace_export (it imports this module); keep `lightning_pipe.trace.plot_timeline` etc. working.
-    if name in _EXPORTS:
-        from lightning_pipe import trace_export
-
-        return getattr(trace_export, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-if __name__ == "__main__":
-    from lightning_pipe.trace_export import main
-
-    main()

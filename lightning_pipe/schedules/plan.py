@@ -3,7 +3,7 @@
 Adding a schedule is one :class:`ScheduleSpec` entry in ``_SCHEDULES``: its torch class, how many stages a rank holds
 and where they go, and which micro-batch counts it accepts. Everything else (stage building, the strategy) reads
 the spec. A schedule that is not a torch class with the usual constructor (``custom``: per-rank action lists) gives
-its own ``resolve`` (config -> plan) and ``build`` (plan -> torch schedule) hooks; see ``custom_schedule.py``.
+its own ``resolve`` (config -> plan) and ``build`` (plan -> torch schedule) hooks; see ``schedules/custom.py``.
 
 Every check here is plain data: it runs identically on every rank before any process group exists, so a bad
 setting fails on all ranks at once instead of leaving peers waiting in a receive.
@@ -16,6 +16,7 @@ from typing import Any, Callable, Literal
 
 from torch.distributed.pipelining import schedules as torch_schedules
 
+from lightning_pipe._compat import torch as _compat
 from lightning_pipe.config import PipelineConfig, config_error
 
 Placement = Literal["loop", "v", "given"]
@@ -66,10 +67,8 @@ def _bubble_zero(p: int, v: int, m: int) -> float:
 
 
 def _order_gpipe(plan: SchedulePlan) -> dict[int, list[Any]]:
-    from lightning_pipe._compat import parse_action
-
     m = plan.microbatches
-    return {r: [parse_action(f"{r}F{i}") for i in range(m)] + [parse_action(f"{r}B{i}") for i in range(m)]
+    return {r: [_compat.parse_action(f"{r}F{i}") for i in range(m)] + [_compat.parse_action(f"{r}B{i}") for i in range(m)]
             for r in range(plan.pipeline_size)}
 
 
@@ -77,8 +76,6 @@ def _order_1f1b(plan: SchedulePlan) -> dict[int, list[Any]]:
     """What ``Schedule1F1B._step_microbatches`` runs: min(m, p - r) warm-up forwards on rank r, then backward /
     forward pairs, then the remaining backwards. (Torch 2.13's ``Schedule1F1B.pipeline_order`` IR, which the
     schedule does not execute, numbers the last rank's micro-batches from 1; we do not use it.)"""
-    from lightning_pipe._compat import parse_action
-
     p, m = plan.pipeline_size, plan.microbatches
     order = {}
     for r in range(p):
@@ -89,7 +86,7 @@ def _order_1f1b(plan: SchedulePlan) -> dict[int, list[Any]]:
             acts += [f"{r}B{b}", f"{r}F{f}"]
             b, f = b + 1, f + 1
         acts += [f"{r}B{i}" for i in range(b, m)]
-        order[r] = [parse_action(a) for a in acts]
+        order[r] = [_compat.parse_action(a) for a in acts]
     return order
 
 
@@ -219,8 +216,6 @@ def build_torch_schedule(plan: SchedulePlan, stages: list[Any], loss_fn: Callabl
 def compute_order(plan: SchedulePlan) -> dict[int, list[Any]]:
     """The compute actions (F, B, I, W, OVERLAP_F_B; ``None`` = a planned idle step) each pipeline rank runs per
     batch, as plain data: what torch's schedule computes for this plan, without a process group or a model."""
-    from lightning_pipe import _compat
-
     if plan.actions is not None:
         order = {rank: list(actions) for rank, actions in enumerate(plan.actions)}
     elif plan.spec.order is not None:
@@ -230,114 +225,3 @@ def compute_order(plan: SchedulePlan) -> dict[int, list[Any]]:
         order = _compat.torch_pipeline_order(plan.spec.torch_class, plan.spec.multi_stage, plan.pipeline_size,
                                              plan.num_stages, local, plan.microbatches)
     return {rank: [a for a in actions if a is None or _compat.is_compute(a)] for rank, actions in order.items()}
-
-
-def flatten(action: Any) -> tuple[Any, ...]:
-    """An action's compute parts: itself, or the sub-actions of an OVERLAP_F_B (run in order)."""
-    return tuple(action.sub_actions) if action.sub_actions else (action,)
-
-
-def dependencies(action: Any, num_stages: int) -> list[tuple[int, str, int]]:
-    """The actions (stage, type, micro-batch) this compute action needs done first; a backward needs one of
-    ``B``/``I`` of the next stage, written here as the B key (see :func:`_finished`)."""
-    s, kind, m = action.stage_index, action.computation_type.value, action.microbatch_index
-    if kind == "F":
-        return [] if s == 0 else [(s - 1, "F", m)]
-    if kind in ("B", "I"):
-        return [(s, "F", m)] + ([] if s == num_stages - 1 else [(s + 1, "B", m)])
-    if kind == "W":
-        return [(s, "I", m)]
-    raise ValueError(f"not a compute action: {action}")
-
-
-def _finished(done: dict[tuple[int, str, int], float], key: tuple[int, str, int]) -> float | None:
-    if key[1] == "B":  # the input gradient of a stage comes from its full backward or its input-backward
-        times = [done[k] for k in ((key[0], "B", key[2]), (key[0], "I", key[2])) if k in done]
-        return min(times) if times else None
-    return done.get(key)
-
-
-class ScheduleDeadlock(ValueError):
-    """Action lists in which every rank's next action waits for another rank's (or a later own) action."""
-
-    def __init__(self, stuck: dict[int, tuple[int, Any, tuple[int, str, int]]]) -> None:
-        self.stuck = stuck  # rank -> (step, action, the (stage, type, mb) it waits for)
-        parts = [f"rank {r}, step {step}: '{a}' waits for '{w[0]}{w[1]}{w[2]}'" for r, (step, a, w) in stuck.items()]
-        super().__init__("; ".join(parts))
-
-
-@dataclass(frozen=True)
-class SimulatedStep:
-    """One batch of a schedule run with fixed costs per action (see :func:`simulate`)."""
-
-    makespan: float
-    busy: dict[int, float]
-
-    @property
-    def bubble(self) -> float:
-        """Idle fraction of the ranks over the step."""
-        ranks = len(self.busy)
-        return 1.0 - sum(self.busy.values()) / (ranks * self.makespan) if self.makespan else 0.0
-
-
-def simulate(order: dict[int, list[Any]], num_stages: int, f: float = 1.0, b: float = 2.0,
-             w: float | None = None) -> SimulatedStep:
-    """Replay per-rank compute-action lists with costs F=f, B=b, I=b-w, W=w and free communication: every rank
-    runs its actions in list order, each one starting once its inputs exist. Plain data.
-
-    With the default ``w = b / 2`` (F = I = W, the zero-bubble papers' model) ``bubble`` is the ideal idle fraction
-    of the schedule as ordered (``None`` entries are ignored: idle time comes from dependencies only). Raises
-    :class:`ScheduleDeadlock` when the ranks' orders wait on each other in a cycle.
-    """
-    w = b / 2 if w is None else w
-    cost = {"F": f, "B": b, "I": b - w, "W": w}
-    queues = {r: [(i, a) for i, a in enumerate(acts) if a is not None] for r, acts in order.items()}
-    pos = dict.fromkeys(queues, 0)
-    free = dict.fromkeys(queues, 0.0)
-    busy = dict.fromkeys(queues, 0.0)
-    done: dict[tuple[int, str, int], float] = {}  # (stage, type, mb) -> finish time
-    remaining = sum(len(q) for q in queues.values())
-    while remaining:
-        progressed = False
-        for rank, queue in queues.items():
-            while pos[rank] < len(queue):
-                t = free[rank]
-                finished: list[tuple[tuple[int, str, int], float]] = []
-                blocked = False
-                local = dict(done)
-                for a in flatten(queue[pos[rank]][1]):
-                    ready = [_finished(local, d) for d in dependencies(a, num_stages)]
-                    if any(r is None for r in ready):
-                        blocked = True
-                        break
-                    t = max([t, *ready]) + cost[a.computation_type.value]
-                    key = (a.stage_index, a.computation_type.value, a.microbatch_index)
-                    local[key] = t
-                    finished.append((key, cost[a.computation_type.value]))
-                if blocked:
-                    break
-                for key, c in finished:
-                    done[key] = local[key]
-                    busy[rank] += c
-                free[rank] = t
-                pos[rank] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = {}
-            for rank, queue in queues.items():
-                if pos[rank] < len(queue):
-                    step, action = queue[pos[rank]]
-                    local = dict(done)
-                    for a in flatten(action):
-                        missing = [d for d in dependencies(a, num_stages) if _finished(local, d) is None]
-                        if missing:
-                            stuck[rank] = (step, action, missing[0])
-                            break
-                        local[(a.stage_index, a.computation_type.value, a.microbatch_index)] = 0.0
-            raise ScheduleDeadlock(stuck)
-    return SimulatedStep(max(free.values()) if free else 0.0, busy)
-
-
-# The custom schedule registers itself here (it needs ScheduleSpec/SchedulePlan, defined above).
-from lightning_pipe import custom_schedule as _custom_schedule  # noqa: E402,F401

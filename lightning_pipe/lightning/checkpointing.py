@@ -13,13 +13,12 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_pipe import _compat
-from lightning_pipe import checkpoint as ckpt_lib
+from lightning_pipe.checkpoint import format as ckpt_lib
+from lightning_pipe._compat import lightning as _compat
 
 
 class PipelineCheckpointing:
@@ -40,7 +39,7 @@ class PipelineCheckpointing:
     def _checkpoint_names(self) -> Any:
         module = self.lightning_module
         layout = getattr(module, "_pipeline_layout", None)
-        return ckpt_lib.ModuleNames(module, self.pipeline_config.layers_attr, layout[1] if layout is not None else ())
+        return ckpt_lib.ModuleNames(module, self.pipeline_config.layers_attr, layout.tied if layout is not None else ())
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -51,8 +50,7 @@ class PipelineCheckpointing:
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """This rank's optimizer state keyed by parameter name (see ``checkpoint.flatten_optimizer``)."""
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+        optimizer = _compat.unwrap_optimizer(optimizer)
         index = next(i for i, o in enumerate(self.optimizers) if o is optimizer)
         return ckpt_lib.flatten_optimizer(optimizer, self._checkpoint_names(), index)
 
@@ -129,7 +127,7 @@ class PipelineCheckpointing:
                 "optimizers": optimizers,
                 "layout": {"pipeline_size": topo.pipeline_size, "data_parallel_size": topo.data_parallel_size,
                            "schedule": self.pipeline_config.schedule,
-                           "stages": [list(r) for r in self.lightning_module._pipeline_layout[0]]},
+                           "stages": [list(r) for r in self.lightning_module._pipeline_layout.ranges]},
             }
             torch.save(checkpoint, tmp / ckpt_lib.META_FILENAME)
             ckpt_lib.commit(tmp, path, token)

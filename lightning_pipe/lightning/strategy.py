@@ -5,7 +5,7 @@ from __future__ import annotations
 import atexit
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Generator, Literal, Optional, Union
+from typing import Any, Callable, Generator, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -21,34 +21,14 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_pipe import _compat
+from lightning_pipe._compat import lightning as _compat
 from lightning_pipe.config import PipelineConfig, SplitSpec, Topology, config_error
-from lightning_pipe.engine import PipelineEngine, ProcessGroups
-from lightning_pipe.launchers import PipelineMultiProcessingLauncher
-from lightning_pipe.partition import split_layers
-from lightning_pipe.precision import SUPPORTED_PRECISION, PipelinePrecision, convert_precision_plugin
-from lightning_pipe.schedules import SchedulePlan, plan_schedule
-from lightning_pipe.strategy_checkpoint import PipelineCheckpointing
-from lightning_pipe.stages import (
-    RemoteLayer,
-    check_no_stray_parameters,
-    find_layers,
-    find_tied_parameters,
-    localize_layers,
-    materialize,
-)
+from lightning_pipe.engine import PipelineEngine, PipelineLayout, build_engine
+from lightning_pipe.lightning.launchers import PipelineMultiProcessingLauncher
+from lightning_pipe.lightning.precision import SUPPORTED_PRECISION, PipelinePrecision, convert_precision_plugin
+from lightning_pipe.schedules import SchedulePlan, get_schedule_spec, plan_schedule
+from lightning_pipe.lightning.checkpointing import PipelineCheckpointing
 
-
-
-def _param_counts(layers: Any) -> list[int]:
-    """Parameters per layer for split="parameters"; a tied parameter counts once, in the first layer using it."""
-    seen: set[int] = set()
-    counts = []
-    for layer in layers:
-        fresh = [p for p in layer.parameters() if id(p) not in seen]
-        seen.update(id(p) for p in fresh)
-        counts.append(sum(p.numel() for p in fresh))
-    return counts
 
 
 def _destroy_process_group() -> None:
@@ -106,8 +86,6 @@ class PipelineStrategy(PipelineCheckpointing, ParallelStrategy):
             stages_per_rank=stages_per_rank, layers_attr=layers_attr, recompute=recompute,
             schedule_options=schedule_options or {})
         # Unknown schedule names fail here, in the constructor, not on the ranks after launch.
-        from lightning_pipe.schedules import get_schedule_spec
-
         get_schedule_spec(self.pipeline_config.schedule)
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
@@ -175,9 +153,8 @@ class PipelineStrategy(PipelineCheckpointing, ParallelStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
         self.topology = None
-        # World-shape rules are checked here, before any process waits on another.
-        topo = self._topology()
-        plan_schedule(self.pipeline_config, topo.pipeline_size)
+        # World-shape rules are checked here, before any process waits on another; the plan is resolved once.
+        self.plan = plan_schedule(self.pipeline_config, self._topology().pipeline_size)
 
     @override
     def setup_environment(self) -> None:
@@ -225,7 +202,7 @@ class PipelineStrategy(PipelineCheckpointing, ParallelStrategy):
         assert module is not None
         self._check_module(module)
         self.precision_plugin.convert_module(module)
-        self.engine = self._build_engine(module, trainer)  # moves this rank's layers to the device
+        self.engine = self._build_engine(module)  # moves this rank's layers to the device
         self.precision_plugin.setup(self.engine, self.root_device)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -248,40 +225,15 @@ class PipelineStrategy(PipelineCheckpointing, ParallelStrategy):
                 f"optimizer step. Set `self.automatic_optimization = True` in {type(module).__name__}."
             )
 
-    def _build_engine(self, module: LightningModule, trainer: Trainer) -> PipelineEngine:
-        cfg = self.pipeline_config
-        topo = self._topology()
-        plan = plan_schedule(cfg, topo.pipeline_size)
-        self.plan = plan
-        layers = find_layers(module, cfg.layers_attr)
-        layout = getattr(module, "_pipeline_layout", None)
-        if layout is None:
-            check_no_stray_parameters(module, cfg.layers_attr)
-            param_counts = _param_counts(layers)
-            ranges = split_layers(len(layers), plan.num_stages, cfg.split, param_counts)
-            tied = find_tied_parameters(module, cfg.layers_attr)
-        else:
-            # Already split by an earlier fit/validate in this process: the same layout can be reused.
-            ranges, tied, old_plan = layout
-            if old_plan != plan:
-                raise RuntimeError(
-                    f"{type(module).__name__} was already split for another pipeline ({old_plan}); its other "
-                    "layers are gone from this rank. Build a new module (or load it from a checkpoint) to use "
-                    "a different layout."
-                )
-        local_ids = plan.stages_of_rank(topo.pp_rank)
-        groups = ProcessGroups(topo, tied, ranges, plan, backend=None)
-        stage_modules = localize_layers(module, cfg.layers_attr, ranges, local_ids, plan.stage_to_rank,
-                                        cfg.recompute_every)
-        # Layers built on the meta device (configure_model) are allocated now, on this rank only.
-        materialize(module, cfg.layers_attr, stage_modules, tied, self.root_device)
-        self.model_to_device()
-        module._pipeline_layout = (ranges, tied, plan)  # type: ignore[attr-defined]
-        engine = PipelineEngine(module, stage_modules, local_ids, plan, groups, self.root_device)
-        if layout is None:
-            engine.broadcast_initial_state()
+    def _build_engine(self, module: LightningModule) -> PipelineEngine:
+        assert self.plan is not None, "set_world_ranks resolves the plan before setup"
+        layout: PipelineLayout | None = getattr(module, "_pipeline_layout", None)
+        engine, layout = build_engine(module, self.pipeline_config, self.plan, self._topology(), self.root_device,
+                                      layout)
+        module._pipeline_layout = layout  # type: ignore[attr-defined]
         module._pipeline_engine = engine  # type: ignore[attr-defined]
-        self._log_layout(plan, ranges, local_ids, sum(p.numel() for p in engine._params))
+        self._log_layout(self.plan, list(layout.ranges), engine.plan.stages_of_rank(self._topology().pp_rank),
+                         sum(p.numel() for p in engine.parameters))
         return engine
 
     def _log_layout(self, plan: SchedulePlan, ranges: list[range], local_ids: list[int], n_params: int) -> None:
@@ -313,6 +265,20 @@ class PipelineStrategy(PipelineCheckpointing, ParallelStrategy):
         self.model.to(self.root_device)
 
     # ------------------------------------------------------------------ steps
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        engine = self.engine
+
+        def closure_then_sync() -> Any:
+            # After every accumulated backward, before on_before_optimizer_step and clipping see the gradients:
+            # average over replicas, sum tied copies (lightning_pipe.grads).
+            result = closure()
+            if engine is not None:
+                engine.grads.sync()
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+
     def _run(self, phase: str, parent: Any, *args: Any, **kwargs: Any) -> Any:
         assert self.engine is not None
         trainer = self.lightning_module.trainer
@@ -379,4 +345,4 @@ class PipelineStrategy(PipelineCheckpointing, ParallelStrategy):
                                    start_method="spawn")
 
 
-__all__ = ["PipelineStrategy", "RemoteLayer"]
+__all__ = ["PipelineStrategy"]

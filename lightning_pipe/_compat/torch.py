@@ -1,103 +1,92 @@
-"""Every private torch / Lightning API lightning_pipe touches, in one place, with the versions it was checked on.
+"""Private torch names the plain-torch core uses (pipelining runtime, checkpoint loader), resolved at import.
 
-If one of these moves, ``tests/unit/test_compat.py`` fails loudly naming the attribute, instead of a training run
-failing obscurely (or silently computing something else).
+Policy (see the package docstring): a torch that lacks one fails ``import lightning_pipe`` with an ``ImportError``
+naming the attribute and the versions checked, instead of a run failing obscurely (or computing something else).
+``tests/unit/test_compat.py`` checks every entry by name.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 from types import SimpleNamespace
 from typing import Any, Callable, Iterator
 
-import lightning
 import torch
 from torch.distributed.pipelining import schedules as _torch_schedules
+from torch.distributed.pipelining import stage as _torch_stage
 
 CHECKED_TORCH = ("2.13",)
-CHECKED_LIGHTNING = ("2.6",)
 
 
-# ---------------------------------------------------------------------------------------- Lightning internals
-# Private Lightning names the strategy builds on (DDPStrategy uses the same ones). Imported here only, so that a
-# Lightning release that moves one fails at `import lightning_pipe` with a message naming it.
-def _lightning(module: str, name: str) -> Any:
-    import importlib
-
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as err:
+def _resolve(owner: Any, name: str, where: str) -> Any:
+    obj = getattr(owner, name, None)
+    if obj is None:
         raise ImportError(
-            f"lightning {lightning.__version__} has no {module}.{name}; lightning_pipe was checked on lightning "
-            f"{CHECKED_LIGHTNING} and needs it. Install lightning 2.6 or update lightning_pipe._compat."
-        ) from err
+            f"torch {torch.__version__} has no {where}.{name}; lightning_pipe was checked on torch {CHECKED_TORCH} "
+            "and needs it. Install torch 2.13 or update lightning_pipe/_compat/torch.py."
+        )
+    return obj
 
 
-StrategyRegistryType = _lightning("lightning.fabric.strategies", "_StrategyRegistry")
-distributed_is_initialized = _lightning("lightning.fabric.utilities.distributed", "_distributed_is_initialized")
-default_backend_for_device = _lightning("lightning.fabric.utilities.distributed",
-                                        "_get_default_process_group_backend_for_device")
-init_dist_connection = _lightning("lightning.fabric.utilities.distributed", "_init_dist_connection")
-sync_ddp_if_available = _lightning("lightning.fabric.utilities.distributed", "_sync_ddp_if_available")
-optimizers_to_device = _lightning("lightning.fabric.utilities.optimizer", "_optimizers_to_device")
-convert_fp_tensor = _lightning("lightning.fabric.plugins.precision.utils", "_convert_fp_tensor")
-DtypeContextManager = _lightning("lightning.fabric.plugins.precision.utils", "_DtypeContextManager")
-MultiProcessingLauncher = _lightning("lightning.pytorch.strategies.launchers", "_MultiProcessingLauncher")
-SubprocessScriptLauncher = _lightning("lightning.pytorch.strategies.launchers", "_SubprocessScriptLauncher")
+def _module(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ImportError as err:
+        raise ImportError(f"torch {torch.__version__} has no module {name}; lightning_pipe was checked on torch "
+                          f"{CHECKED_TORCH}. Update lightning_pipe/_compat/torch.py.") from err
+
+
+def versions_checked() -> bool:
+    """Whether the installed torch is a version this module was verified against."""
+    return torch.__version__.startswith(CHECKED_TORCH)
+
+
+# ------------------------------------------------------------------------------------------- checkpoint loading
+_dcp_planner = _module("torch.distributed.checkpoint.default_planner")
+_dcp_loader = _module("torch.distributed.checkpoint.state_dict_loader")
+_EmptyStateDictLoadPlanner = _resolve(_dcp_planner, "_EmptyStateDictLoadPlanner", _dcp_planner.__name__)
+_load_state_dict = _resolve(_dcp_loader, "_load_state_dict", _dcp_loader.__name__)
+
 
 def dcp_load_everything(storage_reader: Any) -> dict[str, Any]:
     """Every entry of a torch.distributed.checkpoint directory, in one process, without knowing the keys first
     (consolidation). Torch's public ``load`` needs a state dict of the right keys; this is what ``dcp_to_torch_save``
     does internally, with the same two private names."""
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
     flat: dict[str, Any] = {}
     _load_state_dict(flat, storage_reader=storage_reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     return flat
 
 
-# Private methods we override or call: (class, method name).
-PRIVATE_LIGHTNING_METHODS = (
-    (MultiProcessingLauncher, "_collect_rank_zero_results"),  # launchers.PipelineMultiProcessingLauncher
-    (_lightning("lightning.pytorch.plugins.precision", "Precision"), "_after_closure"),  # fp16 optimizer_step
-)
-
+# ------------------------------------------------------------------------------------------- pipelining runtime
 # Names of the private flags by which torch's schedules remember that P2P buffer shapes were inferred.
 _SINGLE_FLAGS = ("_stage_forward_initialized", "_stage_backward_initialized")
 _MULTI_FLAGS = ("_stages_forward_initialized", "_stages_backward_initialized")
 
 # Private pieces used for custom action-list schedules and schedule plans as data.
-PipelineScheduleRuntime = getattr(_torch_schedules, "_PipelineScheduleRuntime", None)
-Action = getattr(_torch_schedules, "_Action", None)
-ComputationType = getattr(_torch_schedules, "_ComputationType", None)
-_validate_schedule = getattr(_torch_schedules, "_validate_schedule", None)
-_add_send_recv = getattr(_torch_schedules, "_add_send_recv", None)
+_WHERE = "torch.distributed.pipelining.schedules"
+PipelineScheduleRuntime = _resolve(_torch_schedules, "_PipelineScheduleRuntime", _WHERE)
+Action = _resolve(_torch_schedules, "_Action", _WHERE)
+ComputationType = _resolve(_torch_schedules, "_ComputationType", _WHERE)
+_validate_schedule = _resolve(_torch_schedules, "_validate_schedule", _WHERE)
+_add_send_recv = _resolve(_torch_schedules, "_add_send_recv", _WHERE)
 
-# Everything above that tests/unit/test_compat.py checks by name (a moved API fails there, loudly).
+# Everything above that tests/unit/test_compat.py checks by name.
 PRIVATE_TORCH_API = {
     "_PipelineScheduleRuntime": PipelineScheduleRuntime,
     "_Action": Action,
     "_ComputationType": ComputationType,
     "_validate_schedule": _validate_schedule,
     "_add_send_recv": _add_send_recv,
+    "_EmptyStateDictLoadPlanner": _EmptyStateDictLoadPlanner,
+    "_load_state_dict": _load_state_dict,
 }
 COMPUTE_TYPES = ("F", "B", "I", "W", "OVERLAP_F_B")
 
 
-def _require(name: str) -> Any:
-    obj = PRIVATE_TORCH_API[name]
-    if obj is None:
-        raise RuntimeError(
-            f"torch {torch.__version__} has no torch.distributed.pipelining.schedules.{name}; lightning_pipe "
-            f"(checked on torch {CHECKED_TORCH}) needs it for action-list schedules. Update lightning_pipe._compat."
-        )
-    return obj
-
-
 def parse_action(text: str) -> Any:
     """``"1F0"`` / ``"2I3"`` / ``"(0F3;3B1)OVERLAP_F_B"`` -> torch ``_Action`` (``None`` for an empty string)."""
-    return _require("_Action").from_str(text)
+    return Action.from_str(text)
 
 
 def is_compute(action: Any) -> bool:
@@ -135,32 +124,23 @@ def torch_check_actions(actions: dict[int, list[Any]], pipeline_size: int, num_s
 
     Raises what torch raises (``AssertionError``/``ValueError``); callers turn that into a config error.
     """
-    _require("_validate_schedule")(actions, pipeline_size, num_stages, microbatches)
+    _validate_schedule(actions, pipeline_size, num_stages, microbatches)
     stage_rank = {}
     for rank, acts in actions.items():
         for action in acts:
             for part in (action.sub_actions or (action,)) if action is not None else ():
                 stage_rank.setdefault(part.stage_index, rank)
-    _require("_add_send_recv")({r: list(acts) for r, acts in actions.items()}, lambda s: stage_rank[s], num_stages)
+    _add_send_recv({r: list(acts) for r, acts in actions.items()}, lambda s: stage_rank[s], num_stages)
 
 
 def action_list_schedule(stages: list[Any], microbatches: int, loss_fn: Callable[..., Any],
                          actions: dict[int, list[Any]]) -> Any:
     """Torch's ``_PipelineScheduleRuntime`` running the given compute-only action lists (it adds the sends and
     receives itself), with ``scale_grads=False`` (see [Note: loss scaling] in engine)."""
-    runtime = _require("_PipelineScheduleRuntime")
-    schedule = runtime(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+    schedule = PipelineScheduleRuntime(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
     schedule.pipeline_order = {rank: list(acts) for rank, acts in actions.items()}
     schedule._prepare_schedule_with_comms(schedule.pipeline_order)
     return schedule
-
-
-def versions_checked() -> dict[str, bool]:
-    """Whether the installed torch / Lightning are versions this module was verified against."""
-    return {
-        "torch": torch.__version__.startswith(CHECKED_TORCH),
-        "lightning": lightning.__version__.startswith(CHECKED_LIGHTNING),
-    }
 
 
 def _flags(schedule: Any) -> tuple[str, str]:
@@ -216,7 +196,7 @@ def forward_only_actions(schedule: Any) -> Iterator[None]:
 
     A no-op for other schedules. See [Note: forward-only action lists].
     """
-    if PipelineScheduleRuntime is None or not isinstance(schedule, PipelineScheduleRuntime):
+    if not isinstance(schedule, PipelineScheduleRuntime):
         yield
         return
     if not hasattr(schedule, "pipeline_order_with_comms"):
@@ -233,7 +213,7 @@ def forward_only_actions(schedule: Any) -> Iterator[None]:
 
 
 # --------------------------------------------------------------------------- execution trace (lightning_pipe.trace)
-# [Note: how the trace is recorded] in trace.py: while a step is recorded, these torch names are wrapped on this rank's
+# [Note: how the trace is recorded] in trace/recorder.py: while a step is recorded, these torch names are wrapped on this rank's
 # own stage and schedule objects (instance attributes) and, for the two module functions, in torch's schedules module;
 # all are restored when the step ends. Checked on torch 2.13 for PipelineScheduleSingle (GPipe, 1F1B) and the
 # _PipelineScheduleRuntime family, which all reach compute and P2P through exactly these names.
@@ -251,21 +231,19 @@ TRACE_TORCH_API = {
 }
 
 
+TRACE_OWNERS = {"stage": _resolve(_torch_stage, "_PipelineStageBase", "torch.distributed.pipelining.stage"),
+                "schedule": _resolve(_torch_schedules, "_PipelineSchedule", _WHERE), "module": _torch_schedules}
+
+
 def missing_trace_api() -> list[str]:
     """The names of ``TRACE_TORCH_API`` this torch lacks (empty when recording can work)."""
-    from torch.distributed.pipelining import stage as _torch_stage
-
-    owners = {"stage": getattr(_torch_stage, "_PipelineStageBase", None),
-              "schedule": getattr(_torch_schedules, "_PipelineSchedule", None), "module": _torch_schedules}
     return [key for key, (owner, attr) in TRACE_TORCH_API.items()
-            if owners[owner] is None or not callable(getattr(owners[owner], attr, None))]
+            if not callable(getattr(TRACE_OWNERS[owner], attr, None))]
 
 
-def require_trace_api() -> None:
-    missing = missing_trace_api()
-    if missing:
-        raise RuntimeError(
-            f"torch {torch.__version__} lacks {missing}, which lightning_pipe.trace wraps to record what a pipeline "
-            f"step ran (checked on torch {CHECKED_TORCH}). Update TRACE_TORCH_API in lightning_pipe._compat and "
-            "lightning_pipe.trace, or remove the PipelineTimeline callback."
-        )
+if missing_trace_api():
+    raise ImportError(
+        f"torch {torch.__version__} lacks {missing_trace_api()}, which lightning_pipe.trace wraps to record what a "
+        f"pipeline step ran (checked on torch {CHECKED_TORCH}). Update TRACE_TORCH_API in "
+        "lightning_pipe/_compat/torch.py and lightning_pipe/trace/recorder.py."
+    )

@@ -1,0 +1,9 @@
+"""Every private torch / Lightning name lightning_pipe touches, split by owner, with one failure policy.
+
+* :mod:`lightning_pipe._compat.torch` — torch's private pipelining / checkpoint names (plain-torch core may import it).
+* :mod:`lightning_pipe._compat.lightning` — Lightning's private names (only the Lightning adapter imports it).
+
+Policy: each name is resolved when its module is imported; if this torch / Lightning lacks one, the import fails
+with an ``ImportError`` naming the attribute, the installed version and the versions we checked. Nothing is
+``None`` and then fails later on first use. ``tests/unit/test_compat.py`` lists what each module needs.
+"""

@@ -1,0 +1,66 @@
+"""Private Lightning names the adapter builds on (DDPStrategy uses the same ones), resolved at import.
+
+Imported only by :mod:`lightning_pipe.lightning`: a Lightning release that moves one fails at ``import
+lightning_pipe`` with a message naming it (see the package docstring for the policy).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import lightning
+
+CHECKED_LIGHTNING = ("2.6",)
+
+
+def _resolve(module: str, name: str) -> Any:
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise ImportError(
+            f"lightning {lightning.__version__} has no {module}.{name}; lightning_pipe was checked on lightning "
+            f"{CHECKED_LIGHTNING} and needs it. Install lightning 2.6 or update lightning_pipe/_compat/lightning.py."
+        ) from err
+
+
+def _method(owner: type, name: str) -> tuple[type, str]:
+    if not callable(getattr(owner, name, None)):
+        raise ImportError(
+            f"lightning {lightning.__version__}: {owner.__qualname__} has no method {name}; lightning_pipe was "
+            f"checked on lightning {CHECKED_LIGHTNING} and overrides or calls it. Update "
+            "lightning_pipe/_compat/lightning.py."
+        )
+    return owner, name
+
+
+default_backend_for_device = _resolve("lightning.fabric.utilities.distributed",
+                                      "_get_default_process_group_backend_for_device")
+distributed_is_initialized = _resolve("lightning.fabric.utilities.distributed", "_distributed_is_initialized")
+init_dist_connection = _resolve("lightning.fabric.utilities.distributed", "_init_dist_connection")
+sync_ddp_if_available = _resolve("lightning.fabric.utilities.distributed", "_sync_ddp_if_available")
+optimizers_to_device = _resolve("lightning.fabric.utilities.optimizer", "_optimizers_to_device")
+convert_fp_tensor = _resolve("lightning.fabric.plugins.precision.utils", "_convert_fp_tensor")
+DtypeContextManager = _resolve("lightning.fabric.plugins.precision.utils", "_DtypeContextManager")
+MultiProcessingLauncher = _resolve("lightning.pytorch.strategies.launchers", "_MultiProcessingLauncher")
+SubprocessScriptLauncher = _resolve("lightning.pytorch.strategies.launchers", "_SubprocessScriptLauncher")
+_Precision = _resolve("lightning.pytorch.plugins.precision", "Precision")
+_Strategy = _resolve("lightning.pytorch.strategies", "Strategy")
+
+# Private methods we override or call: (class, method name).
+PRIVATE_LIGHTNING_METHODS = (
+    _method(MultiProcessingLauncher, "_collect_rank_zero_results"),  # lightning/launchers.py
+    _method(_Precision, "_after_closure"),  # lightning/precision.py: fp16 optimizer_step
+    _method(_Strategy, "_configure_launcher"),  # lightning/strategy.py
+)
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer behind a ``LightningOptimizer`` (its private ``_optimizer``), or the argument itself."""
+    inner = getattr(optimizer, "_optimizer", None)
+    return optimizer if inner is None else inner
+
+
+def versions_checked() -> bool:
+    """Whether the installed Lightning is a version this module was verified against."""
+    return lightning.__version__.startswith(CHECKED_LIGHTNING)

@@ -1,0 +1,152 @@
+"""Gradient collectives of one rank: data-parallel averaging, tied-copy sums, the global-norm clip.
+
+Everything here runs between the schedule's backward and the optimizer step (see the strategy's ``optimizer_step``),
+and the initial broadcast that makes replicas and tied copies start identical.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_pipe.config import Topology
+from lightning_pipe.schedules import SchedulePlan
+from lightning_pipe.stages import TiedParameter
+
+
+@dataclass(frozen=True)
+class TieGroup:
+    """One tied parameter held by several pipeline ranks, as this rank sees it."""
+
+    tie: TiedParameter
+    group: dist.ProcessGroup
+    owner: bool
+    """The first holder counts the parameter in the global gradient norm; the others do not."""
+
+
+class ProcessGroups:
+    """The groups one rank talks over. Built collectively: every rank creates every group, in the same order."""
+
+    def __init__(self, topology: Topology, tied: Sequence[TiedParameter], ranges: Sequence[range],
+                 plan: SchedulePlan) -> None:
+        self.topology = topology
+        p, d = topology.pipeline_size, topology.data_parallel_size
+        self.pp: dist.ProcessGroup | None = None
+        self.dp: dist.ProcessGroup | None = None
+        for dp_rank in range(d):
+            group = dist.new_group(topology.pp_group_ranks(dp_rank))
+            if dp_rank == topology.dp_rank:
+                self.pp = group
+        for pp_rank in range(p):
+            group = dist.new_group(topology.dp_group_ranks(pp_rank)) if d > 1 else None
+            if pp_rank == topology.pp_rank:
+                self.dp = group
+        # Tied parameters held by several pipeline ranks: one group per tie and replica, over the holding ranks.
+        self.tied: list[TieGroup] = []
+        for tie in tied:
+            holders = sorted({plan.stage_to_rank(_stage_of(ranges, i)) for i in tie.layer_indices})
+            if len(holders) < 2:
+                continue
+            mine = None
+            for dp_rank in range(d):
+                ranks = [dp_rank * p + h for h in holders]
+                group = dist.new_group(ranks)
+                if topology.global_rank in ranks:
+                    mine = group
+            if mine is not None:
+                self.tied.append(TieGroup(tie, mine, topology.pp_rank == holders[0]))
+
+
+def _stage_of(ranges: Sequence[range], layer: int) -> int:
+    return next(s for s, r in enumerate(ranges) if layer in r)
+
+
+class GradientSync:
+    """This rank's parameters and the collectives over them."""
+
+    def __init__(self, module: nn.Module, params: Sequence[nn.Parameter], groups: ProcessGroups,
+                 device: torch.device) -> None:
+        self.params = list(params)
+        self.groups = groups
+        self.device = device
+        # (this rank's copy, its tie group), looked up once: used at every optimizer step.
+        named = dict(module.named_parameters(remove_duplicate=False))
+        self.ties: list[tuple[nn.Parameter, TieGroup]] = []
+        for tie_group in groups.tied:
+            param = next((named[n] for n in tie_group.tie.names if n in named), None)
+            if param is not None:
+                self.ties.append((param, tie_group))
+
+    def sync(self) -> None:
+        """Average over data-parallel replicas, then sum the copies of tied parameters held by several stages."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if self.groups.dp is not None and grads:
+            all_reduce_coalesced(grads, self.groups.dp, average=True)
+        for param, tie_group in self.ties:
+            if param.grad is not None:
+                dist.all_reduce(param.grad, group=tie_group.group)
+
+    def norm_excluded(self) -> set[int]:
+        """Tied copies that another rank already counts in the global norm."""
+        return {id(param) for param, tie_group in self.ties if not tie_group.owner}
+
+    def broadcast_initial_state(self, tensors: Sequence[Tensor]) -> None:
+        """Start identical: replicas from data-parallel rank 0 (as DDP does), tied copies from their owner."""
+        if self.groups.dp is not None:
+            for t in tensors:
+                dist.broadcast(t.data, group=self.groups.dp, group_src=0)
+        for param, tie_group in self.ties:
+            dist.broadcast(param.data, group=tie_group.group, group_src=0)
+
+    def clip_grad_norm_(self, parameters: Sequence[nn.Parameter], max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` with the norm taken over every stage of the pipeline."""
+        excluded = self.norm_excluded()
+        grads = [p.grad for p in parameters if p.grad is not None]
+        counted = [p.grad for p in parameters if p.grad is not None and id(p) not in excluded]
+        norm_type = float(norm_type)
+        pp, many = self.groups.pp, self.groups.topology.pipeline_size > 1
+        zero = torch.zeros((), device=self.device)
+        if norm_type == math.inf:
+            local = torch.stack([g.detach().abs().max().float() for g in counted]).max() if counted else zero
+            if many:
+                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=pp)
+            total = local
+        else:
+            local = (torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type
+                                  for g in counted]).sum() if counted else zero)
+            if many:
+                dist.all_reduce(local, group=pp)
+            total = local ** (1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return total
+
+
+def all_reduce_coalesced(tensors: list[Tensor], group: Any, average: bool, bucket_bytes: int = 64 * 2**20) -> None:
+    """All-reduce many tensors as a few flat buckets (one per dtype and ~64 MiB)."""
+    world = dist.get_world_size(group)
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        start = 0
+        while start < len(same):
+            bucket, size = [], 0
+            while start < len(same) and (not bucket or size < bucket_bytes):
+                bucket.append(same[start])
+                size += same[start].numel() * same[start].element_size()
+                start += 1
+            flat = torch.cat([b.reshape(-1) for b in bucket])
+            dist.all_reduce(flat, group=group)
+            if average:
+                flat.div_(world)
+            offset = 0
+            for b in bucket:
+                b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                offset += b.numel()

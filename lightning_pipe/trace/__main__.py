@@ -1,0 +1,5 @@
+"""``python -m lightning_pipe.trace plot|chrome|summary records.json ...``"""
+
+from lightning_pipe.trace.export import main
+
+main()
