@@ -71,8 +71,15 @@ ComputationType = _resolve(_torch_schedules, "_ComputationType", _WHERE)
 _validate_schedule = _resolve(_torch_schedules, "_validate_schedule", _WHERE)
 _add_send_recv = _resolve(_torch_schedules, "_add_send_recv", _WHERE)
 
+# The split backward the runtime runs for I / W actions (the planner's profiler times exactly these).
+_torch_backward = _module("torch.distributed.pipelining._backward")
+stage_backward_input = _resolve(_torch_backward, "stage_backward_input", _torch_backward.__name__)
+stage_backward_weight = _resolve(_torch_backward, "stage_backward_weight", _torch_backward.__name__)
+
 # Everything above that tests/unit/test_compat.py checks by name.
 PRIVATE_TORCH_API = {
+    "stage_backward_input": stage_backward_input,
+    "stage_backward_weight": stage_backward_weight,
     "_PipelineScheduleRuntime": PipelineScheduleRuntime,
     "_Action": Action,
     "_ComputationType": ComputationType,
@@ -247,3 +254,59 @@ if missing_trace_api():
         f"pipeline step ran (checked on torch {CHECKED_TORCH}). Update TRACE_TORCH_API in "
         "lightning_pipe/_compat/torch.py and lightning_pipe/trace/recorder.py."
     )
+
+
+# --------------------------------------------------------------------------- shape inference without side effects
+# [Note: shape inference has no side effects] (engine.py). Torch 2.13's PipelineStage learns its P2P shapes by
+# running the stage for real: ``_forward_metadata_inference`` (a forward, in the module's current train/eval mode,
+# on the first micro-batch's inputs or on stand-ins made by ``_to_tensor``) and ``_backward_metadata_inference``
+# (the loss on the last stage and input gradients). The schedule calls them from ``_initialize_pp_stages`` whenever
+# its "initialized" flags are down (first step, train/eval switch, reset_schedule_shapes).
+_STAGE_WHERE = "torch.distributed.pipelining.PipelineStage"
+_PipelineStage = _resolve(importlib.import_module("torch.distributed.pipelining"), "PipelineStage",
+                          "torch.distributed.pipelining")
+_STAGE_INFERENCE_API = {f"PipelineStage.{name}": _resolve(_PipelineStage, name, _STAGE_WHERE)
+                        for name in ("_forward_metadata_inference", "_backward_metadata_inference", "_to_tensor")}
+_batchnorm = _module("torch.nn.modules.batchnorm")
+BatchNormBase = _resolve(_batchnorm, "_BatchNorm", _batchnorm.__name__)
+"""The base of every BatchNorm flavour (1d/2d/3d, lazy, SyncBatchNorm)."""
+PRIVATE_TORCH_API.update({**_STAGE_INFERENCE_API, "_BatchNorm": BatchNormBase})
+
+InferenceGuard = Callable[[torch.nn.Module, bool], contextlib.AbstractContextManager]
+"""``guard(stage_module, forward)``: entered around each shape inference of a stage (``forward``: the forward one)."""
+
+
+class GuardedPipelineStage(_PipelineStage):  # type: ignore[misc, valid-type]
+    """torch's ``PipelineStage`` whose shape inference runs inside ``inference_guard`` and on zero-filled stand-ins.
+
+    Torch makes a later stage's stand-in inputs with ``torch.empty``: garbage values (NaN, 1e34, out-of-range
+    indices for integer inputs such as position ids) that can crash a layer. Zeros have the same shapes and dtypes.
+    """
+
+    def __init__(self, *args: Any, inference_guard: InferenceGuard, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._inference_guard = inference_guard
+
+    def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        with self._inference_guard(self.submod, True):
+            return super()._forward_metadata_inference(*args, **kwargs)
+
+    def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        with self._inference_guard(self.submod, False):
+            return super()._backward_metadata_inference(*args, **kwargs)
+
+    def _to_tensor(self, arg: Any) -> torch.Tensor:
+        tensor = super()._to_tensor(arg)
+        if not isinstance(arg, torch.Tensor) and type(tensor) in (torch.Tensor, torch.nn.Parameter):
+            with torch.no_grad():
+                tensor.zero_()
+        return tensor
+
+
+# --------------------------------------------------------------------------- failure propagation (watchdog.py)
+# The default process group's store (the rendezvous TCPStore every rank already shares) carries the first failure
+# of a run to the other ranks; torch has no public accessor for it.
+_c10d = _module("torch.distributed.distributed_c10d")
+default_store = _resolve(_c10d, "_get_default_store", _c10d.__name__)
+"""``default_store()``: the store of the default process group (needs an initialised process group)."""
+PRIVATE_TORCH_API["_get_default_store"] = default_store

@@ -1,12 +1,13 @@
 """Schedules as plain data: replay per-rank compute-action lists, find deadlocks, measure the ideal bubble.
 
-Used by the ``custom`` schedule's checks, the tests (orders as data) and the benchmarks; no process group, no model.
+Used by the ``custom`` schedule's checks, the tests (orders as data), the benchmarks and the planner
+(:func:`replay`: per-stage costs, per-link communication, per-rank activation peaks); no process group, no model.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 
 def flatten(action: Any) -> tuple[Any, ...]:
@@ -114,3 +115,124 @@ def simulate(order: dict[int, list[Any]], num_stages: int, f: float = 1.0, b: fl
                         local[(a.stage_index, a.computation_type.value, a.microbatch_index)] = 0.0
             raise ScheduleDeadlock(stuck)
     return SimulatedStep(max(free.values()) if free else 0.0, busy)
+
+
+# ----------------------------------------------------------------------------------- costed replay (the planner)
+Part = tuple[int, str, int]  # (stage, kind, micro-batch) of one compute part
+
+
+@dataclass(frozen=True)
+class CompiledOrder:
+    """Per-rank compute orders reduced to tuples, built once per (schedule, p, v, m) and replayed many times."""
+
+    num_stages: int
+    ranks: tuple[tuple[tuple[Part, ...], ...], ...]
+    """``ranks[r][i]``: the parts of rank r's i-th action (one, or the sub-actions of an OVERLAP_F_B)."""
+    stage_rank: tuple[int, ...]
+    """Which rank runs each stage (read from the order itself)."""
+
+
+def compile_order(order: dict[int, list[Any]], num_stages: int) -> CompiledOrder:
+    ranks, stage_rank = [], [-1] * num_stages
+    for rank in sorted(order):
+        actions = []
+        for a in order[rank]:
+            if a is None:
+                continue
+            parts = tuple((x.stage_index, x.computation_type.value, x.microbatch_index) for x in flatten(a))
+            for stage, _, _ in parts:
+                stage_rank[stage] = rank
+            actions.append(parts)
+        ranks.append(tuple(actions))
+    return CompiledOrder(num_stages, tuple(ranks), tuple(stage_rank))
+
+
+@dataclass(frozen=True)
+class Replay:
+    """One batch replayed with given costs: the step's span and each rank's busy time (seconds, or cost units)."""
+
+    makespan: float
+    busy: tuple[float, ...]
+
+    @property
+    def bubble(self) -> float:
+        return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan) if self.makespan else 0.0
+
+
+def replay(compiled: CompiledOrder, cost: Mapping[tuple[int, str], float],
+           comm: Sequence[float] | None = None) -> Replay:
+    """List-schedule the compiled order: each rank runs its actions in order, an action starts when the rank is
+    free and its inputs exist. ``cost[(stage, kind)]`` is the compute time of one part; ``comm[s]`` the time for
+    stage s's output (forward) or its input gradient (backward, same shape) to reach the neighbouring stage when
+    that stage sits on another rank (links are independent and never queue). Raises :class:`ScheduleDeadlock`."""
+    n, stage_rank = compiled.num_stages, compiled.stage_rank
+    link = [0.0] * n
+    if comm is not None:
+        for s in range(n - 1):
+            link[s] = comm[s] if stage_rank[s] != stage_rank[s + 1] else 0.0
+    fwd: dict[tuple[int, int], float] = {}   # (stage, mb) -> its output available on the next stage's rank
+    grad: dict[tuple[int, int], float] = {}  # (stage, mb) -> its input gradient available on the previous rank
+    inp: dict[tuple[int, int], float] = {}   # (stage, mb) -> input-gradient part done (W waits for it)
+    queues = compiled.ranks
+    pos = [0] * len(queues)
+    free = [0.0] * len(queues)
+    busy = [0.0] * len(queues)
+    remaining = sum(len(q) for q in queues)
+    while remaining:
+        progressed = False
+        for rank, queue in enumerate(queues):
+            while pos[rank] < len(queue):
+                t, spent, undo = free[rank], 0.0, []
+                for stage, kind, mb in queue[pos[rank]]:
+                    key = (stage, mb)
+                    if kind == "F":
+                        ready = 0.0 if stage == 0 else fwd.get((stage - 1, mb))
+                    elif kind == "W":
+                        ready = inp.get(key)
+                    else:
+                        ready = fwd.get(key) if stage == n - 1 else grad.get((stage + 1, mb))
+                        own = fwd.get(key)
+                        ready = None if ready is None or own is None else max(ready, own - link[stage])
+                    if ready is None:
+                        break
+                    c = cost[(stage, kind)]
+                    t = max(t, ready) + c
+                    spent += c
+                    writes = [(fwd, t + link[stage])] if kind == "F" else \
+                        [(grad, t + (link[stage - 1] if stage else 0.0)), (inp, t)] if kind in "BI" else []
+                    for table, value in writes:
+                        undo.append((table, key, table.get(key)))
+                        table[key] = value
+                else:
+                    undo = None
+                if undo is not None:  # a part of an OVERLAP_F_B is not ready: forget its earlier parts, retry later
+                    for table, key, old in reversed(undo):
+                        if old is None:
+                            del table[key]
+                        else:
+                            table[key] = old
+                    break
+                free[rank] = t
+                busy[rank] += spent
+                pos[rank] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = {r: (pos[r], q[pos[r]], q[pos[r]][0]) for r, q in enumerate(queues) if pos[r] < len(q)}
+            raise ScheduleDeadlock({r: (step, "+".join(f"{s}{k}{m}" for s, k, m in parts), w)
+                                    for r, (step, parts, w) in stuck.items()})
+    return Replay(max(free) if free else 0.0, tuple(busy))
+
+
+def peak_activations(compiled: CompiledOrder, held: Sequence[float]) -> list[float]:
+    """Per rank, the most activation memory held at once: stage s's ``held[s]`` (per micro-batch) from its F until
+    its full backward B, or its weight-gradient W when the backward is split (W still needs the saved inputs)."""
+    peaks = []
+    for queue in compiled.ranks:
+        live = peak = 0.0
+        for parts in queue:
+            for stage, kind, _ in parts:
+                live += held[stage] if kind == "F" else -held[stage] if kind in "BW" else 0.0
+                peak = max(peak, live)
+        peaks.append(peak)
+    return peaks

@@ -1,0 +1,137 @@
+"""``python -m lightning_pipe.planner profile|search|explain|validate``.
+
+    python -m lightning_pipe.planner profile recipes.gpt.model:GPT --kwargs '{"n_layer": 4}' --tokens 256,64 \\
+        --micro-batch-sizes 2,8 -o profile.json
+    python -m lightning_pipe.planner search profile.json --world 2 --batch-size 32 --memory-budget 2GiB -o plan.json
+    python -m lightning_pipe.planner explain plan.json
+    python -m lightning_pipe.planner validate plan.json --world 2 --measured-step-ms 310
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from lightning_pipe.config import PipelineConfigError
+
+
+def _factory(spec: str) -> Any:
+    module, _, attr = spec.partition(":")
+    if not attr:
+        raise SystemExit(f"a model is given as module.path:factory (e.g. recipes.gpt.model:GPT); got {spec!r}")
+    sys.path.insert(0, str(Path.cwd()))
+    return getattr(importlib.import_module(module), attr)
+
+
+def _profile(args: argparse.Namespace) -> None:
+    import torch
+
+    from lightning_pipe.planner.profile import profile_model
+
+    torch.manual_seed(0)
+    model = _factory(args.model)(**json.loads(args.kwargs))
+    sizes = [int(s) for s in args.micro_batch_sizes.split(",")]
+    rows = max(sizes)
+    if args.batch:
+        batch = _factory(args.batch)(rows)
+    elif args.tokens:
+        vocab, seq = (int(x) for x in args.tokens.split(","))
+        data = torch.randint(0, vocab, (rows, seq + 1))
+        batch = (data[:, :-1], data[:, 1:])
+    else:
+        raise SystemExit("profile needs a sample batch: --tokens VOCAB,SEQ (language models) or --batch module:fn")
+    profile = profile_model(model, batch, sizes, layers_attr=args.layers_attr, device=args.device,
+                            repeats=args.repeats)
+    profile.link_latency, profile.link_bandwidth = args.link_latency_us * 1e-6, args.link_gbps * 1e9
+    profile.meta.update(model=args.model, kwargs=json.loads(args.kwargs))
+    Path(args.out).write_text(json.dumps(profile.to_json(), indent=1))
+    total = {s: sum(c.forward + c.backward for c in cs) * 1e3 for s, cs in profile.layers.items()}
+    print(f"profiled {profile.num_layers} layers at micro-batch sizes {sizes}: forward + backward "
+          + ", ".join(f"{t:.1f} ms @ {s}" for s, t in total.items()) + f" -> {args.out}")
+
+
+def _search(args: argparse.Namespace) -> None:
+    from lightning_pipe.planner.plan import explain, save_plan, to_plan
+    from lightning_pipe.planner.profile import ModelProfile
+    from lightning_pipe.planner.search import search
+
+    profile = ModelProfile.from_json(json.loads(Path(args.profile).read_text()))
+    result = search(profile, args.world, args.batch_size, args.memory_budget,
+                    schedules=args.schedules.split(",") if args.schedules else None,
+                    speeds=[float(x) for x in args.speeds.split(",")] if args.speeds else None,
+                    action_overhead=args.action_overhead_ms * 1e-3)
+    plan = to_plan(result, args.batch_size, args.top_k, profile=args.profile)
+    save_plan(plan, args.out)
+    print(explain(plan))
+    print(f"-> {args.out}")
+
+
+def _explain(args: argparse.Namespace) -> None:
+    from lightning_pipe.planner.plan import explain, load_plan
+
+    print(explain(load_plan(args.plan)))
+
+
+def _validate(args: argparse.Namespace) -> None:
+    from lightning_pipe.planner.plan import apply_plan, load_plan
+
+    kwargs = apply_plan(args.plan, args.world, args.layers)
+    print("valid: PipelineStrategy(" + ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) + ")")
+    if args.measured_step_ms is not None:
+        pred = load_plan(args.plan)["predicted_step_ms"]
+        drift = (args.measured_step_ms - pred) / pred
+        print(f"step: predicted {pred:.1f} ms, measured {args.measured_step_ms:.1f} ms, drift {drift:+.1%}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lightning_pipe.planner", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("profile", help="measure a model's layers")
+    p.add_argument("model", help="module.path:factory, e.g. recipes.gpt.model:GPT")
+    p.add_argument("--kwargs", default="{}", help="JSON keyword arguments of the factory")
+    p.add_argument("--tokens", help="VOCAB,SEQ: a random token batch (language models)")
+    p.add_argument("--batch", help="module.path:fn(rows) -> a batch the module's split_batch accepts")
+    p.add_argument("--micro-batch-sizes", default="1,4")
+    p.add_argument("--layers-attr", default="layers")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--link-latency-us", type=float, default=50.0, help="point-to-point latency (measure_link)")
+    p.add_argument("--link-gbps", type=float, default=1.0, help="point-to-point bandwidth, GB/s")
+    p.add_argument("-o", "--out", default="profile.json")
+    p.set_defaults(fn=_profile)
+    s = sub.add_parser("search", help="find the fastest layout that fits")
+    s.add_argument("profile")
+    s.add_argument("--world", type=int, required=True, help="number of devices")
+    s.add_argument("--batch-size", type=int, required=True, help="global batch per optimizer step")
+    s.add_argument("--memory-budget", default=None, help="per device, e.g. 20GiB")
+    s.add_argument("--schedules", default=None, help="comma-separated (default: all)")
+    s.add_argument("--speeds", default=None, help="slowness per rank, e.g. 1,1.5")
+    s.add_argument("--action-overhead-ms", type=float, default=0.0, help="runtime cost per stage call")
+    s.add_argument("--top-k", type=int, default=3)
+    s.add_argument("-o", "--out", default="plan.json")
+    s.set_defaults(fn=_search)
+    e = sub.add_parser("explain", help="print a plan")
+    e.add_argument("plan")
+    e.set_defaults(fn=_explain)
+    v = sub.add_parser("validate", help="check a plan against a world / model; compare with a measured step")
+    v.add_argument("plan")
+    v.add_argument("--world", type=int, default=None)
+    v.add_argument("--layers", type=int, default=None)
+    v.add_argument("--measured-step-ms", type=float, default=None)
+    v.set_defaults(fn=_validate)
+    args = parser.parse_args(argv)
+    try:
+        args.fn(args)
+    except PipelineConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

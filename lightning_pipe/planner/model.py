@@ -1,0 +1,140 @@
+"""The cost model: a candidate layout (pipeline x replicas, schedule, v, m, layer counts) + a profile -> a prediction.
+
+Compute: per stage, the sum of its layers' measured F / B / I / W at the micro-batch size, times the slowness of
+the rank holding it; stage 0 runs no I (the runtime's W there is the whole backward). Communication: latency +
+output bytes / bandwidth for every stage boundary that crosses ranks. Both are replayed over the schedule's own
+action order (:func:`lightning_pipe.schedules.simulate.replay`). Replicas add a ring all-reduce of each rank's
+gradients after the step. Memory per rank: parameters + gradients + optimizer state of its layers, plus the
+activations its schedule holds at once (:func:`~lightning_pipe.schedules.simulate.peak_activations`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from lightning_pipe.planner.profile import LayerCost, ModelProfile
+from lightning_pipe.schedules.simulate import CompiledOrder, peak_activations, replay
+
+KINDS = ("F", "B", "I", "W")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the search space."""
+
+    pipeline_size: int
+    data_parallel_size: int
+    schedule: str
+    stages_per_rank: int
+    microbatches: int
+    counts: tuple[int, ...]
+    """Layers per stage, in stage order."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    step_time: float
+    """Seconds per optimizer step (one batch), including the replicas' gradient all-reduce."""
+    bubble: float
+    """Idle fraction of the pipeline ranks during the schedule (compute only)."""
+    peak_memory: tuple[int, ...]
+    """Bytes per pipeline rank: parameters + gradients + optimizer state + peak activations."""
+    busy: tuple[float, ...]
+
+
+class CostModel:
+    """Stage costs for one (profile, micro-batch size, per-pipeline-rank slowness); cheap to query per split."""
+
+    def __init__(self, profile: ModelProfile, micro_batch: float, slowness: Sequence[float],
+                 action_overhead: float = 0.0) -> None:
+        self.layers: list[LayerCost] = profile.at(micro_batch)
+        self.profile = profile
+        self.slowness = list(slowness)
+        self.overhead = action_overhead
+        self.prefix = {k: _prefix([_kind(c, k) for c in self.layers]) for k in KINDS}
+        self.prefix["saved"] = _prefix([c.saved_bytes for c in self.layers])
+        self.prefix["params"] = _prefix([c.param_bytes for c in self.layers])
+
+    def _sum(self, key: str, lo: int, hi: int) -> float:
+        p = self.prefix[key]
+        return p[hi] - p[lo]
+
+    def stage_costs(self, bounds: Sequence[tuple[int, int]], stage_rank: Sequence[int]) -> dict[tuple[int, str], float]:
+        cost = {}
+        for s, (lo, hi) in enumerate(bounds):
+            slow = self.slowness[stage_rank[s]]
+            full = self._sum("B", lo, hi)
+            split = (0.0, full) if s == 0 else (self._sum("I", lo, hi), self._sum("W", lo, hi))
+            values = (self._sum("F", lo, hi), full, *split)
+            for kind, value in zip(KINDS, values):
+                cost[(s, kind)] = slow * value + self.overhead
+        return cost
+
+    def comm(self, bounds: Sequence[tuple[int, int]]) -> list[float]:
+        p = self.profile
+        return [p.link_latency + self.layers[hi - 1].output_bytes / p.link_bandwidth for _, hi in bounds]
+
+    def held(self, bounds: Sequence[tuple[int, int]]) -> list[float]:
+        """Activation bytes a stage holds per micro-batch in flight: what autograd saves, plus its output."""
+        return [self._sum("saved", lo, hi) + self.layers[hi - 1].output_bytes for lo, hi in bounds]
+
+    def static_memory(self, bounds: Sequence[tuple[int, int]], stage_rank: Sequence[int], ranks: int) -> list[float]:
+        factor = 2.0 + self.profile.optimizer_state_factor  # parameters, gradients, optimizer state
+        out = [0.0] * ranks
+        for s, (lo, hi) in enumerate(bounds):
+            out[stage_rank[s]] += factor * self._sum("params", lo, hi)
+        return out
+
+    def allreduce(self, bounds: Sequence[tuple[int, int]], stage_rank: Sequence[int], ranks: int, dp: int) -> float:
+        """Ring all-reduce of the gradients of the slowest-to-sync pipeline rank across ``dp`` replicas."""
+        if dp <= 1:
+            return 0.0
+        grads = [0.0] * ranks
+        for s, (lo, hi) in enumerate(bounds):
+            grads[stage_rank[s]] += self._sum("params", lo, hi)
+        p = self.profile
+        return max(2 * (dp - 1) / dp * g / p.link_bandwidth + 2 * (dp - 1) * p.link_latency for g in grads)
+
+
+def _kind(c: LayerCost, kind: str) -> float:
+    return {"F": c.forward, "B": c.backward, "I": c.input_grad, "W": c.weight_grad}[kind]
+
+
+def _prefix(values: Sequence[float]) -> list[float]:
+    out = [0.0]
+    for v in values:
+        out.append(out[-1] + float(v))
+    return out
+
+
+def bounds_of(counts: Sequence[int]) -> list[tuple[int, int]]:
+    out, start = [], 0
+    for c in counts:
+        out.append((start, start + c))
+        start += c
+    return out
+
+
+def action_counts(compiled: CompiledOrder) -> list[dict[tuple[int, str], int]]:
+    """Per rank, how many parts of each (stage, kind) it runs: the busy time of a rank is their weighted sum."""
+    out = []
+    for queue in compiled.ranks:
+        n: dict[tuple[int, str], int] = {}
+        for parts in queue:
+            for stage, kind, _ in parts:
+                n[(stage, kind)] = n.get((stage, kind), 0) + 1
+        out.append(n)
+    return out
+
+
+def predict(model: CostModel, compiled: CompiledOrder, counts: Sequence[int], dp: int) -> Prediction:
+    """Replay one candidate's split over the compiled schedule order."""
+    bounds = bounds_of(counts)
+    ranks = len(compiled.ranks)
+    cost = model.stage_costs(bounds, compiled.stage_rank)
+    run = replay(compiled, cost, model.comm(bounds))
+    static = model.static_memory(bounds, compiled.stage_rank, ranks)
+    acts = peak_activations(compiled, model.held(bounds))
+    step = run.makespan + model.allreduce(bounds, compiled.stage_rank, ranks, dp)
+    return Prediction(step, run.bubble, tuple(int(a + b) for a, b in zip(static, acts)), run.busy)

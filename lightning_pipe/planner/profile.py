@@ -1,0 +1,273 @@
+"""Measure what the planner needs, layer by layer: compute times, activation and parameter bytes, and the link.
+
+Per layer and per micro-batch size: forward F, full backward B, and the split backward the runtime runs for
+zero-bubble schedules (I: input gradient, W: weight gradient, timed with torch's own ``stage_backward_input`` /
+``stage_backward_weight``); the bytes autograd saves for backward (:class:`~lightning_pipe.memory.ActivationMeter`);
+the output bytes (what crosses a stage boundary); parameter bytes. One layer is resident at a time: a layer built
+on the meta device is materialised (``module.reset_layer(index, layer)`` or ``reset_parameters``), profiled and
+freed, so a model that does not fit on one device is profiled on one device. Few repetitions, median: seconds.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_pipe._compat import torch as _compat
+from lightning_pipe.memory import ActivationMeter
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer at one micro-batch size (seconds, bytes). The last layer's times include the loss."""
+
+    forward: float
+    backward: float
+    input_grad: float
+    weight_grad: float
+    saved_bytes: int
+    output_bytes: int
+    param_bytes: int
+
+
+@dataclass
+class ModelProfile:
+    """Per micro-batch size (samples), one :class:`LayerCost` per layer; ``link`` from :func:`measure_link`."""
+
+    layers: dict[int, list[LayerCost]]
+    link_latency: float = 50e-6
+    link_bandwidth: float = 1e9
+    """Bytes per second of one point-to-point link."""
+    optimizer_state_factor: float = 2.0
+    """Optimizer state bytes per parameter byte (AdamW: 2)."""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        return len(next(iter(self.layers.values())))
+
+    def at(self, micro_batch: float) -> list[LayerCost]:
+        """Layer costs at any micro-batch size: measured, or linear between / beyond the two nearest measured."""
+        sizes = sorted(self.layers)
+        if micro_batch in self.layers:
+            return self.layers[int(micro_batch)]
+        if len(sizes) == 1:
+            scale = micro_batch / sizes[0]
+            return [_mix(c, c, scale, 0.0) for c in self.layers[sizes[0]]]
+        lo, hi = (sizes[0], sizes[1]) if micro_batch < sizes[0] else (sizes[-2], sizes[-1])
+        for a, b in zip(sizes, sizes[1:]):
+            if a <= micro_batch <= b:
+                lo, hi = a, b
+        w = (micro_batch - lo) / (hi - lo)
+        return [_mix(a, b, 1.0 - w, w, floor=True) for a, b in zip(self.layers[lo], self.layers[hi])]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layers": {str(k): [asdict(c) for c in v] for k, v in self.layers.items()},
+                "link_latency": self.link_latency, "link_bandwidth": self.link_bandwidth,
+                "optimizer_state_factor": self.optimizer_state_factor, "meta": self.meta}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ModelProfile:
+        layers = {int(k): [LayerCost(**c) for c in v] for k, v in data["layers"].items()}
+        return cls(layers, data["link_latency"], data["link_bandwidth"], data.get("optimizer_state_factor", 2.0),
+                   data.get("meta", {}))
+
+
+def _mix(a: LayerCost, b: LayerCost, wa: float, wb: float, floor: bool = False) -> LayerCost:
+    def val(x: float, y: float) -> float:
+        v = wa * x + wb * y
+        return max(v, 0.0) if floor else v
+
+    return LayerCost(val(a.forward, b.forward), val(a.backward, b.backward), val(a.input_grad, b.input_grad),
+                     val(a.weight_grad, b.weight_grad), int(val(a.saved_bytes, b.saved_bytes)),
+                     int(val(a.output_bytes, b.output_bytes)), a.param_bytes)
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.nelement() * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        out = value.detach()
+        return out.requires_grad_(True) if out.is_floating_point() else out
+    if isinstance(value, (tuple, list)):
+        return type(value)(_detached(v) for v in value)
+    return value
+
+
+def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start, out
+
+
+def profile_layer(layer: nn.Module, inputs: Any, loss: Callable[[Any], torch.Tensor] | None = None,
+                  repeats: int = 3) -> tuple[LayerCost, Any]:
+    """Time one layer on ``inputs`` (one warm-up, then the median of ``repeats``); also return its output.
+
+    ``loss`` (last layer only) maps the output to a scalar; otherwise backward starts from a random output
+    gradient, as it does on a pipeline stage."""
+    params = [p for p in layer.parameters() if p.requires_grad]
+    device = next((t.device for t in _tensors(inputs)), torch.device("cpu"))
+    meter = ActivationMeter(params)
+    runs: dict[str, list[float]] = {k: [] for k in ("F", "B", "I", "W")}
+    saved = 0
+    out: Any = None
+    for rep in range(repeats + 1):
+        x = _detached(inputs)
+        x_grad = [t for t in _tensors(x) if t.requires_grad]
+        for split in (False, True):
+            meter.reset()
+            with meter.measure():
+                t_f, out = _timed(lambda: layer(x), device)
+                saved = max(saved, meter.live_bytes)
+                roots = [loss(out)] if loss is not None else [t for t in _tensors(out) if t.requires_grad]
+            grads = None if loss is not None else [torch.randn_like(t) for t in roots]
+            if not (roots and roots[0].requires_grad):
+                t_b = t_i = t_w = 0.0  # nothing to differentiate (e.g. a frozen layer)
+            elif not split:
+                t_b, _ = _timed(lambda: torch.autograd.backward(roots, grads), device)
+            else:
+                if x_grad:  # the runtime skips I on stage 0 (no input gradient): its W is the whole backward
+                    t_i, (_, groups) = _timed(lambda: _compat.stage_backward_input(roots, grads, x_grad,
+                                                                                    iter(params)), device)
+                    t_w, _ = _timed(lambda: _compat.stage_backward_weight(iter(params), groups), device)
+                else:
+                    t_i, (t_w, _) = 0.0, _timed(lambda: torch.autograd.backward(roots, grads), device)
+            if rep:
+                runs["F"].append(t_f)
+                runs["B" if not split else "I"].append(t_b if not split else t_i)
+                if split:
+                    runs["W"].append(t_w)
+            for p in params:
+                p.grad = None
+        if rep == 0:
+            out = out.detach() if isinstance(out, torch.Tensor) else out
+    med = {k: statistics.median(v) if v else 0.0 for k, v in runs.items()}
+    cost = LayerCost(med["F"], med["B"], med["I"], med["W"], int(saved), _nbytes(out),
+                     sum(p.nelement() * p.element_size() for p in layer.parameters()))
+    return cost, _detach_all(out)
+
+
+def _detach_all(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_detach_all(v) for v in value)
+    return value
+
+
+def _materialize(module: nn.Module, index: int, layer: nn.Module, device: torch.device) -> bool:
+    if not any(t.is_meta for t in list(layer.parameters()) + list(layer.buffers())):
+        layer.to(device)
+        return False
+    layer.to_empty(device=device)
+    reset_layer = getattr(module, "reset_layer", None)
+    if callable(reset_layer):
+        reset_layer(index, layer)
+    else:
+        for sub in layer.modules():
+            if callable(getattr(sub, "reset_parameters", None)):
+                sub.reset_parameters()
+    return True
+
+
+def profile_model(module: nn.Module, batch: Any, micro_batch_sizes: Sequence[int], layers_attr: str = "layers",
+                  device: torch.device | str = "cpu", repeats: int = 3) -> ModelProfile:
+    """Profile every layer of a layer-list module (the pipeline's module contract: ``split_batch``, ``loss_fn``)
+    at each micro-batch size, taking the first rows of ``batch``. Layers on the meta device are materialised one
+    at a time and returned to meta afterwards; others are moved to ``device`` and back."""
+    device = torch.device(device)
+    layers = list(getattr(module, layers_attr))
+    inputs_all, target_all = module.split_batch(batch)  # type: ignore[operator]
+    profile: dict[int, list[LayerCost]] = {}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        for size in micro_batch_sizes:
+            hidden = _rows(inputs_all, size, device)
+            target = _rows(target_all, size, device)
+            costs = []
+            for index, layer in enumerate(layers):
+                home = next((t.device for t in layer.parameters()), device)
+                was_meta = _materialize(module, index, layer, device)
+                last = index == len(layers) - 1
+                loss = (lambda out, target=target: module.loss_fn(out, target)) if last else None  # type: ignore
+                cost, hidden = profile_layer(layer, hidden, loss, repeats)
+                costs.append(cost)
+                layer.to_empty(device="meta") if was_meta else layer.to(home)
+            profile[int(size)] = costs
+    return ModelProfile(profile, meta={"micro_batch_sizes": list(micro_batch_sizes), "device": str(device)})
+
+
+def _rows(value: Any, n: int, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.size(0) < n:
+            raise ValueError(f"profiling a micro-batch of {n} samples needs a batch of at least {n}; "
+                             f"got {value.size(0)}")
+        return value[:n].to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_rows(v, n, device) for v in value)
+    return value
+
+
+def measure_link(src: int = 0, dst: int = 1, sizes: Sequence[int] = (1 << 10, 1 << 18, 1 << 21),
+                 repeats: int = 5, group: Any = None, device: torch.device | str = "cpu") -> tuple[float, float]:
+    """Latency (s) and bandwidth (bytes/s) between two ranks, from ping-pongs of a few sizes (least squares of
+    half the round trip against the size). Call on every rank of ``group``; all get the same answer."""
+    rank = dist.get_rank(group)
+    device = torch.device(device)
+    points = []
+    for size in sizes:
+        buf = torch.empty(size // 4, dtype=torch.float32, device=device)
+        times = []
+        for rep in range(repeats + 1):
+            start = time.perf_counter()
+            if rank == src:
+                dist.send(buf, dst, group=group)
+                dist.recv(buf, dst, group=group)
+            elif rank == dst:
+                dist.recv(buf, src, group=group)
+                dist.send(buf, src, group=group)
+            if rep:
+                times.append((time.perf_counter() - start) / 2)
+        points.append((float(size), statistics.median(times) if times else 0.0))
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    var = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / var if var else 0.0
+    latency = max(my - slope * mx, 1e-6)
+    result = [latency, 1.0 / slope if slope > 0 else 1e12]
+    holder = [result]
+    dist.broadcast_object_list(holder, src=dist.get_global_rank(group, src) if group is not None else src,
+                               group=group)
+    return float(holder[0][0]), float(holder[0][1])
+
+
+def rank_speeds(profiles: Sequence[ModelProfile], micro_batch: int) -> list[float]:
+    """Relative slowness of each rank (1.0 = the fastest) from per-rank profiles of the same model."""
+    totals = [sum(c.forward + c.backward for c in p.at(micro_batch)) for p in profiles]
+    fastest = min(totals)
+    return [t / fastest if fastest > 0 else 1.0 for t in totals]

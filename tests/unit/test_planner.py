@@ -1,0 +1,164 @@
+"""The planner as plain data: the costed replay against torch's orders and the theory, the search against brute
+force, memory budgets, slow ranks, plan files; and the profiler on a small model (also built on meta)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe.config import PipelineConfig, PipelineConfigError
+from lightning_pipe.planner import LayerCost, ModelProfile, apply_plan, explain, profile_model, search, to_plan
+from lightning_pipe.planner.__main__ import main as cli
+from lightning_pipe.planner.model import CostModel, predict
+from lightning_pipe.planner.search import combinations, compositions, parse_bytes
+from lightning_pipe.schedules import compute_order, plan_schedule, simulate
+from lightning_pipe.schedules.simulate import compile_order, peak_activations, replay
+
+NAMED = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("looped_bfs", 2), ("zb_h1", 2), ("zbv", 2),
+         ("dualpipev", 2)]
+
+
+def plan(name: str, p: int, v: int, m: int):
+    return plan_schedule(PipelineConfig(schedule=name, stages_per_rank=v, microbatches=m), p)
+
+
+def unit_costs(stages: int) -> dict:
+    return {(s, k): c for s in range(stages) for k, c in zip("FBIW", (1.0, 2.0, 1.0, 1.0))}
+
+
+@pytest.mark.parametrize("name,v", NAMED)
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8)])
+def test_replay_runs_torchs_order_like_the_plain_simulator(name: str, v: int, p: int, m: int) -> None:
+    pl = plan(name, p, v, m)
+    order = compute_order(pl)  # torch's own schedule code (single-stage ones: what their loop runs)
+    compiled = compile_order(order, pl.num_stages)
+    run = replay(compiled, unit_costs(pl.num_stages))
+    ref = simulate(order, pl.num_stages)
+    assert run.makespan == pytest.approx(ref.makespan)
+    # every action of every rank ran: F + (B or I + W) = 3 units per stage and micro-batch
+    assert sum(run.busy) == pytest.approx(3.0 * pl.num_stages * m)
+    assert compiled.stage_rank == tuple(pl.stage_to_rank(s) for s in range(pl.num_stages))
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (3, 12)])
+def test_equal_costs_give_the_theoretical_bubble(name: str, p: int, m: int) -> None:
+    pl = plan(name, p, 1, m)
+    run = replay(compile_order(compute_order(pl), pl.num_stages), unit_costs(p))
+    assert run.bubble == pytest.approx(pl.theoretical_bubble()) == pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_communication_delays_every_crossing() -> None:
+    pl = plan("gpipe", 2, 1, 1)
+    run = replay(compile_order(compute_order(pl), 2), unit_costs(2), comm=[0.5, 0.0])
+    assert run.makespan == pytest.approx(1 + 0.5 + 1 + 2 + 0.5 + 2)
+
+
+def test_activation_peaks_follow_the_schedule() -> None:
+    p, m = 4, 8
+    gpipe = peak_activations(compile_order(compute_order(plan("gpipe", p, 1, m)), p), [1.0] * p)
+    ofob = peak_activations(compile_order(compute_order(plan("1f1b", p, 1, m)), p), [1.0] * p)
+    assert gpipe == [m] * p  # every micro-batch in flight before the first backward
+    assert ofob == [p - r for r in range(p)]  # 1F1B: p - r warm-up forwards
+
+
+def synthetic(n: int, seed: int = 0, sizes=(1, 2, 4, 8)) -> ModelProfile:
+    rng = random.Random(seed)
+    base = [rng.uniform(0.5, 3.0) for _ in range(n)]
+    layers = {b: [LayerCost(1e-3 * t * b, 2e-3 * t * b, 1e-3 * t * b, 1e-3 * t * b, int(1e5 * t * b), 4096 * b,
+                            int(1e6 * t)) for t in base] for b in sizes}
+    return ModelProfile(layers, link_latency=1e-4, link_bandwidth=1e9)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_search_finds_the_brute_force_optimum(seed: int) -> None:
+    profile = synthetic(6, seed)
+    result = search(profile, world_size=2, batch_size=8, schedules=["gpipe", "1f1b", "zbv", "interleaved_1f1b"])
+    brute = min(
+        predict(CostModel(profile, 8 / dp / pl.microbatches, [1.0] * pp), compile_order(compute_order(pl),
+                                                                                       pl.num_stages), c, dp).step_time
+        for pp, dp, pl in combinations(2, 8, 6, ["gpipe", "1f1b", "zbv", "interleaved_1f1b"])
+        for c in compositions(6, pl.num_stages))
+    assert result.best[1].step_time == pytest.approx(brute)
+    # the beam search (used when splits are too many to enumerate) finds it here too
+    beam = search(profile, world_size=2, batch_size=8, schedules=["gpipe", "1f1b", "zbv", "interleaved_1f1b"],
+                  exhaustive_limit=0)
+    assert beam.best[1].step_time <= 1.02 * brute
+    assert [c.step_time for _, c in result.ranked] == sorted(c.step_time for _, c in result.ranked)
+
+
+def test_search_weighs_pipeline_depth_against_replicas() -> None:
+    result = search(synthetic(8), world_size=4, batch_size=16, schedules=["1f1b"])
+    shapes = {(c.pipeline_size, c.data_parallel_size) for c, _ in result.ranked}
+    assert shapes == {(2, 2), (4, 1)}
+
+
+def test_memory_budget_drops_plans_and_refuses_with_the_peak() -> None:
+    profile = synthetic(6)
+    free = search(profile, 2, 8, schedules=["gpipe", "1f1b"])
+    peaks = sorted(max(p.peak_memory) for _, p in free.ranked)
+    budget = peaks[len(peaks) // 2]
+    tight = search(profile, 2, 8, budget, schedules=["gpipe", "1f1b"])
+    assert all(max(p.peak_memory) <= budget for _, p in tight.ranked)
+    with pytest.raises(PipelineConfigError, match=r"smallest predicted peak is [\d,]+ bytes.*memory_budget"):
+        search(profile, 2, 8, 1000, schedules=["gpipe", "1f1b"])
+    assert parse_bytes("2GiB") == 2 * 2**30 and parse_bytes("512MB") == 512 * 10**6
+
+
+def test_a_slow_rank_gets_less_work() -> None:
+    profile = synthetic(10, seed=3)
+    even = search(profile, 2, 8, schedules=["1f1b"]).best[0].counts
+    slow = search(profile, 2, 8, schedules=["1f1b"], speeds=[1.0, 2.0]).best[0].counts
+    times = [c.forward + c.backward for c in profile.at(1)]
+    assert sum(times[slow[0]:]) < sum(times[even[0]:])  # rank 1 (slowed 2x) holds less compute
+
+
+def test_plan_file_round_trip_and_replay(tmp_path) -> None:
+    result = search(synthetic(6), 2, 8)
+    plan = to_plan(result, 8)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    kwargs = apply_plan(path, world_size=2, num_layers=6)
+    best = result.best[0]
+    assert kwargs["schedule"] == best.schedule and kwargs["microbatches"] == best.microbatches
+    assert list(kwargs.get("partition", kwargs.get("split"))) == list(best.counts)
+    assert plan["layout"].startswith(f"{best.schedule} m={best.microbatches}") and "rank 1:" in plan["layout"]
+    assert len(plan["runners_up"]) == 2 and "runners-up" in explain(plan)
+    with pytest.raises(PipelineConfigError, match="world of 4.*devices"):
+        apply_plan(path, world_size=4)
+    with pytest.raises(PipelineConfigError, match="cover the model's layers"):
+        apply_plan(path, num_layers=7)
+    assert cli(["validate", str(path), "--world", "2"]) == 0
+    assert cli(["validate", str(path), "--world", "3"]) == 2
+
+
+class Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Linear(64, 4))
+
+    def split_batch(self, batch):
+        return batch
+
+    def loss_fn(self, out, target):
+        return nn.functional.mse_loss(out, target)
+
+
+def test_profile_measures_every_layer_and_frees_meta_layers() -> None:
+    batch = (torch.randn(8, 16), torch.randn(8, 4))
+    prof = profile_model(Chain(), batch, [2, 8], repeats=1)
+    first, tanh, mid, last = prof.layers[8]
+    assert mid.forward > 0 and mid.backward > 0 and mid.input_grad > 0 and mid.weight_grad > 0
+    assert mid.param_bytes == (64 * 64 + 64) * 4 and tanh.param_bytes == 0
+    assert mid.output_bytes == 8 * 64 * 4 and prof.layers[2][2].output_bytes == 2 * 64 * 4
+    assert mid.saved_bytes >= 8 * 64 * 4  # the linear keeps its input for the weight gradient
+    with torch.device("meta"):
+        meta = Chain()
+    prof_meta = profile_model(meta, batch, [8], repeats=1)
+    assert prof_meta.layers[8][2].output_bytes == mid.output_bytes
+    assert all(p.is_meta for p in meta.parameters())  # profiled one layer at a time, then freed again
+    assert ModelProfile.from_json(json.loads(json.dumps(prof.to_json()))).layers == prof.layers
