@@ -121,6 +121,28 @@ def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_ratio: float
     return min_ratio + 0.5 * (1.0 - min_ratio) * (1.0 + math.cos(math.pi * progress))
 
 
+def adamw_with_warmup_cosine(module: nn.Module, lr: float, weight_decay: float, betas: Sequence[float],
+                             warmup_steps: int, max_steps: int) -> dict:
+    """AdamW with weight decay on matrices only, and a per-step warm-up + cosine schedule (Lightning's dict form).
+
+    Built from ``module.named_parameters()`` *now*: under the pipeline each rank holds only its own layers
+    (the others are parameter-less placeholders), so any group may be empty and is then left out.
+    The rule is nanoGPT's (decay iff ``p.dim() >= 2``: Linear and Embedding weights; not biases or norms).
+    It depends on the shape, not on the name, on purpose: a tied weight is ``layers.0.wte.weight`` on the
+    first stage and ``layers.N.head.weight`` on the last, and both copies must get the same update.
+    """
+    decay, no_decay = [], []
+    for _, p in module.named_parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": ps, "weight_decay": wd} for ps, wd in ((decay, weight_decay), (no_decay, 0.0)) if ps]
+    if not groups:
+        raise ValueError(f"{type(module).__name__}.configure_optimizers found no trainable parameters on this rank.")
+    optimizer = torch.optim.AdamW(groups, lr=lr, betas=(float(betas[0]), float(betas[1])))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(step, warmup_steps, max_steps))
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
 class GPT(PipelineModule):
     """A GPT language model; byte-level (``vocab_size=256``) by default.
 
@@ -182,31 +204,8 @@ class GPT(PipelineModule):
         return F.cross_entropy(output.reshape(-1, output.size(-1)), target.reshape(-1))
 
     def configure_optimizers(self) -> dict:
-        """AdamW with weight decay on matrices only, and a per-step warm-up + cosine schedule.
-
-        Built from ``self.named_parameters()`` *now*: under the pipeline each rank holds only its own layers
-        (the others are parameter-less placeholders), so any group may be empty and is then left out.
-        The rule is nanoGPT's (decay iff ``p.dim() >= 2``: Linear and Embedding weights; not biases or norms).
-        It depends on the shape, not on the name, on purpose: the tied weight is ``layers.0.wte.weight`` on the
-        first stage and ``layers.N.head.weight`` on the last, and both copies must get the same update.
-        """
         hp = self.hparams
-        decay, no_decay = [], []
-        for _, p in self.named_parameters():
-            if p.requires_grad:
-                (decay if p.dim() >= 2 else no_decay).append(p)
-        groups = [
-            {"params": ps, "weight_decay": wd}
-            for ps, wd in ((decay, hp.weight_decay), (no_decay, 0.0))
-            if ps
-        ]
-        if not groups:
-            raise ValueError(f"{type(self).__name__}.configure_optimizers found no trainable parameters on this rank.")
-        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: warmup_cosine(step, hp.warmup_steps, hp.max_steps)
-        )
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return adamw_with_warmup_cosine(self, hp.lr, hp.weight_decay, hp.betas, hp.warmup_steps, hp.max_steps)
 
     # ---------------------------------------------------------------- sampling (one device)
     @torch.no_grad()

@@ -1,0 +1,226 @@
+"""A Llama-style decoder written as a layer list: RMSNorm, rotary position embeddings, SwiGLU, grouped-query attention.
+
+``self.layers = [Embedding, Block x n_layer, FinalNorm, Head]``; every layer maps one tensor to one tensor:
+
+    LongTensor[B, T] -> Embedding -> [B, T, C] -> Block ... Block -> FinalNorm -> Head -> logits [B, T, V]
+
+Rotary embeddings are recomputed inside each block from the sequence length (cheap, and no buffer has to cross a
+stage boundary or survive the meta device). The layers are built in ``configure_model`` on the meta device under
+``PipelineStrategy`` and initialised per layer by :meth:`Llama.reset_layer` (seeded by the layer index), so a
+billion-parameter model never exists whole on any rank, and one device and every pipeline layout start equal.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_pipe import PipelineModule
+from recipes.gpt.model import adamw_with_warmup_cosine
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32 (as Llama does): bf16 squares lose too much.
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * self.weight
+
+
+def rotary(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[Tensor, Tensor]:
+    """cos/sin tables [T, head_dim / 2] for positions 0..T-1 (fp32)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate pairs (x[..., :d/2], x[..., d/2:]) of x [B, H, T, D] by the position angles (the "rotate half" form)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with ``n_kv_head`` key/value heads shared by groups of ``n_head // n_kv_head`` queries."""
+
+    def __init__(self, n_embd: int, n_head: int, n_kv_head: int, rope_theta: float) -> None:
+        super().__init__()
+        if n_embd % n_head or n_head % n_kv_head:
+            raise ValueError(f"n_embd ({n_embd}) must be divisible by n_head ({n_head}), and n_head by "
+                             f"n_kv_head ({n_kv_head}).")
+        self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, n_embd // n_head
+        self.rope_theta = rope_theta
+        self.wq = nn.Linear(n_embd, n_head * self.head_dim, bias=False)
+        self.wk = nn.Linear(n_embd, n_kv_head * self.head_dim, bias=False)
+        self.wv = nn.Linear(n_embd, n_kv_head * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_head * self.head_dim, n_embd, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
+        cos, sin = rotary(t, self.head_dim, self.rope_theta, x.device)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        groups = self.n_head // self.n_kv_head
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, n_embd: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(n_embd, hidden, bias=False)  # gate
+        self.w3 = nn.Linear(n_embd, hidden, bias=False)  # up
+        self.w2 = nn.Linear(hidden, n_embd, bias=False)  # down
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, n_embd: int, n_head: int, n_kv_head: int, hidden: int, rope_theta: float, eps: float) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(n_embd, eps)
+        self.attention = Attention(n_embd, n_head, n_kv_head, rope_theta)
+        self.ffn_norm = RMSNorm(n_embd, eps)
+        self.feed_forward = SwiGLU(n_embd, hidden)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Embedding(nn.Module):
+    """LongTensor[B, T] -> [B, T, C] (no position embedding: positions enter through RoPE)."""
+
+    def __init__(self, vocab_size: int, block_size: int, n_embd: int) -> None:
+        super().__init__()
+        self.block_size = block_size
+        self.tok_embeddings = nn.Embedding(vocab_size, n_embd)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        if idx.size(1) > self.block_size:
+            raise ValueError(f"Sequence length {idx.size(1)} exceeds block_size {self.block_size}; crop the input.")
+        return self.tok_embeddings(idx)
+
+
+class FinalNorm(nn.Module):
+    def __init__(self, n_embd: int, eps: float) -> None:
+        super().__init__()
+        self.norm = RMSNorm(n_embd, eps)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.norm(x)
+
+
+class Head(nn.Module):
+    def __init__(self, n_embd: int, vocab_size: int) -> None:
+        super().__init__()
+        self.output = nn.Linear(n_embd, vocab_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.output(x)
+
+
+def swiglu_hidden(n_embd: int, multiple_of: int) -> int:
+    """Llama's MLP width: 2/3 of 4 x n_embd, rounded up to a multiple of ``multiple_of``."""
+    hidden = int(2 * 4 * n_embd / 3)
+    return multiple_of * math.ceil(hidden / multiple_of)
+
+
+class Llama(PipelineModule):
+    """A Llama-style language model; byte-level (``vocab_size=256``) by default.
+
+    Args:
+        vocab_size, block_size: vocabulary and maximum context length.
+        n_layer, n_head, n_kv_head, n_embd: depth, query heads, key/value heads (grouped-query attention), width.
+        multiple_of: the SwiGLU hidden width is rounded up to a multiple of this.
+        rope_theta, norm_eps: rotary base and RMSNorm epsilon.
+        tie_embeddings: the head reuses the token embedding's weight (one Parameter, kept in sync across stages).
+        init_seed: seeds each layer's initialisation (``reset_layer``), so every layout starts from equal weights.
+        lr, weight_decay, betas, warmup_steps, max_steps: AdamW with warm-up and cosine decay (as the GPT recipe).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        block_size: int = 128,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_kv_head: int = 2,
+        n_embd: int = 128,
+        multiple_of: int = 32,
+        rope_theta: float = 10000.0,
+        norm_eps: float = 1e-5,
+        tie_embeddings: bool = False,
+        init_seed: int = 0,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        betas: Sequence[float] = (0.9, 0.95),
+        warmup_steps: int = 100,
+        max_steps: int = 5000,
+    ) -> None:
+        super().__init__()
+        betas = (float(betas[0]), float(betas[1]))  # plain floats: Hydra passes a ListConfig
+        self.save_hyperparameters()
+        self.layers: nn.Sequential | None = None
+
+    def configure_model(self) -> None:
+        """Build the layer list (on the meta device under PipelineStrategy; each rank then materialises its own)."""
+        if self.layers is not None:
+            return
+        hp = self.hparams
+        hidden = swiglu_hidden(hp.n_embd, hp.multiple_of)
+        embedding = Embedding(hp.vocab_size, hp.block_size, hp.n_embd)
+        head = Head(hp.n_embd, hp.vocab_size)
+        if hp.tie_embeddings:
+            head.output.weight = embedding.tok_embeddings.weight
+        self.layers = nn.Sequential(
+            embedding,
+            *(Block(hp.n_embd, hp.n_head, hp.n_kv_head, hidden, hp.rope_theta, hp.norm_eps)
+              for _ in range(hp.n_layer)),
+            FinalNorm(hp.n_embd, hp.norm_eps),
+            head,
+        )
+        for index, layer in enumerate(self.layers):
+            self.reset_layer(index, layer)
+
+    def reset_layer(self, index: int, layer: nn.Module) -> None:
+        """Deterministic per-layer init: N(0, 0.02) weights, output projections scaled by 1/sqrt(2 n_layer), norms 1.
+        A no-op on meta tensors (the strategy calls it again for each rank's own layers once they are allocated)."""
+        hp = self.hparams
+        generator = torch.Generator().manual_seed(hp.init_seed * 100_003 + index)
+        resid_std = 0.02 / math.sqrt(2 * hp.n_layer)
+        with torch.no_grad():
+            for name, p in layer.named_parameters():
+                if p.is_meta or (hp.tie_embeddings and isinstance(layer, Head)):
+                    # A tied head weight is the embedding's: layer 0 initialises it (on its rank), and the pipeline
+                    # copies it to the head's rank; re-drawing it here would differ from one device.
+                    continue
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                    continue
+                std = resid_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+                p.copy_(torch.randn(p.shape, generator=generator) * std)
+
+    def loss_fn(self, output: Tensor, target: Tensor) -> Tensor:
+        return F.cross_entropy(output.reshape(-1, output.size(-1)).float(), target.reshape(-1))
+
+    def configure_optimizers(self) -> dict:
+        hp = self.hparams
+        return adamw_with_warmup_cosine(self, hp.lr, hp.weight_decay, hp.betas, hp.warmup_steps, hp.max_steps)
