@@ -61,6 +61,13 @@ def unwrap_optimizer(optimizer: Any) -> Any:
     return optimizer if inner is None else inner
 
 
+def train_dataloader(trainer: Any) -> Any:
+    """The training data loader(s) the trainer will use (``fit_loop._data_source``: the loader passed to ``fit``,
+    or the module's / datamodule's ``train_dataloader()``), before Lightning wraps them. ``schedule="auto"`` reads
+    one batch from it at setup to profile the model."""
+    return trainer.fit_loop._data_source.dataloader()
+
+
 def versions_checked() -> bool:
     """Whether the installed Lightning is a version this module was verified against."""
     return lightning.__version__.startswith(CHECKED_LIGHTNING)

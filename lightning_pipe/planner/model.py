@@ -4,8 +4,9 @@ Compute: per stage, the sum of its layers' measured F / B / I / W at the micro-b
 the rank holding it; stage 0 runs no I (the runtime's W there is the whole backward). Communication: latency +
 output bytes / bandwidth for every stage boundary that crosses ranks. Both are replayed over the schedule's own
 action order (:func:`lightning_pipe.schedules.simulate.replay`). Replicas add a ring all-reduce of each rank's
-gradients after the step. Memory per rank: parameters + gradients + optimizer state of its layers, plus the
-activations its schedule holds at once (:func:`~lightning_pipe.schedules.simulate.peak_activations`).
+gradients after the step, then every rank runs its optimizer step. Memory per rank: parameters + gradients +
+optimizer state of its layers, plus the activations its schedule holds at once
+(:func:`~lightning_pipe.schedules.simulate.peak_activations`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class CostModel:
         self.prefix = {k: _prefix([_kind(c, k) for c in self.layers]) for k in KINDS}
         self.prefix["saved"] = _prefix([c.saved_bytes for c in self.layers])
         self.prefix["params"] = _prefix([c.param_bytes for c in self.layers])
+        self.prefix["optimizer"] = _prefix([c.optimizer_step for c in self.layers])
 
     def _sum(self, key: str, lo: int, hi: int) -> float:
         p = self.prefix[key]
@@ -85,6 +87,13 @@ class CostModel:
         for s, (lo, hi) in enumerate(bounds):
             out[stage_rank[s]] += factor * self._sum("params", lo, hi)
         return out
+
+    def optimizer(self, bounds: Sequence[tuple[int, int]], stage_rank: Sequence[int], ranks: int) -> float:
+        """The optimizer step after the schedule: the slowest rank's."""
+        out = [0.0] * ranks
+        for s, (lo, hi) in enumerate(bounds):
+            out[stage_rank[s]] += self.slowness[stage_rank[s]] * self._sum("optimizer", lo, hi)
+        return max(out)
 
     def allreduce(self, bounds: Sequence[tuple[int, int]], stage_rank: Sequence[int], ranks: int, dp: int) -> float:
         """Ring all-reduce of the gradients of the slowest-to-sync pipeline rank across ``dp`` replicas."""
@@ -136,5 +145,6 @@ def predict(model: CostModel, compiled: CompiledOrder, counts: Sequence[int], dp
     run = replay(compiled, cost, model.comm(bounds))
     static = model.static_memory(bounds, compiled.stage_rank, ranks)
     acts = peak_activations(compiled, model.held(bounds))
-    step = run.makespan + model.allreduce(bounds, compiled.stage_rank, ranks, dp)
+    step = (run.makespan + model.allreduce(bounds, compiled.stage_rank, ranks, dp)
+            + model.optimizer(bounds, compiled.stage_rank, ranks))
     return Prediction(step, run.bubble, tuple(int(a + b) for a, b in zip(static, acts)), run.busy)

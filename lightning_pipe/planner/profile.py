@@ -10,6 +10,7 @@ freed, so a model that does not fit on one device is profiled on one device. Few
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,6 +35,8 @@ class LayerCost:
     saved_bytes: int
     output_bytes: int
     param_bytes: int
+    optimizer_step: float = 0.0
+    """One AdamW step over the layer's parameters (the optimizer runs once per batch, on every rank)."""
 
 
 @dataclass
@@ -86,7 +89,7 @@ def _mix(a: LayerCost, b: LayerCost, wa: float, wb: float, floor: bool = False) 
 
     return LayerCost(val(a.forward, b.forward), val(a.backward, b.backward), val(a.input_grad, b.input_grad),
                      val(a.weight_grad, b.weight_grad), int(val(a.saved_bytes, b.saved_bytes)),
-                     int(val(a.output_bytes, b.output_bytes)), a.param_bytes)
+                     int(val(a.output_bytes, b.output_bytes)), a.param_bytes, a.optimizer_step)
 
 
 def _nbytes(value: Any) -> int:
@@ -168,8 +171,24 @@ def profile_layer(layer: nn.Module, inputs: Any, loss: Callable[[Any], torch.Ten
             out = out.detach() if isinstance(out, torch.Tensor) else out
     med = {k: statistics.median(v) if v else 0.0 for k, v in runs.items()}
     cost = LayerCost(med["F"], med["B"], med["I"], med["W"], int(saved), _nbytes(out),
-                     sum(p.nelement() * p.element_size() for p in layer.parameters()))
+                     sum(p.nelement() * p.element_size() for p in layer.parameters()), _optimizer_time(params, repeats))
     return cost, _detach_all(out)
+
+
+def _optimizer_time(params: list[nn.Parameter], repeats: int) -> float:
+    """AdamW on copies of the parameters (the layer's values stay untouched); the first step allocates state."""
+    if not params:
+        return 0.0
+    copies = [p.detach().clone().requires_grad_(True) for p in params]
+    for c in copies:
+        c.grad = torch.randn_like(c)
+    opt = torch.optim.AdamW(copies, lr=1e-3)
+    times = []
+    for rep in range(repeats + 1):
+        t, _ = _timed(opt.step, copies[0].device)
+        if rep:
+            times.append(t)
+    return statistics.median(times)
 
 
 def _detach_all(value: Any) -> Any:
@@ -181,6 +200,7 @@ def _detach_all(value: Any) -> Any:
 
 
 def _materialize(module: nn.Module, index: int, layer: nn.Module, device: torch.device) -> bool:
+    """Put a (copied) layer on ``device``; one built on meta is allocated and initialised as the strategy does."""
     if not any(t.is_meta for t in list(layer.parameters()) + list(layer.buffers())):
         layer.to(device)
         return False
@@ -198,8 +218,8 @@ def _materialize(module: nn.Module, index: int, layer: nn.Module, device: torch.
 def profile_model(module: nn.Module, batch: Any, micro_batch_sizes: Sequence[int], layers_attr: str = "layers",
                   device: torch.device | str = "cpu", repeats: int = 3) -> ModelProfile:
     """Profile every layer of a layer-list module (the pipeline's module contract: ``split_batch``, ``loss_fn``)
-    at each micro-batch size, taking the first rows of ``batch``. Layers on the meta device are materialised one
-    at a time and returned to meta afterwards; others are moved to ``device`` and back."""
+    at each micro-batch size, taking the first rows of ``batch``. Each layer is profiled as a copy on ``device``
+    (a layer on the meta device is allocated and initialised there first), so the module itself never changes."""
     device = torch.device(device)
     layers = list(getattr(module, layers_attr))
     inputs_all, target_all = module.split_batch(batch)  # type: ignore[operator]
@@ -210,14 +230,16 @@ def profile_model(module: nn.Module, batch: Any, micro_batch_sizes: Sequence[int
             hidden = _rows(inputs_all, size, device)
             target = _rows(target_all, size, device)
             costs = []
-            for index, layer in enumerate(layers):
-                home = next((t.device for t in layer.parameters()), device)
-                was_meta = _materialize(module, index, layer, device)
+            for index, original in enumerate(layers):
+                # A copy, so the model is untouched: parameter objects (and the ties between layers that share
+                # one) stay, buffers keep their values, meta layers stay on meta. One layer is resident at a time.
+                layer = copy.deepcopy(original)
+                _materialize(module, index, layer, device)
                 last = index == len(layers) - 1
                 loss = (lambda out, target=target: module.loss_fn(out, target)) if last else None  # type: ignore
                 cost, hidden = profile_layer(layer, hidden, loss, repeats)
                 costs.append(cost)
-                layer.to_empty(device="meta") if was_meta else layer.to(home)
+                del layer
             profile[int(size)] = costs
     return ModelProfile(profile, meta={"micro_batch_sizes": list(micro_batch_sizes), "device": str(device)})
 

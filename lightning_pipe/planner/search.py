@@ -2,10 +2,10 @@
 registry, and the contiguous splits of the layers; drop those over the memory budget; rank by predicted step time.
 
 Splits: when a combination has at most ``exhaustive_limit`` splits, all are considered, in order of a lower bound
-(the busiest rank's compute plus the gradient all-reduce: no step can be shorter), and replayed until the bound
-passes the best replayed step, so the result is the exact optimum of the model. Beyond that, a beam search over
-one- and two-layer boundary moves from several seeds (time-balanced with the ranks' speeds, uniform,
-parameter-balanced): a single seed with greedy moves missed the optimum in half the cases tried.
+(the busiest rank's compute plus the gradient all-reduce and the optimizer step: no step can be shorter), and
+replayed until the bound passes the best replayed step, so the result is the exact optimum of the model. Beyond
+that, a beam search over one- and two-layer boundary moves from several seeds (time-balanced with the ranks'
+speeds, uniform, parameter-balanced): a single seed with greedy moves missed the optimum in half the cases tried.
 """
 
 from __future__ import annotations
@@ -165,7 +165,8 @@ def best_split(model: CostModel, compiled: CompiledOrder, n_layers: int, dp: int
             bounds = bounds_of(counts)
             cost = model.stage_costs(bounds, compiled.stage_rank)
             busy = max(sum(k * cost[key] for key, k in n.items()) for n in per_rank)
-            heap.append((busy + model.allreduce(bounds, compiled.stage_rank, ranks, dp), counts))
+            heap.append((busy + model.allreduce(bounds, compiled.stage_rank, ranks, dp)
+                         + model.optimizer(bounds, compiled.stage_rank, ranks), counts))
         heapq.heapify(heap)
         while heap:
             bound, counts = heapq.heappop(heap)

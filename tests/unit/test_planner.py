@@ -162,3 +162,16 @@ def test_profile_measures_every_layer_and_frees_meta_layers() -> None:
     assert prof_meta.layers[8][2].output_bytes == mid.output_bytes
     assert all(p.is_meta for p in meta.parameters())  # profiled one layer at a time, then freed again
     assert ModelProfile.from_json(json.loads(json.dumps(prof.to_json()))).layers == prof.layers
+
+
+def test_the_strategy_replays_a_plan_file(tmp_path) -> None:
+    from lightning_pipe import PipelineStrategy
+
+    best = search(synthetic(6), 2, 8, schedules=["zbv"]).best[0]
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(to_plan(search(synthetic(6), 2, 8, schedules=["zbv"]), 8)))
+    config = PipelineStrategy(plan=str(path)).pipeline_config
+    assert (config.schedule, config.microbatches, config.stages_per_rank) == ("zbv", best.microbatches, 2)
+    assert list(getattr(config, "partition", None) or config.split) == list(best.counts)
+    with pytest.raises(PipelineConfigError, match="plan"):
+        PipelineStrategy(plan=str(tmp_path / "missing.json"))

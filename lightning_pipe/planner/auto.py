@@ -1,0 +1,79 @@
+"""``schedule="auto"``: profile on every rank of the running job, search on rank 0, adopt one plan everywhere.
+
+Collective: every rank calls :func:`plan_on_ranks` with the same batch shape. Every rank profiles the whole model
+(one layer at a time, so a model built on meta never needs to fit) at the micro-batch sizes the search considers;
+the profiles are gathered, so a slower rank shows up as a speed factor and gets less work; the link between ranks
+0 and 1 is measured on the real process group. Rank 0 searches and broadcasts the plan, or the error, so every rank
+returns the same plan or raises the same error: nothing is left waiting.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_pipe.config import PipelineConfigError
+from lightning_pipe.planner.plan import to_plan
+from lightning_pipe.planner.profile import ModelProfile, measure_link, profile_model, rank_speeds
+from lightning_pipe.planner.search import divisors, search
+
+
+def batch_rows(module: nn.Module, batch: Any) -> int:
+    """Samples in a batch, read from the first tensor of the module's inputs (``split_batch``)."""
+    inputs, _ = module.split_batch(batch)  # type: ignore[operator]
+    stack = [inputs]
+    while stack:
+        value = stack.pop(0)
+        if isinstance(value, torch.Tensor):
+            return int(value.size(0))
+        if isinstance(value, (tuple, list)):
+            stack.extend(value)
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+    raise ValueError("schedule='auto' needs a batch whose inputs hold a tensor (its first dimension is the batch)")
+
+
+def plan_on_ranks(module: nn.Module, batch: Any, data_parallel_size: int = 1,
+                  memory_budget: int | str | None = None, layers_attr: str = "layers",
+                  device: torch.device | str = "cpu", schedules: Sequence[str] | None = None,
+                  max_microbatches: int = 32, repeats: int = 2, top_k: int = 3) -> dict[str, Any]:
+    """The plan (as :func:`~lightning_pipe.planner.plan.to_plan` writes it) for this world, the same on every rank.
+
+    ``batch`` is one training batch of one replica (its size stays what the data loader gives); replicas stay
+    ``data_parallel_size``; the search picks schedule, stages per rank, micro-batches and the partition."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    pipeline_size = world // data_parallel_size
+    rows = batch_rows(module, batch)
+    sizes = sorted({rows // m for m in divisors(rows) if m <= max_microbatches})
+    mine: tuple[dict[str, Any] | None, str | None]
+    try:
+        mine = (profile_model(module, batch, sizes, layers_attr, device, repeats).to_json(), None)
+    except Exception as err:  # noqa: BLE001 - reported by rank 0 to every rank below, never left hanging
+        mine = (None, f"rank {rank}: {type(err).__name__}: {err}")
+    latency, bandwidth = measure_link(0, 1, device=device) if world > 1 else (0.0, float("inf"))
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    payload: list[Any] = [None]
+    if rank == 0:
+        errors = [e for _, e in gathered if e]
+        if errors:
+            payload[0] = ("error", "schedule='auto' could not profile the model: " + "; ".join(errors))
+        else:
+            profiles = [ModelProfile.from_json(p) for p, _ in gathered]
+            base = profiles[0]
+            base.link_latency, base.link_bandwidth = latency, bandwidth
+            speeds = rank_speeds(profiles, sizes[-1])
+            try:
+                result = search(base, world, rows * data_parallel_size, memory_budget, schedules=schedules,
+                                pipeline_sizes=[pipeline_size], speeds=speeds)
+                payload[0] = ("plan", to_plan(result, rows * data_parallel_size, top_k, rank_speeds=speeds))
+            except PipelineConfigError as err:
+                payload[0] = ("error", str(err))
+    dist.broadcast_object_list(payload, src=0)
+    kind, value = payload[0]
+    if kind == "error":
+        raise PipelineConfigError(value)
+    return value

@@ -1,0 +1,22 @@
+"""schedule="auto" on 2 real ranks: every rank profiles (a meta-built model one layer at a time), rank 0 searches,
+all adopt its plan, and training equals the same module on one device."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.launcher import launch
+from tests.distributed.parity import assert_case_parity
+from tests.distributed.scenarios import TrainingCase
+
+pytestmark = [pytest.mark.parity, pytest.mark.distributed]
+
+
+@pytest.mark.timeout(600)
+def test_auto_schedule_matches_single_device(tmp_path) -> None:
+    cases = [TrainingCase(schedule="auto", microbatches=None, steps=3),
+             # built on meta in configure_model: profiled one layer at a time, tied across the first and last stage
+             TrainingCase(schedule="auto", microbatches=None, model="meta", tied=True, check_grad_norms=False)]
+    results = launch("training", 2, cases, tmp_path, timeout=420)
+    for i, case in enumerate(cases):
+        assert_case_parity(results, i, case)
