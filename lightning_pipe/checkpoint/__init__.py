@@ -1,36 +1,38 @@
 """Sharded checkpoints that outlive the pipeline layout that wrote them (see [Note: checkpoint format]).
 
-``python -m lightning_pipe.checkpoint consolidate|shard|info`` is the command line.
+``format`` says what a checkpoint holds, ``files`` reads and writes it on disk (atomically), ``checksums`` guards
+its bytes, ``convert`` turns it into one ordinary ``.ckpt`` and back. ``python -m lightning_pipe.checkpoint
+consolidate|shard|info`` is the command line. Plain torch: nothing here imports Lightning.
 """
 
+from lightning_pipe.checkpoint.checksums import read_checksums, verify_checksums
+from lightning_pipe.checkpoint.convert import as_file, checkpoint_size, consolidate, consolidated, shard
+from lightning_pipe.checkpoint.files import (
+    commit,
+    describe,
+    load_file,
+    partial_path,
+    read_sharded_metadata,
+    recover,
+    remove,
+    save_file_atomic,
+    write_shards,
+)
 from lightning_pipe.checkpoint.format import (
-    CheckpointError,
+    CHECKSUMS_FILENAME,
     DCP_METADATA,
     FORMAT,
     META_FILENAME,
     MODEL_PREFIX,
-    ModuleNames,
     NAMES_KEY,
+    CheckpointError,
+    ModuleNames,
     ShardedOptimizerState,
-    as_file,
-    build_local_optimizer_state,
-    check_groups,
-    checkpoint_size,
-    commit,
-    consolidate,
-    consolidated,
-    describe,
-    flatten_optimizer,
-    load_file,
-    load_flat,
-    merge_groups,
-    name_mismatch_message,
-    names_from_positions,
-    optimizer_entries,
-    partial_path,
-    read_sharded_metadata,
-    save_file_atomic,
-    split,
-    tied_canonical,
-    write_shards,
 )
+
+__all__ = [
+    "CHECKSUMS_FILENAME", "DCP_METADATA", "FORMAT", "META_FILENAME", "MODEL_PREFIX", "NAMES_KEY", "CheckpointError",
+    "ModuleNames", "ShardedOptimizerState", "as_file", "checkpoint_size", "commit", "consolidate", "consolidated",
+    "describe", "load_file", "partial_path", "read_checksums", "read_sharded_metadata", "recover", "remove",
+    "save_file_atomic", "shard", "verify_checksums", "write_shards",
+]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Generator, Literal, Optional, Union
 
 import torch
@@ -22,12 +23,13 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_pipe._compat import lightning as _compat
+from lightning_pipe.checkpoint import remove as remove_checkpoint_files
 from lightning_pipe.config import PipelineConfig, SplitSpec, Topology, config_error
 from lightning_pipe.engine import PipelineEngine, PipelineLayout, build_engine
 from lightning_pipe.lightning.launchers import PipelineMultiProcessingLauncher
 from lightning_pipe.lightning.precision import SUPPORTED_PRECISION, PipelinePrecision, convert_precision_plugin
 from lightning_pipe.schedules import SchedulePlan, get_schedule_spec, plan_schedule
-from lightning_pipe.lightning.checkpointing import PipelineCheckpointing
+from lightning_pipe.lightning.checkpointing import RankGroup, ShardedCheckpointer
 
 
 
@@ -36,7 +38,7 @@ def _destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
-class PipelineStrategy(PipelineCheckpointing, ParallelStrategy):
+class PipelineStrategy(ParallelStrategy):
     """Pipeline parallelism (optionally times data parallelism) for a layer-list LightningModule.
 
     ``world size = data_parallel_size x pipeline size``. The module's layer list is split into
@@ -302,6 +304,47 @@ class PipelineStrategy(PipelineCheckpointing, ParallelStrategy):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._run("predict", super().predict_step, *args, **kwargs)
+
+    # ------------------------------------------------------------------ checkpoints (lightning/checkpointing.py)
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # each rank can only load its own layers, which exist once setup() has split the model
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores them by parameter name; no load_optimizer_state_dict
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self.lightning_module.state_dict()  # this rank's layers under their original names
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return self._checkpointer().optimizer_state(optimizer)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # done in load_checkpoint, where each rank reads only its own layers
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        self._checkpointer().save(checkpoint, filepath, storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            remove_checkpoint_files(Path(filepath))
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        return self._checkpointer().load(checkpoint_path)
+
+    def _checkpointer(self) -> ShardedCheckpointer:
+        ranks = RankGroup(self.global_rank, self.world_size, self.broadcast, self.barrier)
+        return ShardedCheckpointer(ranks, self.lightning_module, self.optimizers, self.pipeline_config,
+                                   self._topology())
 
     # ------------------------------------------------------------------ collectives
     @override

@@ -25,7 +25,7 @@ def load_gpt(ckpt_path: str | Path) -> GPT:
     """Build the GPT from a checkpoint: hyper-parameters + ``state_dict`` with the plain model's ``layers.*`` names.
 
     Reads an ordinary Lightning ``.ckpt`` file or a sharded pipeline checkpoint directory, both through
-    ``lightning_pipe.checkpoint.consolidated``.
+    ``lightning_pipe.checkpoint.consolidated`` (which verifies a directory's checksums first).
     """
     ckpt = consolidated(ckpt_path)
     model = GPT(**ckpt["hyper_parameters"])
@@ -38,7 +38,9 @@ def load_gpt(ckpt_path: str | Path) -> GPT:
         )
     model.load_state_dict(ckpt["state_dict"], strict=True)
     # Tying survives load_state_dict (it copies into the shared Parameter); check it anyway.
-    assert model.layers[-1].head.weight is model.layers[0].wte.weight
+    if model.layers[-1].head.weight is not model.layers[0].wte.weight:
+        raise RuntimeError("The GPT's output head is no longer tied to its token embedding after loading "
+                           f"{ckpt_path}: GPT.__init__ must tie them (layers[-1].head.weight is layers[0].wte.weight).")
     return model.eval()
 
 

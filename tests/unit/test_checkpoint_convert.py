@@ -1,4 +1,4 @@
-"""Single-process checks of lightning_pipe.checkpoint: split/consolidate round trip, CLI, errors, atomic commit."""
+"""Single-process checks of lightning_pipe.checkpoint: shard/consolidate round trip, CLI, errors, atomic commit."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import lightning.pytorch as L
 import pytest
 import torch
 
-from lightning_pipe.checkpoint import format as ckpt_lib
+from lightning_pipe import checkpoint as ckpt_lib
+from lightning_pipe.checkpoint.__main__ import main
 from tests.models import ToyRegressor, loader, regression_data
 
 
@@ -32,9 +33,9 @@ def with_names(plain: Path, out: Path) -> Path:
     return out
 
 
-def test_split_then_consolidate_round_trip(plain_ckpt: Path, tmp_path: Path) -> None:
+def test_shard_then_consolidate_round_trip(plain_ckpt: Path, tmp_path: Path) -> None:
     src = with_names(plain_ckpt, tmp_path / "named.ckpt")
-    sharded = ckpt_lib.split(src, tmp_path / "sharded.ckpt")
+    sharded = ckpt_lib.shard(src, tmp_path / "sharded.ckpt")
     assert ckpt_lib.describe(sharded) == "sharded"
     back = ckpt_lib.consolidated(sharded)
     orig = torch.load(plain_ckpt, weights_only=False)
@@ -55,17 +56,17 @@ def test_split_then_consolidate_round_trip(plain_ckpt: Path, tmp_path: Path) -> 
 
 def test_cli(plain_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     src = with_names(plain_ckpt, tmp_path / "named.ckpt")
-    assert ckpt_lib.main(["split", str(src), str(tmp_path / "d.ckpt")]) == 0
-    assert ckpt_lib.main(["consolidate", str(tmp_path / "d.ckpt"), str(tmp_path / "one.ckpt")]) == 0
-    assert ckpt_lib.main(["info", str(tmp_path / "d.ckpt")]) == 0
+    assert main(["shard", str(src), str(tmp_path / "d.ckpt")]) == 0
+    assert main(["consolidate", str(tmp_path / "d.ckpt"), str(tmp_path / "one.ckpt")]) == 0
+    assert main(["info", str(tmp_path / "d.ckpt")]) == 0
     assert "sharded checkpoint" in capsys.readouterr().out
-    assert ckpt_lib.main(["info", str(tmp_path / "missing")]) == 2
+    assert main(["info", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_split_positional_optimizer_state_explains(plain_ckpt: Path, tmp_path: Path) -> None:
+def test_shard_positional_optimizer_state_explains(plain_ckpt: Path, tmp_path: Path) -> None:
     with pytest.raises(ckpt_lib.CheckpointError, match="trainer.fit\\(model, ckpt_path=...\\)"):
-        ckpt_lib.split(plain_ckpt, tmp_path / "x.ckpt")
+        ckpt_lib.shard(plain_ckpt, tmp_path / "x.ckpt")
     assert not (tmp_path / "x.ckpt").exists()
 
 
@@ -81,7 +82,7 @@ def test_bad_paths(plain_ckpt: Path, tmp_path: Path) -> None:
     torch.save({"a": 1}, tmp_path / "dict.pt")
     with pytest.raises(ckpt_lib.CheckpointError, match="no 'state_dict'"):
         ckpt_lib.load_file(tmp_path / "dict.pt")
-    sharded = ckpt_lib.split(with_names(plain_ckpt, tmp_path / "n.ckpt"), tmp_path / "s.ckpt")
+    sharded = ckpt_lib.shard(with_names(plain_ckpt, tmp_path / "n.ckpt"), tmp_path / "s.ckpt")
     data = next(sharded.glob("*.distcp"))
     data.write_bytes(data.read_bytes()[:10])
     with pytest.raises(ckpt_lib.CheckpointError, match="truncated"):
@@ -105,4 +106,4 @@ def test_commit_keeps_old_until_new_is_in_place(tmp_path: Path) -> None:
     # a crash between the two renames of a swap: the old copy is found again
     old = tmp_path / ".last.ckpt.old-t2"
     target.rename(old)
-    assert ckpt_lib._recover(target) == target and (target / ckpt_lib.META_FILENAME).read_text() == "new"
+    assert ckpt_lib.recover(target) == target and (target / ckpt_lib.META_FILENAME).read_text() == "new"
