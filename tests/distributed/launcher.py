@@ -1,7 +1,9 @@
 """The one way multi-rank tests start processes: N ranks of ``tests.distributed.worker``, with a hard timeout.
 
-Ranks get the usual ``RANK/LOCAL_RANK/WORLD_SIZE/MASTER_*`` environment, so Lightning treats them as created
-externally (no re-run of pytest). A hang kills every rank and fails the test with each rank's last output.
+Children run from the repo root with it on ``PYTHONPATH`` (``child_env``), so ``tests`` and ``recipes`` import there
+as they do under pytest (``pythonpath = ["."]``). Ranks get the usual ``RANK/LOCAL_RANK/WORLD_SIZE/MASTER_*``
+environment, so Lightning treats them as created externally (no re-run of pytest). A hang kills every rank and
+fails the test with each rank's last output.
 """
 
 from __future__ import annotations
@@ -13,10 +15,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from tests.distributed.scenarios import Case
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,22 +37,41 @@ class RanksFailed(AssertionError):
     pass
 
 
-def launch(scenario: str, world_size: int, cases: list[dict[str, Any]], out_dir: Path,
-           timeout: float = 240.0) -> list[dict[str, Any]]:
-    """Run ``scenario`` for every case on ``world_size`` ranks; return each rank's saved results (rank order)."""
+Run = tuple[str, Case | Mapping[str, Any]]  # (scenario name, case); a Mapping is checked by the worker
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of every process a test starts: the repo root importable (``tests``, ``recipes``), one thread."""
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}", **extra)
+    return env
+
+
+def launch(scenario: str, world_size: int, cases: Sequence[Case | Mapping[str, Any]], out_dir: Path,
+           timeout: float = 240.0) -> list[list[dict[str, Any]]]:
+    """Run ``scenario`` for every case on ``world_size`` ranks; return each rank's results (rank order)."""
+    return launch_runs(world_size, [(scenario, case) for case in cases], out_dir, timeout)
+
+
+def launch_runs(world_size: int, runs: Sequence[Run], out_dir: Path, timeout: float = 240.0
+                ) -> list[list[dict[str, Any]]]:
+    """Run each (scenario, case) in order, in the same ``world_size`` processes: a later case may read what an
+    earlier one wrote. Per rank, one entry per run: the scenario's result plus ``ok: True``, or a ``Failure``."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "cases.json").write_text(json.dumps(cases))
+    payload = [{"scenario": name, "case": asdict(case) if is_dataclass(case) else dict(case)}
+               for name, case in runs]
+    (out_dir / "runs.json").write_text(json.dumps(payload))
+    scenario = ",".join(dict.fromkeys(name for name, _ in runs))  # for messages
     port = _free_port()
     procs, logs = [], []
     for rank in range(world_size):
-        env = dict(os.environ)
-        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), TEST_WORLD_SIZE=str(world_size), NODE_RANK="0",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                   PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}", PYTHONWARNINGS="ignore")
+        env = child_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                        TEST_WORLD_SIZE=str(world_size), NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         log = open(out_dir / f"rank{rank}.log", "w")
         logs.append(log)
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "tests.distributed.worker", scenario, str(out_dir)],
+            [sys.executable, "-m", "tests.distributed.worker", str(out_dir)],
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     deadline = time.monotonic() + timeout
     try:

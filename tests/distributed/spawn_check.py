@@ -24,5 +24,5 @@ if __name__ == "__main__":
     fit(model, "pipeline_spawn", 2, loader(data, 8))
     fit(reference, "auto", 1, reference_train_loader(data, 8))
     for (name, got), (_, want) in zip(model.state_dict().items(), reference.state_dict().items()):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
     print("SPAWN_PARITY_OK")

@@ -8,39 +8,25 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as L
 import pytest
 import torch
 
-from lightning_pipe.checkpoint import format as ckpt_lib
-from tests.distributed.launcher import RanksFailed, launch
-from tests.distributed.scenarios import CKPT_DEFAULTS, LossRecorder, StateAtStart, optimizer_by_name
-from tests.models import ToyRegressor, reference_train_loader, regression_data
+from lightning_pipe import checkpoint as ckpt_lib
+from tests.distributed.launcher import RanksFailed, launch, launch_runs
+from tests.distributed.parity import assert_same, merge_replica
+from tests.distributed.scenarios import CheckpointCase
+from tests.distributed.scenarios.checkpoint import optimizer_by_name, run_reference
+from tests.models import ToyRegressor
 
 pytestmark = [pytest.mark.distributed]
 
 EXACT = 1e-6  # same layout: the resumed run must be the uninterrupted one
 RESHARD = 1e-5  # another layout / one device: other reduction orders
 STEP4 = "epoch=0-step=4.ckpt"
-
-
-def merged(results: list[list[dict]], idx: int, run: str, key: str, dp_rank: int = 0) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for rank in results:
-        r = rank[idx][run]
-        if r["topology"][0] == dp_rank:
-            out.update(r[key])
-    return out
-
-
-def assert_same(got: dict[str, Any], want: dict[str, Any], atol: float, what: str) -> None:
-    assert sorted(got) == sorted(want), f"{what}: names differ: {sorted(set(got) ^ set(want))}"
-    for name in want:
-        torch.testing.assert_close(torch.as_tensor(got[name]), torch.as_tensor(want[name]), atol=atol, rtol=0,
-                                   msg=lambda m: f"{what} {name}: {m}")
 
 
 def consolidated_state(path: Path, tied: bool) -> tuple[dict, dict]:
@@ -54,48 +40,37 @@ def consolidated_state(path: Path, tied: bool) -> tuple[dict, dict]:
             optimizer_by_name(model, opt))
 
 
-def single_device(case: dict[str, Any], ckpt_path: Any = None, steps: int = 8) -> dict[str, Any]:
-    """The same module on one device, global batch, resumed from a single-file checkpoint."""
-    case = {**CKPT_DEFAULTS, **case}
-    torch.manual_seed(1234)
-    model = ToyRegressor(n_layers=case["n_layers"], optimizer=case["optimizer"], tied=case["tied"])
-    recorder, start = LossRecorder(), StateAtStart()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
-                        limit_val_batches=0, callbacks=[recorder, start])
-    n = case["steps_per_epoch"] * case["batch"] * case["dp"]
-    trainer.fit(model, reference_train_loader(regression_data(n), case["batch"] * case["dp"]), ckpt_path=ckpt_path)
-    return {"params": {k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)},
-            "losses": recorder.losses, "start_params": start.params, "model": model, "trainer": trainer}
-
-
 # ------------------------------------------------------------------------------------------------ the 4-rank run
+# name -> layout; trained (ckpt_train) into root/name, then resumed from its step-4 checkpoint
 TRAIN_CASES = {
-    "pp4_gpipe": dict(schedule="gpipe"),
-    "pp4_1f1b_tied": dict(schedule="1f1b", tied=True),
-    "dp2xpp2_1f1b": dict(schedule="1f1b", dp=2),
-    "pp4_interleaved": dict(schedule="interleaved_1f1b", stages_per_rank=2),
+    "pp4_gpipe": CheckpointCase(schedule="gpipe"),
+    "pp4_1f1b_tied": CheckpointCase(schedule="1f1b", tied=True),
+    "dp2xpp2_1f1b": CheckpointCase(schedule="1f1b", dp=2),
+    "pp4_interleaved": CheckpointCase(schedule="interleaved_1f1b", stages_per_rank=2),
 }
-# (name, target layout, source) — resumed in another layout in the same launch
+# name -> (target layout, source) — resumed (ckpt_resume) in another layout in the same launch
 RESHARD_CASES = {
-    "pp4_gpipe->dp2xpp2_1f1b": (dict(schedule="1f1b", dp=2), "pp4_gpipe"),
-    "pp4_1f1b_tied->dp2xpp2_gpipe": (dict(schedule="gpipe", dp=2, tied=True), "pp4_1f1b_tied"),
-    "dp2xpp2_1f1b->pp4_interleaved": (dict(schedule="interleaved_1f1b", stages_per_rank=2), "dp2xpp2_1f1b"),
+    "pp4_gpipe->dp2xpp2_1f1b": (CheckpointCase(schedule="1f1b", dp=2), "pp4_gpipe"),
+    "pp4_1f1b_tied->dp2xpp2_gpipe": (CheckpointCase(schedule="gpipe", dp=2, tied=True), "pp4_1f1b_tied"),
+    "dp2xpp2_1f1b->pp4_interleaved": (CheckpointCase(schedule="interleaved_1f1b", stages_per_rank=2),
+                                      "dp2xpp2_1f1b"),
 }
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("ckpt4")
-    cases, names = [], []
+    runs: list[tuple[str, CheckpointCase]] = []
+    names = []
     for name, case in TRAIN_CASES.items():
         d = root / name
-        cases.append(dict(kind="train", dir=str(d), resume_from=str(d / STEP4), **case))
+        runs.append(("ckpt_train", replace(case, dir=str(d), resume_from=str(d / STEP4))))
         names.append(name)
+    # in the same processes, after the training runs wrote their checkpoints
     for name, (case, source) in RESHARD_CASES.items():
-        cases.append(dict(kind="resume", resume_from=str(root / source / STEP4), **case))
+        runs.append(("ckpt_resume", replace(case, resume_from=str(root / source / STEP4))))
         names.append(name)
-    results = launch("ckpt", 4, cases, root / "out", timeout=500)
+    results = launch_runs(4, runs, root / "out", timeout=500)
     return {"root": root, "results": results, "index": {n: i for i, n in enumerate(names)}}
 
 
@@ -103,7 +78,7 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_exact_resume_same_layout(four_ranks: dict[str, Any]) -> None:
     """Stopped after 4 of 8 steps and resumed == uninterrupted: params, logged losses (AdamW + StepLR)."""
     res = four_ranks["results"]
-    for name, case in TRAIN_CASES.items():
+    for name in TRAIN_CASES:
         i = four_ranks["index"][name]
         for rank in res:
             full, resumed = rank[i]["full"], rank[i]["resumed"]
@@ -125,14 +100,16 @@ def test_checkpoint_content_and_plain_module(four_ranks: dict[str, Any]) -> None
     res, root = four_ranks["results"], four_ranks["root"]
     for name, case in TRAIN_CASES.items():
         i = four_ranks["index"][name]
-        params, optim = consolidated_state(root / name / STEP4, case.get("tied", False))
-        assert_same(merged(res, i, "resumed", "start_params"), params, 0, f"{name} loaded params")
-        assert_same(merged(res, i, "resumed", "start_optim"), optim, 0, f"{name} loaded optimizer state")
+        params, optim = consolidated_state(root / name / STEP4, case.tied)
+        assert_same(merge_replica(res, i, run="resumed", key="start_params"), params, 0, f"{name} loaded params")
+        assert_same(merge_replica(res, i, run="resumed", key="start_optim"), optim, 0,
+                    f"{name} loaded optimizer state")
         # the documented one-liner on one device
         plain = ToyRegressor.load_from_checkpoint(ckpt_lib.as_file(root / name / STEP4), optimizer="adamw",
-                                                  tied=case.get("tied", False))
-        assert_same({n: p.detach() for n, p in plain.named_parameters(remove_duplicate=False)}, params, 0, f"{name} load_from_checkpoint")
-        if case.get("tied"):
+                                                  tied=case.tied)
+        assert_same({n: p.detach() for n, p in plain.named_parameters(remove_duplicate=False)}, params, 0,
+                    f"{name} load_from_checkpoint")
+        if case.tied:
             assert plain.layers[0].weight is plain.layers[-1].weight
     # data-parallel replicas do not write duplicates: dp2 x pp2 is the size of pp4
     size_pp4 = ckpt_lib.checkpoint_size(root / "pp4_gpipe" / STEP4)
@@ -147,16 +124,16 @@ def test_reshard_on_load_4_ranks(four_ranks: dict[str, Any], tmp_path: Path) -> 
     for name, (case, source) in RESHARD_CASES.items():
         i = four_ranks["index"][name]
         src = root / source / STEP4
-        params, optim = consolidated_state(src, case.get("tied", False))
-        for dp_rank in range(case.get("dp", 1)):
-            assert_same(merged(res, i, "resumed", "start_params", dp_rank), params, 0, f"{name} loaded params")
-            assert_same(merged(res, i, "resumed", "start_optim", dp_rank), optim, 0, f"{name} loaded optim")
+        params, optim = consolidated_state(src, case.tied)
+        for dp_rank in range(case.dp):
+            assert_same(merge_replica(res, i, dp_rank, key="start_params"), params, 0, f"{name} loaded params")
+            assert_same(merge_replica(res, i, dp_rank, key="start_optim"), optim, 0, f"{name} loaded optim")
         single = ckpt_lib.consolidate(src, tmp_path / f"{source}.ckpt")
-        ref = single_device(case, single)
-        got = merged(res, i, "resumed", "params")
+        ref, _, _ = run_reference(case, single)
+        got = merge_replica(res, i)
         assert_same(got, {k: v for k, v in ref["params"].items() if k in got}, RESHARD, f"{name} final params")
-        if case.get("dp", 1) == 1:  # (with replicas each logs its own half-batch loss)
-            torch.testing.assert_close(torch.tensor(res[0][i]["resumed"]["losses"]), torch.tensor(ref["losses"]),
+        if case.dp == 1:  # (with replicas each logs its own half-batch loss)
+            torch.testing.assert_close(torch.tensor(res[0][i]["losses"]), torch.tensor(ref["losses"]),
                                        atol=RESHARD, rtol=0)
 
 
@@ -167,7 +144,7 @@ def test_crash_mid_save_reshard_to_pp2_single_files_and_bad_input(four_ranks: di
     # 1) a rank dies in the middle of the second save (step 4): the step-2 checkpoint and "last" stay valid
     crash_dir = tmp_path / "crash"
     with pytest.raises(RanksFailed, match="exit codes"):
-        launch("ckpt", 2, [dict(kind="crash", dir=str(crash_dir), crash_rank=1, schedule="1f1b")],
+        launch("ckpt_crash", 2, [CheckpointCase(dir=str(crash_dir), crash_rank=1, schedule="1f1b")],
                tmp_path / "out_crash", timeout=200)
     assert ckpt_lib.describe(crash_dir / "epoch=0-step=2.ckpt") == "sharded"
     assert not (crash_dir / STEP4).exists()
@@ -177,10 +154,10 @@ def test_crash_mid_save_reshard_to_pp2_single_files_and_bad_input(four_ranks: di
 
     # 2) single files: one consolidated from a pipeline checkpoint, one written by a plain single-device run
     consolidated_file = ckpt_lib.consolidate(root / "pp4_1f1b_tied" / STEP4, tmp_path / "tied_consolidated.ckpt")
-    plain = single_device(dict(tied=True), steps=4)
+    _, _, plain_trainer = run_reference(CheckpointCase(tied=True), steps=4)
     plain_file = tmp_path / "plain_single_device.ckpt"
-    plain["trainer"].save_checkpoint(plain_file)
-    plain_continued = single_device(dict(tied=True), plain_file)
+    plain_trainer.save_checkpoint(plain_file)
+    plain_continued, _, _ = run_reference(CheckpointCase(tied=True), plain_file)
 
     # 3) bad input
     corrupt = tmp_path / "corrupt.ckpt"
@@ -196,33 +173,32 @@ def test_crash_mid_save_reshard_to_pp2_single_files_and_bad_input(four_ranks: di
     text_file.write_text("not a checkpoint")
 
     cases = [
-        dict(kind="resume", schedule="1f1b", resume_from=str(root / "pp4_gpipe" / STEP4)),  # pp4 -> pp2
-        dict(kind="resume", schedule="gpipe", tied=True, resume_from=str(consolidated_file)),
-        dict(kind="resume", schedule="1f1b", tied=True, resume_from=str(plain_file)),
-        dict(kind="resume", schedule="gpipe", resume_from=str(crash_dir / "last.ckpt")),
-        dict(kind="resume", n_layers=6, resume_from=str(root / "pp4_gpipe" / STEP4), expect_error=True),
-        dict(kind="resume", resume_from=str(corrupt), expect_error=True),
-        dict(kind="resume", resume_from=str(incomplete), expect_error=True),
-        dict(kind="resume", resume_from=str(not_ckpt_dir), expect_error=True),
-        dict(kind="resume", resume_from=str(text_file), expect_error=True),
-        dict(kind="resume", resume_from=str(tmp_path / "nowhere.ckpt"), expect_error=True),
+        CheckpointCase(schedule="1f1b", resume_from=str(root / "pp4_gpipe" / STEP4)),  # pp4 -> pp2
+        CheckpointCase(schedule="gpipe", tied=True, resume_from=str(consolidated_file)),
+        CheckpointCase(schedule="1f1b", tied=True, resume_from=str(plain_file)),
+        CheckpointCase(schedule="gpipe", resume_from=str(crash_dir / "last.ckpt")),
+        CheckpointCase(n_layers=6, resume_from=str(root / "pp4_gpipe" / STEP4), expect_error=True),
+        CheckpointCase(resume_from=str(corrupt), expect_error=True),
+        CheckpointCase(resume_from=str(incomplete), expect_error=True),
+        CheckpointCase(resume_from=str(not_ckpt_dir), expect_error=True),
+        CheckpointCase(resume_from=str(text_file), expect_error=True),
+        CheckpointCase(resume_from=str(tmp_path / "nowhere.ckpt"), expect_error=True),
     ]
-    res = launch("ckpt", 2, cases, tmp_path / "out2", timeout=400)
+    res = launch("ckpt_resume", 2, cases, tmp_path / "out2", timeout=400)
     four = four_ranks["results"]
     # pp4 -> pp2 continues exactly like the uninterrupted pp4 run (same data, same optimizer state)
-    src = merged(four, four_ranks["index"]["pp4_gpipe"], "full", "params")
-    assert_same(merged(res, 0, "resumed", "params"), src, RESHARD, "pp4->pp2 final params")
+    src = merge_replica(four, four_ranks["index"]["pp4_gpipe"], run="full")
+    assert_same(merge_replica(res, 0), src, RESHARD, "pp4->pp2 final params")
     full_losses = four[0][four_ranks["index"]["pp4_gpipe"]]["full"]["losses"][4:]
-    torch.testing.assert_close(torch.tensor(res[0][0]["resumed"]["losses"]), torch.tensor(full_losses),
-                               atol=RESHARD, rtol=0)
+    torch.testing.assert_close(torch.tensor(res[0][0]["losses"]), torch.tensor(full_losses), atol=RESHARD, rtol=0)
     # a consolidated single file starts a pipeline run: same as the tied pp4 run it came from
-    src = merged(four, four_ranks["index"]["pp4_1f1b_tied"], "full", "params")
-    assert_same(merged(res, 1, "resumed", "params"), src, RESHARD, "consolidated file -> pp2")
+    src = merge_replica(four, four_ranks["index"]["pp4_1f1b_tied"], run="full")
+    assert_same(merge_replica(res, 1), src, RESHARD, "consolidated file -> pp2")
     # a plain single-device checkpoint (positional optimizer state) starts a pipeline run
-    got = merged(res, 2, "resumed", "params")
+    got = merge_replica(res, 2)
     assert_same(got, {k: v for k, v in plain_continued["params"].items() if k in got}, RESHARD,
                 "single-device ckpt -> pp2")
-    assert res[0][3]["resumed"]["global_step"] == 8
+    assert res[0][3]["global_step"] == 8
     messages = {
         4: ["does not match the model", "Missing from the checkpoint", "Unexpected in the checkpoint", "layers.7"],
         5: ["corrupted", ".distcp"],

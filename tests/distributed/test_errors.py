@@ -6,33 +6,31 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed.launcher import launch
+from tests.distributed.scenarios import TrainingCase
 
 pytestmark = [pytest.mark.distributed]
-
-CASES = [
-    # batch of 6 rows cannot split into 4 micro-batches
-    dict(batch=6, microbatches=4, steps=1, expect_error=True),
-    # the module keeps its layers under another attribute
-    dict(model="no_layers", steps=1, expect_error=True),
-    # explicit split that does not sum to the 8 layers
-    dict(split=[3, 3], steps=1, expect_error=True),
-    # and afterwards a good run still works in the same processes, monitored by ModelCheckpoint
-    dict(steps=4),
-]
 
 
 @pytest.mark.timeout(300)
 def test_bad_input_fails_fast_on_every_rank(tmp_path):
-    cases = [dict(c) for c in CASES]
-    cases[-1]["monitor_dir"] = str(tmp_path / "ckpts")
+    cases = [
+        # batch of 6 rows cannot split into 4 micro-batches
+        TrainingCase(batch=6, microbatches=4, steps=1, expect_error=True),
+        # the module keeps its layers under another attribute
+        TrainingCase(model="no_layers", steps=1, expect_error=True),
+        # explicit partition that does not sum to the 8 layers
+        TrainingCase(partition=[3, 3], steps=1, expect_error=True),
+        # and afterwards a good run still works in the same processes, monitored by ModelCheckpoint
+        TrainingCase(steps=4, monitor_dir=str(tmp_path / "ckpts")),
+    ]
     results = launch("training", 2, cases, tmp_path, timeout=200)
     for rank_results in results:
-        batch, no_layers, split, good = rank_results
+        batch, no_layers, partition, good = rank_results
         assert not batch["ok"] and "batch size 6 (batch_idx 0), microbatches=4" in batch["error"]
         assert "data.batch_size" in batch["error"] and "drop_last=True" in batch["error"]
         assert not no_layers["ok"] and "no attribute `layers`" in no_layers["error"]
         assert "strategy.layers_attr" in no_layers["error"]
-        assert not split["ok"] and "counts [3, 3] (sum 6) for 8 layers" in split["error"]
+        assert not partition["ok"] and "counts [3, 3] (sum 6) for 8 layers" in partition["error"]
         assert good["ok"] and len(good["losses"]) == 4
         # validation every 2 batches fed ModelCheckpoint's monitor on every rank with the same value
         assert good["best"] == results[0][-1]["best"] and good["best"][1] == min(good["fit_val_losses"])

@@ -2,13 +2,12 @@
 schedules under the strategy vs the same LightningModule trained on one device.
 
 Pipeline size 2 throughout, so the 2-per-rank schedules run 4 stages (8 layers). One launch runs many cases:
-process start-up dominates on a small machine. The parity assertion is test_parity_core's.
+process start-up dominates on a small machine. The parity assertion is tests/distributed/parity.py's.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 from typing import Any
 
 import pytest
@@ -17,7 +16,8 @@ import torch
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.schedules import compute_order, plan_schedule
 from tests.distributed.launcher import launch
-from tests.distributed.test_parity_core import assert_case_parity
+from tests.distributed.parity import assert_case_parity
+from tests.distributed.scenarios import TrainingCase
 
 pytestmark = [pytest.mark.parity, pytest.mark.distributed]
 
@@ -26,15 +26,15 @@ V = [("zbv", 2), ("dualpipev", 2)]
 GRID = list(itertools.product((1, 2), (None, 0.05)))  # (accumulate_grad_batches, gradient_clip_val)
 
 
-def grid_cases(schedules: list[tuple[str, int]]) -> list[dict[str, Any]]:
+def grid_cases(schedules: list[tuple[str, int]]) -> list[TrainingCase]:
     cases = []
     for (schedule, v), (acc, clip) in itertools.product(schedules, GRID):
-        cases.append(dict(schedule=schedule, stages_per_rank=v, microbatches=4, acc=acc, clip=clip, steps=3,
-                          optimizer="adamw" if acc == 2 else "sgd", predict=(acc == 1 and clip is None)))
+        cases.append(TrainingCase(schedule=schedule, stages_per_rank=v, microbatches=4, acc=acc, clip=clip, steps=3,
+                                  optimizer="adamw" if acc == 2 else "sgd", predict=(acc == 1 and clip is None)))
     return cases
 
 
-def check_all(results: list[list[dict[str, Any]]], cases: list[dict[str, Any]]) -> None:
+def check_all(results: list[list[dict[str, Any]]], cases: list[TrainingCase]) -> None:
     for i, case in enumerate(cases):
         assert_case_parity(results, i, case)
 
@@ -44,9 +44,9 @@ def test_loop_placement_schedules_match_single_device(tmp_path) -> None:
     """interleaved_1f1b, looped_bfs, zb_h1 (4 stages, rank r holds r and r+2), all with/without acc and clipping;
     plus 3 virtual stages per rank (6 stages) and ZB-H1 with one stage per rank."""
     cases = grid_cases(LOOP)
-    cases += [dict(schedule="interleaved_1f1b", stages_per_rank=3, microbatches=4, acc=2, clip=0.05,
-                   optimizer="adamw"),
-              dict(schedule="zb_h1", stages_per_rank=1, microbatches=4, acc=2, clip=0.05, optimizer="adamw")]
+    cases += [TrainingCase(schedule="interleaved_1f1b", stages_per_rank=3, microbatches=4, acc=2, clip=0.05,
+                           optimizer="adamw"),
+              TrainingCase(schedule="zb_h1", stages_per_rank=1, microbatches=4, acc=2, clip=0.05, optimizer="adamw")]
     check_all(launch("training", 2, cases, tmp_path, timeout=540), cases)
 
 
@@ -56,9 +56,10 @@ def test_v_placement_schedules_match_single_device(tmp_path) -> None:
     and test losses and predict (padded last batch) through forward-only runs; tied input/output weights whose two
     ends then live on the same rank."""
     cases = grid_cases(V)
-    cases += [dict(schedule="zbv", stages_per_rank=2, microbatches=4, acc=2, clip=0.05, tied=True,
-                   optimizer="adamw"),
-              dict(schedule="dualpipev", stages_per_rank=2, microbatches=6, batch=12, acc=1, clip=0.05, tied=True)]
+    cases += [TrainingCase(schedule="zbv", stages_per_rank=2, microbatches=4, acc=2, clip=0.05, tied=True,
+                           optimizer="adamw", check_grad_norms=False),
+              TrainingCase(schedule="dualpipev", stages_per_rank=2, microbatches=6, batch=12, acc=1, clip=0.05,
+                           tied=True, check_grad_norms=False)]
     results = launch("training", 2, cases, tmp_path, timeout=540)
     check_all(results, cases)
     assert results[0][0]["topology"] == (0, 0) and results[0][0]["predictions"].shape[0] == 22
@@ -68,9 +69,9 @@ def test_v_placement_schedules_match_single_device(tmp_path) -> None:
 def test_zero_bubble_with_data_parallel_matches_single_device(tmp_path) -> None:
     """DP 2 x PP 2 with the zero-bubble schedules: torch's I/W split bypasses DDP's gradient hooks (pytorch #144530);
     the strategy's own all-reduce (engine.grads.sync) averages the replicas after the whole schedule."""
-    cases = [dict(schedule="zbv", stages_per_rank=2, dp=2, acc=1, clip=None),
-             dict(schedule="zb_h1", stages_per_rank=2, dp=2, acc=2, clip=0.05, optimizer="adamw"),
-             dict(schedule="dualpipev", stages_per_rank=2, dp=2, acc=2, clip=0.05, optimizer="adamw")]
+    cases = [TrainingCase(schedule="zbv", stages_per_rank=2, dp=2, acc=1, clip=None),
+             TrainingCase(schedule="zb_h1", stages_per_rank=2, dp=2, acc=2, clip=0.05, optimizer="adamw"),
+             TrainingCase(schedule="dualpipev", stages_per_rank=2, dp=2, acc=2, clip=0.05, optimizer="adamw")]
     check_all(launch("training", 4, cases, tmp_path, timeout=540), cases)
 
 
@@ -95,13 +96,14 @@ adjacent stages per rank) match one device. Malformed lists are
     # contiguous placement (rank 0: stages 0, 1; rank 1: stages 2, 3), neither loop nor V: "as given"
     contiguous = [[f"{s}F{m}" for m in range(4) for s in (0, 1)] + [f"{s}B{m}" for m in range(4) for s in (1, 0)],
                   [a for m in range(4) for a in (f"2F{m}", f"3F{m}", f"3B{m}", f"2B{m}")]]
-    good = [dict(schedule="1f1b", acc=2, clip=0.05, optimizer="adamw"),
-            dict(schedule="custom", schedule_options={"actions": one_f_one_b}, acc=2, clip=0.05, optimizer="adamw"),
-            dict(schedule="custom", microbatches=None, schedule_options={"csv": str(csv_path), "placement": "v"},
-                 predict=True),
-            dict(schedule="custom", microbatches=None, schedule_options={"actions": hand_written}, clip=0.05),
-            dict(schedule="custom", microbatches=None, schedule_options={"actions": contiguous}, acc=2,
-                 optimizer="adamw", predict=True)]
+    good = [TrainingCase(schedule="1f1b", acc=2, clip=0.05, optimizer="adamw"),
+            TrainingCase(schedule="custom", schedule_options={"actions": one_f_one_b}, acc=2, clip=0.05,
+                         optimizer="adamw"),
+            TrainingCase(schedule="custom", microbatches=None,
+                         schedule_options={"csv": str(csv_path), "placement": "v"}, predict=True),
+            TrainingCase(schedule="custom", microbatches=None, schedule_options={"actions": hand_written}, clip=0.05),
+            TrainingCase(schedule="custom", microbatches=None, schedule_options={"actions": contiguous}, acc=2,
+                         optimizer="adamw", predict=True)]
     bad = {
         "missing backward": ([["0F0", "0F1", "0B0", "0F2", "0B1", "0F3", "0B2"], one_f_one_b[1]],
                              "rank 0, step 5: action '0F3' has no '0B3'"),
@@ -112,9 +114,9 @@ adjacent stages per rank) match one device. Malformed lists are
                       ["1F1", "1F0", "1B0", "1B1", "1F2", "1B2", "1F3", "1B3"]],
                      "rank 0, step 1: '0B0' waits for '1B0'; rank 1, step 0: '1F1' waits for '0F1'"),
     }
-    cases = good + [dict(schedule="custom", microbatches=None, schedule_options={"actions": actions},
-                         expect_error=True) for actions, _ in bad.values()]
-    results = launch("training", 2, json.loads(json.dumps(cases)), tmp_path / "run", timeout=540)
+    cases = good + [TrainingCase(schedule="custom", microbatches=None, schedule_options={"actions": actions},
+                                 expect_error=True) for actions, _ in bad.values()]
+    results = launch("training", 2, cases, tmp_path / "run", timeout=540)
     for i, case in enumerate(good):
         assert_case_parity(results, i, case)
     for rank in range(2):

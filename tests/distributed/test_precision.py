@@ -13,37 +13,39 @@ import pytest
 import torch
 
 from tests.distributed.launcher import launch
-from tests.distributed.scenarios import run_training
-from tests.distributed.test_parity_core import merge_replica
+from tests.distributed.parity import merge_replica
+from tests.distributed.scenarios import TrainingCase
+from tests.distributed.scenarios.training import run_training
 
 pytestmark = [pytest.mark.parity, pytest.mark.distributed]
 
 BF16_TOL, FP16_TOL, FP32_TOL = 2 * 2**-8, 2 * 2**-11, 1e-5
 
+# validation is off: this file compares parameters, logged losses and the fp16 loss scale
 CASES = [
-    (dict(precision="bf16-mixed", schedule="gpipe"), BF16_TOL),
-    (dict(precision="bf16-mixed", schedule="1f1b", acc=2, clip=0.05), BF16_TOL),
-    (dict(precision="16-mixed", schedule="1f1b", clip=0.05), FP16_TOL),
+    (TrainingCase(precision="bf16-mixed", schedule="gpipe", validate=False), BF16_TOL),
+    (TrainingCase(precision="bf16-mixed", schedule="1f1b", acc=2, clip=0.05, validate=False), BF16_TOL),
+    (TrainingCase(precision="16-mixed", schedule="1f1b", clip=0.05, validate=False), FP16_TOL),
     # an overflow in the last stage only, at the second optimizer step: every rank must skip it
-    (dict(precision="16-mixed", schedule="1f1b", inf_grad_at_step=1, steps=4), FP16_TOL),
-    (dict(precision="bf16-true", schedule="1f1b"), BF16_TOL),
-    (dict(precision="16-true", schedule="gpipe"), FP16_TOL),
-    (dict(recompute="all", schedule="1f1b", acc=2, clip=0.05), FP32_TOL),
-    (dict(recompute=2, schedule="gpipe", optimizer="adamw"), FP32_TOL),
+    (TrainingCase(precision="16-mixed", schedule="1f1b", inf_grad_at_step=1, steps=4, validate=False), FP16_TOL),
+    (TrainingCase(precision="bf16-true", schedule="1f1b", validate=False), BF16_TOL),
+    (TrainingCase(precision="16-true", schedule="gpipe", validate=False), FP16_TOL),
+    (TrainingCase(recompute="all", schedule="1f1b", acc=2, clip=0.05, validate=False), FP32_TOL),
+    (TrainingCase(recompute=2, schedule="gpipe", optimizer="adamw", validate=False), FP32_TOL),
 ]
 
 
 @pytest.mark.timeout(600)
 def test_precisions_and_recompute_match_single_device(tmp_path):
-    cases = [dict(case, validate=False) for case, _ in CASES]
-    results = launch("training", 2, [dict(c) for c in cases], tmp_path, timeout=450)
+    cases = [case for case, _ in CASES]
+    results = launch("training", 2, cases, tmp_path, timeout=450)
     for i, (case, tol) in enumerate(CASES):
-        ref = run_training(dict(cases[i]), pipeline=False)
-        got = merge_replica(results, i, 0)
+        ref = run_training(case, pipeline=False)
+        got = merge_replica(results, i)
         for name, want in ref["params"].items():
             assert got[name].dtype == want.dtype
             torch.testing.assert_close(got[name].float(), want.float(), atol=tol, rtol=0,
-                                       msg=lambda m: f"{case} {name}: {m}")
+                                       msg=lambda m, case=case, name=name: f"{case} {name}: {m}")
         for rank_results in results:
             r = rank_results[i]
             # the logged loss is the unscaled micro-batch average, on every rank
@@ -51,5 +53,6 @@ def test_precisions_and_recompute_match_single_device(tmp_path):
                                        atol=max(tol, 1e-5) * 4, rtol=0)
             # fp16: every rank's scaler moved exactly like the single-device one (skip + backoff at the overflow)
             assert r["scales"] == ref["scales"]
-    overflow = next(i for i, (c, _) in enumerate(CASES) if c.get("inf_grad_at_step") is not None)
+            assert bool(r["scales"]) == (case.precision == "16-mixed"), "a loss scale exactly when fp16 AMP"
+    overflow = next(i for i, (c, _) in enumerate(CASES) if c.inf_grad_at_step is not None)
     assert results[0][overflow]["scales"][:2] == [2.0**16, 2.0**15]  # the overflow step backed off, once

@@ -14,6 +14,7 @@ from lightning_pipe.config import PipelineConfig
 from lightning_pipe.schedules import compute_order, plan_schedule
 from lightning_pipe.schedules.simulate import flatten
 from tests.distributed.launcher import launch
+from tests.distributed.scenarios import TraceCase
 
 pytestmark = [pytest.mark.distributed]
 
@@ -61,11 +62,11 @@ def least_disturbed_bubble(results: list[list[dict[str, Any]]], idx: int) -> flo
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[list[dict[str, Any]]], Path]:
     tmp = tmp_path_factory.mktemp("trace")
     cases = [
-        dict(schedule="1f1b", microbatches=4, steps=3, export_dir=str(tmp / "export"), csv_dir=str(tmp / "csv")),
-        dict(schedule="gpipe", microbatches=4, steps=2),
-        dict(schedule="zb_h1", stages_per_rank=2, microbatches=4, steps=2),
-        dict(schedule="1f1b", split=[1, 15], **HEAVY),
-        dict(schedule="1f1b", split=[8, 8], **HEAVY),
+        TraceCase(schedule="1f1b", microbatches=4, steps=3, export_dir=str(tmp / "export"), csv_dir=str(tmp / "csv")),
+        TraceCase(schedule="gpipe", microbatches=4, steps=2),
+        TraceCase(schedule="zb_h1", stages_per_rank=2, microbatches=4, steps=2),
+        TraceCase(schedule="1f1b", partition=[1, 15], **HEAVY),
+        TraceCase(schedule="1f1b", partition=[8, 8], **HEAVY),
     ]
     return launch("trace", 2, cases, tmp / "run", timeout=300), tmp
 

@@ -1,6 +1,6 @@
-"""Entry point of one launched rank: ``python -m tests.distributed.worker SCENARIO OUT_DIR``.
+"""Entry point of one launched rank: ``python -m tests.distributed.worker OUT_DIR``.
 
-Runs every case of ``OUT_DIR/cases.json`` in this one process (one launch, many cases: process start-up and
+Runs every (scenario, case) of ``OUT_DIR/runs.json``, in order, in this one process (one launch, many cases: process start-up and
 imports dominate on 2 cores) and saves ``OUT_DIR/result<rank>.pt``. A case that raises records the error instead
 of a result, so tests can assert on the messages of expected failures.
 """
@@ -12,42 +12,30 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import lightning_pipe  # noqa: F401  (registers strategy="pipeline")
-from tests.distributed import scenarios
-
-SCENARIOS = {
-    "training": lambda case: scenarios.run_training(case, pipeline=True),
-}
-
-# checkpoint scenarios (tests/distributed/test_checkpoint.py)
-SCENARIOS.update({
-    "ckpt": scenarios.run_ckpt,
-})
-
-# timeline / measured bubble (tests/distributed/test_trace.py)
-SCENARIOS.update({
-    "trace": scenarios.run_trace,
-})
+from tests.distributed.scenarios import SCENARIOS, Failure
 
 
 def main() -> None:
-    name, out_dir = sys.argv[1], Path(sys.argv[2])
-    cases = json.loads((out_dir / "cases.json").read_text())
+    out_dir = Path(sys.argv[1])
+    runs = json.loads((out_dir / "runs.json").read_text())
     rank = int(os.environ["RANK"])
-    results = []
-    for case in cases:
-        expect_error = case.pop("expect_error", False)
+    results: list[dict[str, Any]] = []
+    for run in runs:
+        scenario = SCENARIOS[run["scenario"]]
+        case = scenario.case_type(**run["case"])  # an unknown or misspelt field fails here, not silently later
         try:
-            results.append({"ok": True, **SCENARIOS[name](case)})
-        except Exception as err:  # noqa: BLE001
-            if not expect_error:
+            results.append({"ok": True, **scenario.run(case)})
+        except Exception as err:
+            if not case.expect_error:
                 traceback.print_exc()
                 raise
-            results.append({"ok": False, "error": f"{type(err).__name__}: {err}"})
+            results.append(dict(Failure(ok=False, error=f"{type(err).__name__}: {err}")))
     torch.save(results, out_dir / f"result{rank}.pt")
     if dist.is_initialized():
         # Tear down in step: a rank exiting while peers still hold gloo pairs can abort them at exit.

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))  # the repo root: `recipes` is not installed
+from recipes.gpt import sample  # importable from the repo root: pyproject sets pythonpath = ["."]
 
-from recipes.gpt import sample  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 TRAIN = REPO / "recipes" / "gpt" / "train.py"
 TINY = [

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: `recipes` is not installed
-
-from recipes.gpt.callbacks import TokensPerSecond, batch_tokens, data_parallel_replicas  # noqa: E402
+from recipes.gpt.callbacks import TokensPerSecond, batch_tokens, data_parallel_replicas
 
 
 class _Module:

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: `recipes` is not installed
-
-from recipes.gpt.data import ByteCorpusDataModule, TokenWindows, stdlib_py_files  # noqa: E402
+from recipes.gpt.data import ByteCorpusDataModule, TokenWindows, stdlib_py_files
 
 SMALL = 300_000  # bytes of stdlib: enough for the tests, fast to read
 

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: `recipes` is not installed
-
-from recipes.gpt.model import GPT, Embedding, FinalNorm, Head, warmup_cosine  # noqa: E402
+from recipes.gpt.model import GPT, Embedding, FinalNorm, Head, warmup_cosine
 
 TINY = dict(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32, warmup_steps=2, max_steps=50)
 

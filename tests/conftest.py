@@ -1,0 +1,49 @@
+"""Isolation between tests: state that Lightning and torch.distributed keep per process, restored after each test.
+
+The same fixtures as Lightning's own test suite (``tests_pytorch/conftest.py``): a Trainer sets ``RANK``/``WORLD_SIZE``
+style variables and ``rank_zero_only.rank``, and a test that fails half-way may leave a default process group behind;
+without these, the next test in the same pytest process would inherit them and pass or fail for the wrong reason.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero as pl_rank_zero
+from lightning_utilities.core import rank_zero as utilities_rank_zero
+
+# Today Lightning re-exports lightning_utilities' function (one object); restore both in case they ever diverge.
+_RANK_ZERO_ONLY = {id(fn): fn for fn in (pl_rank_zero.rank_zero_only, utilities_rank_zero.rank_zero_only)}
+
+
+@pytest.fixture(autouse=True)
+def restore_env_variables() -> Iterator[None]:
+    """Put ``os.environ`` back exactly as it was before the test (values changed, added or removed)."""
+    saved = os.environ.copy()
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def restore_rank_zero_only() -> Iterator[None]:
+    """``rank_zero_only.rank`` is a process-wide attribute a Trainer sets from its strategy's global rank."""
+    saved = {key: getattr(fn, "rank", None) for key, fn in _RANK_ZERO_ONLY.items()}
+    yield
+    for key, fn in _RANK_ZERO_ONLY.items():
+        if saved[key] is None:
+            if hasattr(fn, "rank"):
+                del fn.rank
+        else:
+            fn.rank = saved[key]
+
+
+@pytest.fixture(autouse=True)
+def teardown_process_group() -> Iterator[None]:
+    """Destroy a default process group the test left (multi-rank tests run their ranks in child processes)."""
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

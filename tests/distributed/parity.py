@@ -1,0 +1,81 @@
+"""The parity assertions of the multi-rank tests: what the pipeline ranks returned vs the single-device reference.
+
+``results`` is what ``launcher.launch`` returns: per rank (rank order), one result per case (case order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from tests.distributed.scenarios.training import TrainingCase, run_training
+
+ATOL = 1e-5  # fp32, several optimizer steps: pipeline and one device differ only in reduction order
+
+Results = Sequence[Sequence[Mapping[str, Any]]]
+
+
+def merge_replica(results: Results, case_idx: int, dp_rank: int = 0, *, run: str | None = None,
+                  key: str = "params") -> dict[str, Any]:
+    """One data-parallel replica's name-keyed ``key`` (params, start_optim, ...) merged over its pipeline stages.
+
+    ``run`` picks a sub-result of the case (a checkpoint case's ``"full"`` or ``"resumed"`` fit).
+    """
+    out: dict[str, Any] = {}
+    for rank in results:
+        r = rank[case_idx] if run is None else rank[case_idx][run]
+        if r["topology"][0] == dp_rank:
+            out.update(r[key])
+    return out
+
+
+def assert_same(got: Mapping[str, Any], want: Mapping[str, Any], atol: float, what: str) -> None:
+    """The same names, and every value within ``atol`` (rtol 0)."""
+    assert sorted(got) == sorted(want), f"{what}: names differ: {sorted(set(got) ^ set(want))}"
+    for name in want:
+        torch.testing.assert_close(torch.as_tensor(got[name]), torch.as_tensor(want[name]), atol=atol, rtol=0,
+                                   msg=lambda m, name=name: f"{what} {name}: {m}")
+
+
+def assert_case_parity(results: Results, case_idx: int, case: TrainingCase) -> None:
+    """Train ``case`` on one device and compare: every parameter of every replica, the logged losses, validation and
+    test losses, predictions, hook call counts and (``case.check_grad_norms``) the gradient norms before each step."""
+    ref = run_training(case, pipeline=False)
+    for dp_rank in range(case.dp):
+        got = merge_replica(results, case_idx, dp_rank)
+        assert sorted(got) == sorted(ref["params"]), "every parameter lives on exactly one stage"
+        for name, value in ref["params"].items():
+            torch.testing.assert_close(got[name], value, atol=ATOL, rtol=0, msg=lambda m, name=name: f"{case} {name}: {m}")
+    # Every stage of a replica logs that replica's loss; the replicas' mean is the global batch loss.
+    by_replica: dict[int, list[torch.Tensor]] = {}
+    for res in results:
+        by_replica.setdefault(res[case_idx]["topology"][0], []).append(torch.tensor(res[case_idx]["losses"]))
+    for losses in by_replica.values():
+        for other in losses[1:]:
+            torch.testing.assert_close(other, losses[0], atol=0, rtol=0)
+    mean_loss = torch.stack([losses[0] for losses in by_replica.values()]).mean(0)
+    torch.testing.assert_close(mean_loss, torch.tensor(ref["losses"]), atol=ATOL, rtol=0)
+    for res in results:
+        r = res[case_idx]
+        # hooks fire as on one device: zero_grad per optimizer step, backward per batch
+        assert r["calls"] == ref["calls"], (r["calls"], ref["calls"])
+        assert r["meta_tensors"] == 0
+        if case.validate:
+            # validation during fit (every 2 batches), trainer.validate and trainer.test: forward-only pipeline
+            assert len(ref["fit_val_losses"]) >= 1
+            for key in ("fit_val_losses", "val_loss", "test_loss"):
+                torch.testing.assert_close(torch.tensor(r[key]), torch.tensor(ref[key]), atol=ATOL, rtol=0)
+    if case.check_grad_norms:
+        # on_before_optimizer_step sees the full gradients (not wiped by zero_grad): the squared norms of the
+        # stages of one replica add up to the single-device one, at every optimizer step
+        stage_sq = torch.tensor([r[case_idx]["grad_sq_before_step"] for r in results
+                                 if r[case_idx]["topology"][0] == 0]).sum(0)
+        torch.testing.assert_close(stage_sq, torch.tensor(ref["grad_sq_before_step"]), rtol=1e-4, atol=1e-6)
+    if case.predict:
+        torch.testing.assert_close(results[0][case_idx]["predictions"], ref["predictions"], atol=ATOL, rtol=0)
+        assert results[0][case_idx]["predictions"].shape[0] == 22
+        for res in results:
+            torch.testing.assert_close(torch.tensor(res[case_idx]["val_loss_new_trainer"]),
+                                       torch.tensor(ref["val_loss"]), atol=ATOL, rtol=0)

@@ -1,0 +1,41 @@
+"""What a launched rank can run: scenario name -> (case type, function), one module per family.
+
+A test builds typed cases (frozen dataclasses), ``launcher.launch`` writes them as JSON (``dataclasses.asdict``),
+and ``worker`` rebuilds each with its scenario's case type (an unknown field fails there, loudly) and runs it.
+Results are TypedDicts (plain dicts on the wire); a case with ``expect_error=True`` that raises gives a ``Failure``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple, TypedDict
+
+from tests.distributed.scenarios import checkpoint, trace, training
+from tests.distributed.scenarios.checkpoint import CheckpointCase
+from tests.distributed.scenarios.trace import TraceCase
+from tests.distributed.scenarios.training import TrainingCase
+
+Case = TrainingCase | CheckpointCase | TraceCase
+
+
+class Scenario(NamedTuple):
+    case_type: type[Any]
+    run: Callable[[Any], Any]
+
+
+class Failure(TypedDict):
+    """A case that raised where it was expected to: the message every rank must agree on."""
+
+    ok: Literal[False]
+    error: str  # "<ExceptionType>: <message>"
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "training": Scenario(TrainingCase, training.run_pipeline),
+    "ckpt_train": Scenario(CheckpointCase, checkpoint.run_train),
+    "ckpt_resume": Scenario(CheckpointCase, checkpoint.run_resume),
+    "ckpt_crash": Scenario(CheckpointCase, checkpoint.run_crash),
+    "trace": Scenario(TraceCase, trace.run_trace),
+}
+
+__all__ = ["Case", "CheckpointCase", "Failure", "SCENARIOS", "Scenario", "TraceCase", "TrainingCase"]

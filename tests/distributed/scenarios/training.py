@@ -1,0 +1,213 @@
+"""Training parity, written once for both sides: the pipeline ranks and the single-device reference.
+
+``run_training(case, pipeline=True)`` runs inside a launched rank; ``pipeline=False`` rebuilds the same
+LightningModule from the same seed on one process and trains it with the global batch (per-replica batch x
+data-parallel size) in the order Lightning's DistributedSampler gives the replicas: the reference.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypedDict
+
+import lightning.pytorch as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch.utils.data import TensorDataset
+from typing_extensions import NotRequired
+
+from lightning_pipe import PipelinePrecision, PipelineStrategy
+from tests.models import MetaBuiltRegressor, ToyRegressor, loader, reference_train_loader, regression_data
+
+
+@dataclass(frozen=True)
+class TrainingCase:
+    """One training run; every field has the value most cases use, a case names only what it changes."""
+
+    # the model (``model`` is a key of MODELS; the toy models honour every other field, tiny_gpt refuses what it can't)
+    model: str = "toy"
+    n_layers: int = 8
+    tied: bool = False
+    optimizer: str = "sgd"
+    inf_grad_at_step: int | None = None  # fp16: an overflow in the last stage only, at this optimizer step
+    # the strategy
+    schedule: str = "1f1b"
+    microbatches: int | None = 4
+    dp: int = 1
+    stages_per_rank: int | None = None
+    partition: str | list[int] = "uniform"
+    schedule_options: dict[str, Any] | None = None
+    recompute: str | int = "none"
+    # the trainer
+    steps: int = 3
+    acc: int = 1
+    clip: float | None = None
+    clip_algo: str = "norm"
+    precision: str = "32-true"
+    monitor_dir: str | None = None  # ModelCheckpoint(monitor="val_loss") writes here
+    # the data (per replica)
+    batch: int = 8
+    n_data: int = 192
+    # what runs and what the parity check compares
+    validate: bool = True  # validation during fit, trainer.validate, trainer.test
+    predict: bool = False  # trainer.predict (padded last batch) and a second Trainer on the same module
+    # Stage squared gradient norms add up to the single-device one only when no parameter is held by two stages:
+    # a tie across stages counts its weight on both. Cases with ``tied=True`` must switch this off explicitly.
+    check_grad_norms: bool = True
+    expect_error: bool = False  # the worker records the exception message instead of failing the launch
+
+
+class TrainingResult(TypedDict):
+    """What one rank (or the reference) returns; the keys under ``NotRequired`` depend on the case or the side."""
+
+    params: dict[str, torch.Tensor]  # named_parameters (this rank's stages under the pipeline)
+    losses: list[float]  # logged train_loss per batch
+    fit_val_losses: list[float]  # val_loss at each validation during fit
+    scales: list[float]  # fp16 GradScaler scale per batch (empty otherwise)
+    calls: dict[str, int]  # hook call counts
+    grad_sq_before_step: list[float]  # squared gradient norm seen by on_before_optimizer_step
+    val_loss: NotRequired[float]
+    test_loss: NotRequired[float]
+    predictions: NotRequired[torch.Tensor | None]
+    val_loss_new_trainer: NotRequired[float]
+    meta_tensors: NotRequired[int]  # pipeline only
+    topology: NotRequired[tuple[int, int]]  # pipeline only: (dp_rank, pp_rank)
+    best: NotRequired[tuple[str, float]]  # with monitor_dir: ModelCheckpoint's best path and score
+
+
+class NoLayerList(ToyRegressor):
+    """Keeps its layers under another name: the strategy must say how to provide a layer list."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.blocks = self.layers
+        del self.layers
+
+
+# the tiny GPT's layer list: embedding, n_layer blocks, final norm, head
+GPT_NON_BLOCK_LAYERS = 3
+
+
+def tiny_gpt(case: TrainingCase) -> L.LightningModule:
+    """The recipe's GPT, tiny: embedding and head tied across the first and the last stage, its own AdamW.
+
+    It cannot honour every field of a case: refuse the ones it would otherwise silently ignore.
+    """
+    from recipes.gpt.model import GPT
+
+    if not case.tied or case.optimizer != "adamw" or case.inf_grad_at_step is not None:
+        raise ValueError(f"the tiny GPT is always tied and trains with AdamW (no injected overflow): {case}")
+    if case.n_layers <= GPT_NON_BLOCK_LAYERS:
+        raise ValueError(f"the tiny GPT needs n_layers > {GPT_NON_BLOCK_LAYERS} (embedding, norm, head): {case}")
+    return GPT(vocab_size=64, block_size=16, n_layer=case.n_layers - GPT_NON_BLOCK_LAYERS, n_head=2, n_embd=32,
+               lr=3e-3, warmup_steps=2, max_steps=20)
+
+
+def toy(cls: type[ToyRegressor]) -> Callable[[TrainingCase], L.LightningModule]:
+    def build(case: TrainingCase) -> L.LightningModule:
+        return cls(n_layers=case.n_layers, optimizer=case.optimizer, tied=case.tied,
+                   inf_grad_at_step=case.inf_grad_at_step)
+
+    return build
+
+
+def token_data(n: int, seed: int = 1) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 64, (n, 17), generator=g)
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+MODELS: dict[str, Callable[[TrainingCase], L.LightningModule]] = {
+    "toy": toy(ToyRegressor), "no_layers": toy(NoLayerList), "meta": toy(MetaBuiltRegressor), "gpt": tiny_gpt}
+DATA: dict[str, Callable[[int], TensorDataset]] = {"gpt": token_data}
+
+
+class LossRecorder(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.val_losses: list[float] = []
+        self.scales: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None:
+            self.scales.append(float(scaler.get_scale()))
+
+    def on_validation_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.state.fn == "fit":
+            self.val_losses.append(float(trainer.callback_metrics["val_loss"]))
+
+
+def _precision(case: TrainingCase, pipeline: bool) -> dict[str, Any]:
+    """fp16 AMP on CPU: Lightning would switch "16-mixed" to bf16 on CPU, so pass the plugins explicitly."""
+    if case.precision != "16-mixed":
+        return {"precision": case.precision}
+    if pipeline:
+        return {"plugins": [PipelinePrecision("16-mixed", device="cpu")]}
+    return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]}
+
+
+def _trainer(case: TrainingCase, pipeline: bool, recorder: Callback) -> L.Trainer:
+    strategy: Any
+    if pipeline:
+        strategy = PipelineStrategy(schedule=case.schedule, microbatches=case.microbatches,
+                                    data_parallel_size=case.dp, partition=case.partition,
+                                    stages_per_rank=case.stages_per_rank, schedule_options=case.schedule_options,
+                                    recompute=case.recompute)
+        devices = int(os.environ["TEST_WORLD_SIZE"])  # Lightning deletes WORLD_SIZE at teardown
+    else:
+        strategy, devices = "auto", 1
+    # ModelCheckpoint(monitor="val_loss"): the metric must exist, identical, on every rank
+    monitor = [] if case.monitor_dir is None else [
+        ModelCheckpoint(dirpath=case.monitor_dir, monitor="val_loss", mode="min", save_top_k=1)]
+    return L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=case.steps,
+                     **_precision(case, pipeline), accumulate_grad_batches=case.acc, gradient_clip_val=case.clip,
+                     gradient_clip_algorithm=case.clip_algo, logger=False,
+                     enable_checkpointing=case.monitor_dir is not None,
+                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                     limit_val_batches=3, val_check_interval=2, check_val_every_n_epoch=None,
+                     callbacks=[recorder, *monitor])
+
+
+def run_training(case: TrainingCase, pipeline: bool) -> TrainingResult:
+    torch.manual_seed(1234)
+    model = MODELS[case.model](case)
+    data = DATA.get(case.model, regression_data)(case.n_data)
+    batch = case.batch * (1 if pipeline else case.dp)
+    recorder = LossRecorder()
+    trainer = _trainer(case, pipeline, recorder)
+    # Lightning shuffles training data through its DistributedSampler; the reference walks the same order.
+    train_loader = loader(data, batch) if pipeline else reference_train_loader(data, batch)
+    trainer.fit(model, train_loader, loader(data, batch) if case.validate else None)
+    out = TrainingResult(
+        params={n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)},
+        losses=recorder.losses, fit_val_losses=recorder.val_losses, scales=recorder.scales,
+        calls=dict(getattr(model, "calls", {})), grad_sq_before_step=list(getattr(model, "grad_norms_before_step", [])))
+    if case.validate:
+        out["val_loss"] = trainer.validate(model, loader(data, batch), verbose=False)[0]["val_loss"]
+        out["test_loss"] = trainer.test(model, loader(data, batch), verbose=False)[0]["test_loss"]
+    if case.predict:
+        # 22 samples with batch 8: the last batch (6 rows) does not divide into 4 micro-batches: pad-and-trim.
+        pred_data = regression_data(22, seed=7)
+        preds = trainer.predict(model, loader(pred_data, case.batch, drop_last=False))
+        out["predictions"] = torch.cat(preds) if preds and preds[0] is not None else None
+        # A new Trainer (new strategy) on the same, already split module: the layout is reused.
+        fresh = _trainer(case, pipeline, LossRecorder())
+        out["val_loss_new_trainer"] = fresh.validate(model, loader(data, batch), verbose=False)[0]["val_loss"]
+    if pipeline:
+        # every tensor this rank holds is allocated; other stages' layers never were (meta, then placeholders)
+        out["meta_tensors"] = sum(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+        out["topology"] = (trainer.strategy.topology.dp_rank, trainer.strategy.topology.pp_rank)
+    callback = trainer.checkpoint_callback
+    if callback is not None and case.monitor_dir is not None:
+        out["best"] = (callback.best_model_path, float(callback.best_model_score))
+    return out
+
+
+def run_pipeline(case: TrainingCase) -> TrainingResult:
+    """The scenario a launched rank runs."""
+    return run_training(case, pipeline=True)
