@@ -99,7 +99,7 @@ def _run_pipeline(args: argparse.Namespace, schedule: str, v: int) -> dict:
         order = compute_order(plan_schedule(PipelineConfig(schedule="1f1b", microbatches=args.microbatches), world))
         options = {"actions": [[str(a) for a in order[r] if a is not None] for r in range(world)]}
     strategy = PipelineStrategy(schedule=schedule, microbatches=args.microbatches, stages_per_rank=v,
-                                split=balanced_split(args.layers, world * v), schedule_options=options)
+                                partition=balanced_split(args.layers, world * v), schedule_options=options)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=args.steps + args.warmup,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[clock, record], limit_val_batches=0,

@@ -1,4 +1,4 @@
-"""Typed settings of the pipeline strategy, validated early with errors that name the key to change.
+"""Typed settings of the pipeline strategy, validated early with errors that name the setting to change.
 
 Every check here runs on plain data, on every rank, before any process group traffic: a rank that raises
 while its peers wait in a P2P receive would hang the job, so the rules live where all ranks see the same inputs.
@@ -6,92 +6,121 @@ while its peers wait in a P2P receive would hang the job, so the rules live wher
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence, Union
+from typing import Any
 
-SplitSpec = Union[str, Sequence[int]]
-SPLIT_METHODS = ("uniform", "parameters")
+PartitionSpec = str | Sequence[int]
+PARTITION_METHODS = ("uniform", "parameters")
 
 
 class PipelineConfigError(ValueError):
     """A setting (or a setting against the model / world) breaks a rule of the pipeline."""
 
 
-def config_error(rule: str, seen: str, key: str, hint: str = "") -> PipelineConfigError:
-    """Build the one error format we use: the rule, the values seen, and the setting to change."""
-    message = f"{rule} Got {seen}. Change `{key}`"
-    message += f" ({hint})." if hint else "."
+@dataclass(frozen=True)
+class Setting:
+    """Where a user changes one setting: in Python, and at its path in the shipped Hydra configs (``configs/``)."""
+
+    name: str
+    python: str
+    """How it is passed in Python, e.g. ``PipelineStrategy(microbatches=...)``."""
+    hydra: tuple[str, ...]
+    """Its Hydra override(s), e.g. ``("schedule.microbatches",)``; ``schedule=<name>`` for a config group."""
+
+    def describe(self) -> str:
+        return f"`{self.name}` ({self.python}; Hydra: {' / '.join(self.hydra)})"
+
+
+def _strategy(name: str, hydra: str) -> Setting:
+    return Setting(name, f"PipelineStrategy({name}=...)", (hydra,))
+
+
+# The one table of setting names. Every error names its setting through it, and tests/unit/test_configs.py
+# composes the shipped configs with an override of every Hydra path here, so no message can send a user to a key
+# Hydra refuses.
+SETTINGS: dict[str, Setting] = {s.name: s for s in (
+    _strategy("schedule", "schedule=<name>"),
+    _strategy("microbatches", "schedule.microbatches"),
+    _strategy("stages_per_rank", "schedule.stages_per_rank"),
+    _strategy("schedule_options", "schedule.options"),
+    _strategy("data_parallel_size", "strategy.data_parallel_size"),
+    _strategy("partition", "strategy.partition"),
+    _strategy("layers_attr", "strategy.layers_attr"),
+    _strategy("recompute", "strategy.recompute"),
+    _strategy("start_method", "strategy.start_method"),
+    Setting("devices", "Trainer(devices=..., num_nodes=...)", ("trainer.devices", "trainer.num_nodes")),
+    Setting("precision", "Trainer(precision=...)", ("trainer.precision",)),
+    Setting("batch_size", "DataLoader(batch_size=...)", ("data.batch_size",)),
+)}
+
+
+def describe_setting(key: str) -> str:
+    """A setting of the table rendered with its Python and Hydra forms; any other key as given, in backticks."""
+    setting = SETTINGS.get(key)
+    return setting.describe() if setting is not None else f"`{key}`"
+
+
+def config_error(rule: str, seen: str, key: str, hint: str = "", *, also: Sequence[str] = (),
+                 fix: str = "") -> PipelineConfigError:
+    """The one error format: the rule, the values seen, and the setting(s) to change.
+
+    ``key`` and ``also`` are names in :data:`SETTINGS` (rendered with their Python and Hydra forms), e.g.
+    "... Got microbatches=2. Change `microbatches` (PipelineStrategy(microbatches=...); Hydra: schedule.microbatches)."
+    ``hint`` says how, after the settings; ``fix`` is a change that is not a setting (e.g. to the model), said first
+    when it is the usual cure.
+    """
+    message = f"{rule} Got {seen}. " + (f"{fix}. Or change " if fix else "Change ")
+    message += ", or ".join(describe_setting(k) for k in (key, *also))
+    message += f"; {hint}." if hint else "."
     return PipelineConfigError(message)
-
-
-def _key(name: str) -> str:
-    return PipelineConfig.KEYS[name]
 
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """What a user chooses. Field docstrings are the contract; ``KEYS`` maps each field to its config key."""
+    """What a user chooses. Field docstrings are the contract; :data:`SETTINGS` says where each one is changed."""
 
     schedule: str = "1f1b"
     """Schedule name (see :func:`lightning_pipe.schedules.available_schedules`)."""
     microbatches: int | None = None
-    """Micro-batches per batch. ``None``: twice the number of stages."""
+    """Micro-batches per batch. ``None``: twice the number of stages (``custom``: read from the action lists)."""
     data_parallel_size: int = 1
     """Replicas of the whole pipeline; pipeline size = world size / data_parallel_size."""
-    split: SplitSpec = "uniform"
+    partition: PartitionSpec = "uniform"
     """How layers go to stages: ``"uniform"`` (equal counts), ``"parameters"`` (balanced parameter counts), or
     explicit per-stage layer counts such as ``[3, 5]``."""
     stages_per_rank: int | None = None
-    """Stages each rank holds. ``None``: what the schedule needs (1, or 2 for V-shaped schedules)."""
+    """Stages each rank holds. ``None``: the schedule's default (1 for ``gpipe`` / ``1f1b``; 2 for
+    ``interleaved_1f1b``, ``looped_bfs``, ``zb_h1``, ``zbv``, ``dualpipev``; ``custom``: read from the lists)."""
     layers_attr: str = "layers"
     """Attribute of the LightningModule that holds the ordered layer list."""
-    recompute: Union[str, int] = "none"
+    recompute: str | int = "none"
     """Activation recomputation per stage: ``"none"``, ``"all"`` (every layer) or ``k`` (every k-th layer)."""
     schedule_options: dict[str, Any] = field(default_factory=dict)
-    """Extra schedule-specific options (e.g. the action lists of the ``custom`` schedule)."""
-
-    # Where each field lives in the shipped Hydra configs, so messages name what a user actually edits.
-    KEYS = {
-        "schedule": "schedule (Hydra: schedule=<name>; PipelineStrategy(schedule=...))",
-        "microbatches": "schedule.microbatches (PipelineStrategy(microbatches=...))",
-        "data_parallel_size": "strategy.data_parallel_size (PipelineStrategy(data_parallel_size=...))",
-        "split": "strategy.split (PipelineStrategy(split=...))",
-        "stages_per_rank": "schedule.stages_per_rank (PipelineStrategy(stages_per_rank=...))",
-        "layers_attr": "strategy.layers_attr (PipelineStrategy(layers_attr=...))",
-        "recompute": "strategy.recompute (PipelineStrategy(recompute=...))",
-        "devices": "trainer.devices / trainer.num_nodes",
-        "batch_size": "data.batch_size (the DataLoader batch size)",
-    }
+    """Options of the chosen schedule (e.g. the ``custom`` schedule's ``actions`` or ``csv``); an entry set to
+    ``None`` counts as absent. A schedule refuses any option it does not take."""
 
     def __post_init__(self) -> None:
         # Normalise before validating: Hydra hands lists as ListConfig and names in any case.
         object.__setattr__(self, "schedule", str(self.schedule).lower())
-        if not isinstance(self.split, str):
-            object.__setattr__(self, "split", tuple(int(n) for n in self.split))
-        object.__setattr__(self, "schedule_options", dict(self.schedule_options or {}))
+        object.__setattr__(self, "partition", check_partition(self.partition))
+        object.__setattr__(self, "schedule_options", _options(self.schedule_options))
         self._validate_plain()
 
     def _validate_plain(self) -> None:
-        if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
+        if self.microbatches is not None and (not _is_int(self.microbatches) or self.microbatches < 1):
             raise config_error("The number of micro-batches must be a positive integer.",
-                               f"microbatches={self.microbatches!r}", _key("microbatches"))
-        if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
+                               f"microbatches={self.microbatches!r}", "microbatches")
+        if not _is_int(self.data_parallel_size) or self.data_parallel_size < 1:
             raise config_error("The data-parallel size must be a positive integer.",
-                               f"data_parallel_size={self.data_parallel_size!r}", _key("data_parallel_size"))
-        if self.stages_per_rank is not None and (not isinstance(self.stages_per_rank, int)
-                                                 or self.stages_per_rank < 1):
+                               f"data_parallel_size={self.data_parallel_size!r}", "data_parallel_size")
+        if self.stages_per_rank is not None and (not _is_int(self.stages_per_rank) or self.stages_per_rank < 1):
             raise config_error("stages_per_rank must be a positive integer or None.",
-                               f"stages_per_rank={self.stages_per_rank!r}", _key("stages_per_rank"))
+                               f"stages_per_rank={self.stages_per_rank!r}", "stages_per_rank")
         if self.recompute_every is None and str(self.recompute).lower() != "none":
             raise config_error("recompute is 'none', 'all', or a positive k (every k-th layer of each stage).",
-                               f"recompute={self.recompute!r}", _key("recompute"))
-        if isinstance(self.split, str):
-            if self.split not in SPLIT_METHODS:
-                raise config_error(f"split must be one of {list(SPLIT_METHODS)} or a list of per-stage layer counts.",
-                                   f"split={self.split!r}", _key("split"))
-        elif not self.split or any(n < 1 for n in self.split):
-            raise config_error("An explicit split lists a positive layer count for every stage.",
-                               f"split={list(self.split)}", _key("split"))
+                               f"recompute={self.recompute!r}", "recompute")
 
     @property
     def recompute_every(self) -> int | None:
@@ -102,6 +131,37 @@ class PipelineConfig:
         if value.isdigit() and int(value) >= 1:
             return int(value)
         return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_partition(value: Any) -> PartitionSpec:
+    """``"uniform"`` / ``"parameters"``, or a tuple of positive per-stage layer counts; anything else is refused."""
+    rule = (f"partition is one of {list(PARTITION_METHODS)} or a list of positive per-stage layer counts, "
+            "e.g. [3, 4].")
+    if isinstance(value, str):
+        if value.lower() not in PARTITION_METHODS:
+            raise config_error(rule, f"partition={value!r}", "partition")
+        return value.lower()
+    # A bare number (`strategy.partition=3`) is not a list of counts: say so rather than fail iterating it.
+    if not isinstance(value, Sequence) or not value:
+        raise config_error(rule, f"partition={value!r}", "partition")
+    bad = [n for n in value if not _is_int(n) or n < 1]
+    if bad:
+        raise config_error(rule, f"partition={list(value)!r} (not a positive integer: {bad!r})", "partition")
+    return tuple(int(n) for n in value)
+
+
+def _options(value: Any) -> dict[str, Any]:
+    """A plain dict without ``None`` entries (Hydra configs ship ``csv: null`` next to ``actions``)."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise config_error("schedule_options is a mapping of option name to value, e.g. {'csv': 'my.csv'}.",
+                           f"schedule_options={value!r}", "schedule_options")
+    return {str(k): v for k, v in value.items() if v is not None}
 
 
 @dataclass(frozen=True)
@@ -140,5 +200,5 @@ class Topology:
             raise config_error(
                 "The world size must be divisible by the data-parallel size (pipeline size = world / dp).",
                 f"world_size={world_size}, data_parallel_size={data_parallel_size}",
-                _key("data_parallel_size"), f"or {_key('devices')}")
+                "data_parallel_size", also=("devices",))
         return cls(world_size, data_parallel_size, global_rank)

@@ -32,7 +32,7 @@ from torch.distributed.pipelining import PipelineStage
 from lightning_pipe._compat import torch as _compat
 from lightning_pipe.config import PipelineConfig, Topology, config_error
 from lightning_pipe.grads import GradientSync, ProcessGroups
-from lightning_pipe.partition import layer_param_counts, split_layers
+from lightning_pipe.partition import layer_param_counts, partition_layers
 from lightning_pipe.schedules import SchedulePlan, build_torch_schedule
 from lightning_pipe.stages import (
     StageModule,
@@ -158,8 +158,8 @@ class PipelineEngine:
             raise config_error(
                 f"A {what} batch must split into equal micro-batches: its size must be divisible by the "
                 "micro-batch count (and training needs every batch to be full: use drop_last=True).",
-                f"batch size {rows} (batch_idx {self.batch_idx}), microbatches={m}", PipelineConfig.KEYS["batch_size"],
-                f"to a multiple of {m}, or {PipelineConfig.KEYS['microbatches']}")
+                f"batch size {rows} (batch_idx {self.batch_idx}), microbatches={m}", "batch_size",
+                f"the batch size to a multiple of {m}", also=("microbatches",))
         return rows // m
 
     def _ensure_shape(self, mode: str, mb_rows: int) -> None:
@@ -277,7 +277,7 @@ def build_engine(module: nn.Module, config: PipelineConfig, plan: SchedulePlan, 
     fresh = layout is None
     if layout is None:
         check_no_stray_parameters(module, config.layers_attr)
-        ranges = split_layers(len(layers), plan.num_stages, config.split, layer_param_counts(layers))
+        ranges = partition_layers(len(layers), plan.num_stages, config.partition, layer_param_counts(layers))
         layout = PipelineLayout(tuple(ranges), tuple(find_tied_parameters(module, config.layers_attr)), plan)
     elif layout.plan != plan:
         raise RuntimeError(

@@ -5,11 +5,11 @@ No torch.distributed here: everything is plain data so it can be unit-tested and
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from torch import nn
 
-from lightning_pipe.config import PipelineConfig, SplitSpec, config_error
+from lightning_pipe.config import PartitionSpec, check_partition, config_error
 
 
 def uniform_counts(n_layers: int, n_stages: int) -> list[int]:
@@ -19,10 +19,10 @@ def uniform_counts(n_layers: int, n_stages: int) -> list[int]:
 
 
 def balanced_counts(costs: Sequence[float], n_stages: int) -> list[int]:
-    """Contiguous split minimising the most expensive stage (every stage gets at least one layer).
+    """Contiguous partition minimising the most expensive stage (every stage gets at least one layer).
 
     Exact dynamic programme over prefix sums, O(n_layers^2 * n_stages): layer lists are at most a few hundred
-    long. Ties go to the split whose earlier stages are larger, which keeps the (usually heavier) last stage,
+    long. Ties go to the partition whose earlier stages are larger, which keeps the (usually heavier) last stage,
     with head and loss, light.
     """
     n = len(costs)
@@ -30,7 +30,7 @@ def balanced_counts(costs: Sequence[float], n_stages: int) -> list[int]:
     for c in costs:
         prefix.append(prefix[-1] + float(c))
     inf = float("inf")
-    # best[s][i]: minimal max-cost splitting the first i layers into s stages; cut[s][i]: start of the last stage.
+    # best[s][i]: minimal max-cost cutting the first i layers into s stages; cut[s][i]: start of the last stage.
     best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
     cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
     best[0][0] = 0.0
@@ -48,35 +48,31 @@ def balanced_counts(costs: Sequence[float], n_stages: int) -> list[int]:
     return counts[::-1]
 
 
-def split_layers(n_layers: int, n_stages: int, split: SplitSpec,
-                 param_counts: Sequence[int] | None = None) -> list[range]:
+def partition_layers(n_layers: int, n_stages: int, partition: PartitionSpec,
+                     param_counts: Sequence[int] | None = None) -> list[range]:
     """Layer index ranges, one per stage, in stage order."""
-    key = PipelineConfig.KEYS["split"]
     if n_stages > n_layers:
         raise config_error(
             "Every pipeline stage needs at least one layer, so the number of stages "
             "(pipeline size x stages per rank) cannot exceed the number of layers.",
-            f"{n_stages} stages for {n_layers} layers", PipelineConfig.KEYS["stages_per_rank"],
-            f"or {PipelineConfig.KEYS['data_parallel_size']} / {PipelineConfig.KEYS['devices']}, "
-            "or give the model more layers")
-    if isinstance(split, str):
-        if split == "uniform":
+            f"{n_stages} stages for {n_layers} layers", "stages_per_rank",
+            "or give the model more layers", also=("data_parallel_size", "devices"))
+    partition = check_partition(partition)  # callers of this plain function get the config's checks too
+    if isinstance(partition, str):
+        if partition == "uniform":
             counts = uniform_counts(n_layers, n_stages)
-        elif split == "parameters":
+        elif partition == "parameters":
             if param_counts is None or len(param_counts) != n_layers:
-                raise ValueError("split='parameters' needs one parameter count per layer")
+                raise ValueError("partition='parameters' needs one parameter count per layer")
             counts = balanced_counts(param_counts, n_stages)
-        else:
-            raise config_error("split must be 'uniform', 'parameters' or a list of per-stage layer counts.",
-                               f"split={split!r}", key)
     else:
-        counts = [int(c) for c in split]
+        counts = list(partition)
         if len(counts) != n_stages:
-            raise config_error("An explicit split gives one layer count per stage.",
-                               f"{len(counts)} counts {counts} for {n_stages} stages", key)
-        if sum(counts) != n_layers or min(counts) < 1:
-            raise config_error("An explicit split's layer counts must be positive and sum to the number of layers.",
-                               f"counts {counts} (sum {sum(counts)}) for {n_layers} layers", key)
+            raise config_error("An explicit partition gives one layer count per stage.",
+                               f"{len(counts)} counts {counts} for {n_stages} stages", "partition")
+        if sum(counts) != n_layers:
+            raise config_error("An explicit partition's layer counts must sum to the number of layers.",
+                               f"counts {counts} (sum {sum(counts)}) for {n_layers} layers", "partition")
     ranges, start = [], 0
     for c in counts:
         ranges.append(range(start, start + c))
@@ -85,7 +81,7 @@ def split_layers(n_layers: int, n_stages: int, split: SplitSpec,
 
 
 def layer_param_counts(layers: Iterable[nn.Module]) -> list[int]:
-    """Parameters per layer for ``split="parameters"``; a tied parameter counts once, in the first layer using it."""
+    """Parameters per layer for ``partition="parameters"``; a tied parameter counts once (in its first layer)."""
     seen: set[int] = set()
     counts = []
     for layer in layers:

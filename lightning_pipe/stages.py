@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_pipe.config import PipelineConfig, config_error
+from lightning_pipe.config import config_error
 
 
 def run_layers(layers: nn.Module, inputs: Any) -> Any:
@@ -73,7 +73,7 @@ class StageModule(nn.Module):
 
 def find_layers(module: nn.Module, attr: str) -> nn.Module:
     """The module's ordered layer list, or an error that says how to provide one."""
-    key = PipelineConfig.KEYS["layers_attr"]
+    key = "layers_attr"
     layers = getattr(module, attr, None)
     if layers is None:
         raise config_error(
@@ -117,12 +117,14 @@ def check_no_stray_parameters(module: nn.Module, attr: str) -> None:
     """Parameters outside the layer list would never be trained by the pipeline: refuse them early."""
     stray = [name for name, _ in module.named_parameters() if not name.startswith(f"{attr}.")]
     if stray:
+        # The cure is in the model; layers_attr is only the secondary hint (the list may live elsewhere).
         raise config_error(
             "Under the pipeline every trainable parameter must belong to a layer of the layer list (other "
-            "parameters are never run by any stage). Move them into a layer, e.g. wrap the embedding as the first "
-            "layer and the head as the last.",
-            f"parameters outside `{attr}`: {stray[:8]}{' ...' if len(stray) > 8 else ''}",
-            PipelineConfig.KEYS["layers_attr"])
+            "parameters are never run by any stage).",
+            f"parameters outside `{attr}`: {stray[:8]}{' ...' if len(stray) > 8 else ''}", "layers_attr",
+            "if the layer list lives under another attribute",
+            fix="Move each of them into a layer of the list (e.g. wrap the embedding as the first layer and the head "
+                "as the last)")
 
 
 def localize_layers(module: nn.Module, attr: str, ranges: Sequence[range], local_stages: Sequence[int],

@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_pipe._compat.lightning import DtypeContextManager, convert_fp_tensor
+from lightning_pipe.config import config_error
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_pipe.engine import PipelineEngine
@@ -52,8 +53,8 @@ class PipelinePrecision(Precision):
                  growth_interval: int = 2000) -> None:
         super().__init__()
         if precision not in SUPPORTED_PRECISION:
-            raise ValueError(f"PipelinePrecision supports {list(SUPPORTED_PRECISION)}, got precision={precision!r}; "
-                             "change `trainer.precision`.")
+            raise config_error(f"PipelinePrecision supports {list(SUPPORTED_PRECISION)}.", f"precision={precision!r}",
+                               "precision")
         self.precision = precision  # type: ignore[assignment]
         self.device = device
         self.engine: PipelineEngine | None = None
@@ -172,8 +173,9 @@ def convert_precision_plugin(plugin: Precision) -> PipelinePrecision:
         return PipelinePrecision("32-true")
     if type(plugin) is MixedPrecision:
         if plugin.scaler is not None and type(plugin.scaler) is not torch.amp.GradScaler:
-            raise TypeError("a custom GradScaler cannot be carried over")
+            raise TypeError(f"its custom GradScaler ({type(plugin.scaler).__name__}) cannot be carried over: the "
+                            "pipeline's scaler must agree on overflows across all ranks")
         return PipelinePrecision(plugin.precision, device=plugin.device)  # type: ignore[arg-type]
     if type(plugin) is HalfPrecision:
         return PipelinePrecision(plugin.precision)  # type: ignore[arg-type]
-    raise TypeError(type(plugin).__name__)
+    raise TypeError(f"{type(plugin).__name__} is not one of Lightning's plain, mixed or half precision plugins")

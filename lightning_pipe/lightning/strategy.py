@@ -24,11 +24,11 @@ from typing_extensions import override
 
 from lightning_pipe._compat import lightning as _compat
 from lightning_pipe.checkpoint import remove as remove_checkpoint_files
-from lightning_pipe.config import PipelineConfig, SplitSpec, Topology, config_error
+from lightning_pipe.config import PartitionSpec, PipelineConfig, Topology, config_error
 from lightning_pipe.engine import PipelineEngine, PipelineLayout, build_engine
 from lightning_pipe.lightning.launchers import PipelineMultiProcessingLauncher
 from lightning_pipe.lightning.precision import SUPPORTED_PRECISION, PipelinePrecision, convert_precision_plugin
-from lightning_pipe.schedules import SchedulePlan, get_schedule_spec, plan_schedule
+from lightning_pipe.schedules import SchedulePlan, check_schedule_settings, plan_schedule
 from lightning_pipe.lightning.checkpointing import RankGroup, ShardedCheckpointer
 
 
@@ -50,7 +50,7 @@ class PipelineStrategy(ParallelStrategy):
             ``custom`` (per-rank action lists in ``schedule_options``: ``actions`` inline or a ``csv`` path).
         microbatches: micro-batches per batch (default: 2 x number of stages). The batch size must divide by it.
         data_parallel_size: replicas of the pipeline; gradients are averaged across replicas of each stage.
-        split: ``"uniform"``, ``"parameters"`` or explicit per-stage layer counts.
+        partition: how layers go to stages: ``"uniform"``, ``"parameters"`` or explicit per-stage layer counts.
         stages_per_rank: stages per rank for virtual-stage schedules (default: what the schedule needs).
         layers_attr: attribute holding the ordered layer list.
         recompute: activation recomputation per stage: ``"none"``, ``"all"`` (every layer) or ``k`` (every k-th
@@ -66,7 +66,7 @@ class PipelineStrategy(ParallelStrategy):
         schedule: str = "1f1b",
         microbatches: Optional[int] = None,
         data_parallel_size: int = 1,
-        split: SplitSpec = "uniform",
+        partition: PartitionSpec = "uniform",
         stages_per_rank: Optional[int] = None,
         layers_attr: str = "layers",
         recompute: Union[str, int] = "none",
@@ -84,11 +84,12 @@ class PipelineStrategy(ParallelStrategy):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self.pipeline_config = PipelineConfig(
-            schedule=schedule, microbatches=microbatches, data_parallel_size=data_parallel_size, split=split,
+            schedule=schedule, microbatches=microbatches, data_parallel_size=data_parallel_size,
+            partition=partition,
             stages_per_rank=stages_per_rank, layers_attr=layers_attr, recompute=recompute,
             schedule_options=schedule_options or {})
-        # Unknown schedule names fail here, in the constructor, not on the ranks after launch.
-        get_schedule_spec(self.pipeline_config.schedule)
+        # Unknown schedule names and options the schedule does not take fail here, not on the ranks after launch.
+        check_schedule_settings(self.pipeline_config)
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -188,12 +189,15 @@ class PipelineStrategy(ParallelStrategy):
             return
         try:
             self._precision_plugin = convert_precision_plugin(plugin)
-        except TypeError:
+        except TypeError as err:
+            # Keep the converter's reason: "16-mixed" with a custom GradScaler is refused for the scaler.
             raise config_error(
                 f"PipelineStrategy supports precision {list(SUPPORTED_PRECISION)} through PipelinePrecision: "
                 "clipping and fp16 overflow checks must agree across stages, which other plugins cannot do.",
-                f"precision plugin {type(plugin).__name__} (precision={getattr(plugin, 'precision', '?')!r})",
-                "trainer.precision", f"use one of {list(SUPPORTED_PRECISION)}") from None
+                f"precision plugin {type(plugin).__name__} (precision={getattr(plugin, 'precision', '?')!r}), "
+                f"refused because: {err}", "precision",
+                "use Lightning's own plugin, or Trainer(plugins=[PipelinePrecision(...)]) for scaler settings"
+            ) from None
 
     # ------------------------------------------------------------------ setup
     @override

@@ -24,34 +24,43 @@ lowering then run on the same data as a second opinion. Torch sends and receives
 from __future__ import annotations
 
 import csv
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from lightning_pipe._compat import torch as _compat
 from lightning_pipe.config import PipelineConfig, config_error
 from lightning_pipe.schedules.plan import SchedulePlan, ScheduleSpec
 from lightning_pipe.schedules.simulate import ScheduleDeadlock, flatten, simulate
 
-KEY = ("schedule.schedule_options (PipelineStrategy(schedule_options={'actions': [[...], ...]}) "
-       "or {'csv': path})")
+KEY = "schedule_options"  # every error here is about the action lists (see config.SETTINGS)
+OPTIONS = ("actions", "csv", "placement")
 
 
 def load_actions(options: dict[str, Any]) -> list[list[Any]]:
-    """The per-rank action lists of ``schedule_options`` as torch ``_Action`` objects (``None``: idle step)."""
+    """The per-rank action lists of ``schedule_options`` as torch ``_Action`` objects (``None``: idle step).
+
+    An option set to ``None`` is absent: the Hydra config ships ``csv: null`` next to ``actions``, so the shell can
+    switch with ``schedule.options.csv=my.csv schedule.options.actions=null``.
+    """
+    options = {k: v for k, v in options.items() if v is not None}
     if ("actions" in options) == ("csv" in options):
         raise config_error("The custom schedule needs its per-rank action lists: exactly one of "
                            "schedule_options['actions'] (inline lists) or schedule_options['csv'] (a file path).",
-                           f"schedule_options keys {sorted(options)}", KEY)
+                           f"schedule_options keys {sorted(options)}", KEY,
+                           "in Hydra set the other one to null, e.g. schedule.options.actions=null")
     if "csv" in options:
         path = Path(str(options["csv"])).expanduser()
         if not path.is_file():
+            where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
             raise config_error("The custom schedule's CSV file must exist (one row of actions per rank).",
-                               f"csv={str(path)!r}", KEY)
+                               f"csv={str(path)!r}{where}", KEY)
         with open(path, newline="") as handle:
             rows: list[Any] = [row for row in csv.reader(handle)]
     else:
-        rows = list(options["actions"])
-        if not rows or isinstance(rows, str):
+        given = options["actions"]
+        rows = list(given) if isinstance(given, Sequence) and not isinstance(given, str) else []
+        if not rows:
             raise config_error("schedule_options['actions'] is a list with one list of actions per rank.",
                                f"actions={options['actions']!r}", KEY)
     return [_parse_row(rank, row) for rank, row in enumerate(rows)]
@@ -59,7 +68,7 @@ def load_actions(options: dict[str, Any]) -> list[list[Any]]:
 
 def _parse_row(rank: int, row: Any) -> list[Any]:
     items: Sequence[Any] = row.split(",") if isinstance(row, str) else list(row)
-    out = []
+    out: list[Any] = []
     for step, item in enumerate(items):
         if item is None or (isinstance(item, str) and item.strip() in ("", "None", "none")):
             out.append(None)
@@ -69,7 +78,7 @@ def _parse_row(rank: int, row: Any) -> list[Any]:
         else:
             try:
                 action = _compat.parse_action(str(item))
-            except Exception as err:  # noqa: BLE001 - torch raises RuntimeError/ValueError for bad strings
+            except Exception as err:
                 raise config_error("Each action is <stage><F|B|I|W><micro-batch>, e.g. '0F0', '1B3', '2I1'.",
                                    f"rank {rank}, step {step}: {item!r} ({err})", KEY) from None
         for part in flatten(action):
@@ -92,7 +101,7 @@ def validate_actions(actions: list[list[Any]], pipeline_size: int, microbatches:
     if len(actions) != pipeline_size:
         raise config_error("The custom schedule gives one action list per pipeline rank.",
                            f"{len(actions)} action lists for pipeline size {pipeline_size}", KEY,
-                           f"or {PipelineConfig.KEYS['devices']} / {PipelineConfig.KEYS['data_parallel_size']}")
+                           also=("devices", "data_parallel_size"))
     located = [(rank, step, action, part) for rank, row in enumerate(actions)
                for step, action in enumerate(row) if action is not None for part in flatten(action)]
     if not located:
@@ -125,7 +134,7 @@ def validate_actions(actions: list[list[Any]], pipeline_size: int, microbatches:
         owner.setdefault(s, (rank, step, action))
         if not 0 <= part.microbatch_index < m:
             raise config_error(f"Micro-batch indices run from 0 to microbatches - 1 = {m - 1}.", where,
-                               PipelineConfig.KEYS["microbatches"], f"or {KEY}")
+                               "microbatches", also=(KEY,))
     missing = [s for s in range(num_stages) if s not in owner]
     if missing:
         raise config_error("Stages are numbered 0..N-1 and each one appears in some rank's actions.",
@@ -139,7 +148,7 @@ def validate_actions(actions: list[list[Any]], pipeline_size: int, microbatches:
         if any(c != stages_per_rank for c in counts):
             raise config_error("With stages_per_rank set, every rank's actions name exactly that many stages.",
                                f"stages_per_rank={stages_per_rank}, stages per rank in the lists {counts}",
-                               PipelineConfig.KEYS["stages_per_rank"], f"or {KEY}")
+                               "stages_per_rank", also=(KEY,))
 
     # Each (stage, micro-batch): one F, then one B or one I followed by one W, in that order on its rank.
     seen: dict[tuple[int, str, int], tuple[int, int, Any]] = {}
@@ -163,8 +172,7 @@ def validate_actions(actions: list[list[Any]], pipeline_size: int, microbatches:
             if (s, "F", mb) not in seen:
                 rank = stage_ranks[s]
                 raise config_error(f"Every stage runs a forward for every micro-batch ({m}).",
-                                   f"rank {rank} has no action '{s}F{mb}'", KEY,
-                                   f"or {PipelineConfig.KEYS['microbatches']}")
+                                   f"rank {rank} has no action '{s}F{mb}'", KEY, also=("microbatches",))
             if (s, "B", mb) not in seen and (s, "I", mb) not in seen:
                 rank, step, action = seen[(s, "F", mb)]
                 raise config_error("Every forward needs its backward: B, or I then W.",
@@ -207,4 +215,4 @@ def build(plan: SchedulePlan, stages: list[Any], loss_fn: Callable[..., Any]) ->
 CUSTOM = ScheduleSpec("custom", _compat.PipelineScheduleRuntime,
                       "per-rank action lists (inline or CSV) run by torch's schedule runtime",
                       multi_stage=True, placement="given", default_stages_per_rank=1, allowed_stages_per_rank=None,
-                      min_microbatches="none", resolve=resolve, build=build)
+                      min_microbatches="none", resolve=resolve, build=build, options=OPTIONS)

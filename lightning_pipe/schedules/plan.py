@@ -11,8 +11,9 @@ setting fails on all ranks at once instead of leaving peers waiting in a receive
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 from torch.distributed.pipelining import schedules as torch_schedules
 
@@ -50,6 +51,8 @@ class ScheduleSpec:
     order: Callable[[SchedulePlan], dict[int, list[Any]]] | None = None
     """Per-rank compute order as data, where torch's ``pipeline_order`` IR is not what the schedule runs (see
     :func:`compute_order`). ``None``: read torch's IR."""
+    options: tuple[str, ...] = ()
+    """The ``schedule_options`` keys this schedule reads; any other key is refused (it would be ignored)."""
 
 
 def _bubble_flush(p: int, v: int, m: int) -> float:
@@ -126,7 +129,23 @@ def get_schedule_spec(name: str) -> ScheduleSpec:
     spec = _SCHEDULES.get(str(name).lower())
     if spec is None:
         raise config_error(f"Unknown pipeline schedule; known schedules are {available_schedules()}.",
-                           f"schedule={name!r}", PipelineConfig.KEYS["schedule"])
+                           f"schedule={name!r}", "schedule")
+    return spec
+
+
+def check_schedule_settings(config: PipelineConfig) -> ScheduleSpec:
+    """The config's schedule spec, after refusing an unknown name or an option the schedule does not take.
+
+    Needs no world size, so the strategy calls it in its constructor: a silently ignored option is a run with
+    settings the user did not get.
+    """
+    spec = get_schedule_spec(config.schedule)
+    unknown = sorted(set(config.schedule_options) - set(spec.options))
+    if unknown:
+        takes = f"takes only the options {list(spec.options)}" if spec.options else "takes no options"
+        raise config_error(f"Schedule '{spec.name}' {takes}; any other option would be silently ignored.",
+                           f"schedule_options with {unknown}", "schedule_options",
+                           "remove them, or choose the schedule that reads them", also=("schedule",))
     return spec
 
 
@@ -172,33 +191,31 @@ class SchedulePlan:
 
 def plan_schedule(config: PipelineConfig, pipeline_size: int) -> SchedulePlan:
     """Resolve and check the schedule settings against the pipeline size. Raises before any process waits."""
-    spec = get_schedule_spec(config.schedule)
+    spec = check_schedule_settings(config)
     if spec.resolve is not None:
         return spec.resolve(spec, config, pipeline_size)
     v = config.stages_per_rank if config.stages_per_rank is not None else spec.default_stages_per_rank
-    key_v = PipelineConfig.KEYS["stages_per_rank"]
     if spec.allowed_stages_per_rank is not None and v not in spec.allowed_stages_per_rank:
         raise config_error(f"Schedule '{spec.name}' needs stages_per_rank in {list(spec.allowed_stages_per_rank)}.",
-                           f"stages_per_rank={v}", key_v)
+                           f"stages_per_rank={v}", "stages_per_rank")
     if v < spec.min_stages_per_rank:
         raise config_error(f"Schedule '{spec.name}' needs at least {spec.min_stages_per_rank} stages per rank.",
-                           f"stages_per_rank={v}", key_v)
+                           f"stages_per_rank={v}", "stages_per_rank")
     m = config.microbatches if config.microbatches is not None else 2 * pipeline_size * v
     plan = SchedulePlan(spec, pipeline_size, v, m)
-    key_m = PipelineConfig.KEYS["microbatches"]
     if spec.min_microbatches == "pipeline" and m < pipeline_size:
         raise config_error(f"Schedule '{spec.name}' needs at least as many micro-batches as pipeline ranks.",
-                           f"microbatches={m}, pipeline size={pipeline_size}", key_m)
+                           f"microbatches={m}, pipeline size={pipeline_size}", "microbatches")
     if spec.min_microbatches == "stages" and m < plan.num_stages:
         raise config_error(f"Schedule '{spec.name}' needs at least as many micro-batches as stages.",
-                           f"microbatches={m}, stages={plan.num_stages}", key_m)
+                           f"microbatches={m}, stages={plan.num_stages}", "microbatches")
     if spec.rounds_divisible:
         rounds = max(1, m // pipeline_size)
         if m % rounds != 0:
             raise config_error(
                 f"Schedule '{spec.name}' needs the micro-batch count to be a multiple of its number of rounds "
                 "max(1, microbatches // pipeline size).",
-                f"microbatches={m}, pipeline size={pipeline_size}, rounds={rounds}", key_m,
+                f"microbatches={m}, pipeline size={pipeline_size}, rounds={rounds}", "microbatches",
                 f"e.g. a multiple of {pipeline_size}")
     return plan
 

@@ -58,6 +58,13 @@ def read_stdlib_corpus(max_bytes: int, root: str | os.PathLike[str] | None = Non
     return np.frombuffer(b"".join(chunks), dtype=np.uint8), len(chunks)
 
 
+def _memmap_tokens(path: str) -> np.ndarray:
+    """A ``uint16`` token file, mapped; numpy cannot map an empty file, which we report as too little data."""
+    if Path(path).expanduser().stat().st_size == 0:
+        return np.zeros(0, dtype=np.uint16)
+    return np.memmap(Path(path).expanduser(), dtype=np.uint16, mode="r")
+
+
 class TokenWindows(Dataset):
     """Windows ``tokens[o : o + block_size + 1]`` at the given offsets, as ``(x, y)`` LongTensors."""
 
@@ -96,7 +103,13 @@ class ByteCorpusDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         if not 0.0 < val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}.")
+            raise ValueError(f"val_fraction must be in (0, 1). Got {val_fraction}. Change `data.val_fraction`.")
+        # Checked here, in the launching process, so a typo fails before any rank starts.
+        for key, path in (("text_path", text_path), ("bin_path", bin_path), ("val_bin_path", val_bin_path)):
+            if path is not None and not Path(path).expanduser().is_file():
+                where = "" if Path(path).is_absolute() else f" (relative to {Path.cwd()})"
+                raise FileNotFoundError(f"The data file must exist. Got {key}={str(path)!r}{where}, which is not a "
+                                        f"file. Change `data.{key}`.")
         self.save_hyperparameters()
         self.block_size = block_size
         self.batch_size = batch_size
@@ -115,20 +128,33 @@ class ByteCorpusDataModule(pl.LightningDataModule):
     # ---------------------------------------------------------------- loading
     def _load(self) -> tuple[np.ndarray, np.ndarray]:
         if self.bin_path is not None:
-            tokens = np.memmap(self.bin_path, dtype=np.uint16, mode="r")
+            tokens = _memmap_tokens(self.bin_path)
             self.corpus_bytes = tokens.nbytes
             if self.val_bin_path is not None:
-                val = np.memmap(self.val_bin_path, dtype=np.uint16, mode="r")
+                val = _memmap_tokens(self.val_bin_path)
                 self.corpus_bytes += val.nbytes
                 return tokens, val
         elif self.text_path is not None:
-            tokens = np.fromfile(self.text_path, dtype=np.uint8)
+            tokens = np.fromfile(Path(self.text_path).expanduser(), dtype=np.uint8)
             self.corpus_bytes = tokens.nbytes
         else:
             tokens, self.num_files = read_stdlib_corpus(self.max_bytes)
             self.corpus_bytes = tokens.nbytes
         n_val = int(len(tokens) * self.val_fraction)
         return tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]
+
+    def _source(self) -> str:
+        if self.bin_path is not None:
+            val = f" and val_bin_path={self.val_bin_path!r}" if self.val_bin_path is not None else ""
+            return f"bin_path={self.bin_path!r}{val} ({self.corpus_bytes} bytes)"
+        if self.text_path is not None:
+            return f"text_path={self.text_path!r} ({self.corpus_bytes} bytes)"
+        return f"the standard-library corpus ({self.corpus_bytes} bytes, max_bytes={self.max_bytes})"
+
+    def _source_key(self) -> str:
+        if self.bin_path is not None:
+            return "`data.bin_path`" + (" / `data.val_bin_path`" if self.val_bin_path is not None else "")
+        return "`data.text_path`" if self.text_path is not None else "`data.max_bytes`"
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_tokens is not None:
@@ -138,9 +164,10 @@ class ByteCorpusDataModule(pl.LightningDataModule):
         for name, arr in (("train", train), ("val", val)):
             if len(arr) < need * self.batch_size:
                 raise ValueError(
-                    f"The {name} split has {len(arr)} tokens, fewer than one batch needs "
-                    f"(batch_size {self.batch_size} x (block_size {self.block_size} + 1)); "
-                    "use more data, a smaller `data.batch_size`/`model.block_size`, or adjust `data.val_fraction`."
+                    f"Each split needs at least one full batch of windows: batch_size x (block_size + 1) = "
+                    f"{self.batch_size} x {need} = {need * self.batch_size} tokens. Got {len(arr)} tokens in the "
+                    f"{name} split of {self._source()}. Change {self._source_key()} (more data), `data.batch_size`, "
+                    "`model.block_size` or `data.val_fraction`."
                 )
         self.train_tokens, self.val_tokens = train, val
 

@@ -25,11 +25,12 @@ import hydra  # noqa: E402
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from hydra.errors import InstantiationException  # noqa: E402
+from lightning.pytorch.callbacks import LearningRateMonitor  # noqa: E402
+from lightning.pytorch.utilities.rank_zero import rank_zero_info  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from recipes.gpt.callbacks import TokensPerSecond  # noqa: E402
-
 import lightning_pipe  # noqa: E402, F401  (registers Trainer(strategy="pipeline"))
+from recipes.gpt.callbacks import TokensPerSecond  # noqa: E402
 
 
 def set_threads(threads: int | None, trainer_cfg: DictConfig) -> None:
@@ -49,10 +50,21 @@ def set_threads(threads: int | None, trainer_cfg: DictConfig) -> None:
     torch.set_num_threads(int(threads))
 
 
+def instantiate(node: DictConfig, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate``, but a bad value reaches the user as its own error (which names the setting to
+    change), not wrapped in Hydra's ``InstantiationException`` as a ``repr``."""
+    try:
+        return hydra.utils.instantiate(node, **kwargs)
+    except InstantiationException as err:
+        if isinstance(err.__cause__, (ValueError, FileNotFoundError)):
+            raise err.__cause__ from None
+        raise
+
+
 def build_strategy(cfg: DictConfig) -> Any:
     """A ``_target_`` config is instantiated (the pipeline); ``{name: auto|ddp|...}`` is passed to Lightning as is."""
     if "_target_" in cfg:
-        return hydra.utils.instantiate(cfg)
+        return instantiate(cfg)
     return cfg.name
 
 
@@ -75,16 +87,26 @@ def build_all(group: DictConfig | None) -> list[Any]:
     return objects
 
 
+def without_logger_callbacks(callbacks: list[Any], loggers: list[Any]) -> list[Any]:
+    """Leave out the callbacks that refuse a Trainer without loggers (``logger=none``): LearningRateMonitor."""
+    if loggers:
+        return callbacks
+    kept = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
+    if len(kept) < len(callbacks):
+        rank_zero_info("[train] no logger (logger=none): leaving out LearningRateMonitor, which logs through one")
+    return kept
+
+
 def train(cfg: DictConfig) -> dict[str, float]:
     """Fit the GPT described by ``cfg``; return the final metrics (val loss, baseline, tokens/s)."""
     set_threads(cfg.get("torch_threads"), cfg.trainer)
     pl.seed_everything(cfg.seed, workers=True)
 
-    datamodule = hydra.utils.instantiate(cfg.data)
-    model = hydra.utils.instantiate(cfg.model)
-    callbacks = build_all(cfg.get("callbacks"))
+    datamodule = instantiate(cfg.data)
+    model = instantiate(cfg.model)
     loggers = build_all(cfg.get("logger"))
-    trainer: pl.Trainer = hydra.utils.instantiate(
+    callbacks = without_logger_callbacks(build_all(cfg.get("callbacks")), loggers)
+    trainer: pl.Trainer = instantiate(
         cfg.trainer, strategy=build_strategy(cfg.strategy), callbacks=callbacks, logger=loggers or False
     )
     if trainer.is_global_zero:

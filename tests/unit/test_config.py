@@ -2,10 +2,12 @@
 
 import lightning.pytorch as L
 import pytest
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
 
 import lightning_pipe
 from lightning_pipe import PipelineConfig, PipelineConfigError, PipelineStrategy
-from lightning_pipe.config import Topology
+from lightning_pipe.config import SETTINGS, Topology, config_error, describe_setting
 from lightning_pipe.schedules import available_schedules, plan_schedule
 
 
@@ -45,10 +47,63 @@ def test_microbatches_must_be_positive_int(bad):
         PipelineConfig(microbatches=bad)
 
 
-def test_split_must_be_known_or_counts():
-    with pytest.raises(PipelineConfigError, match=r"split=.*'balanced'.*strategy.split"):
-        PipelineConfig(split="balanced")
-    assert PipelineConfig(split=[1, 2]).split == (1, 2)
+def test_partition_must_be_known_or_counts():
+    with pytest.raises(PipelineConfigError, match=r"partition='balanced'.*Hydra: strategy.partition"):
+        PipelineConfig(partition="balanced")
+    assert PipelineConfig(partition=[1, 2]).partition == (1, 2)
+    assert PipelineConfig(partition="Parameters").partition == "parameters"
+
+
+@pytest.mark.parametrize(("bad", "seen"), [
+    (3, "partition=3."),                                        # strategy.partition=3 from the shell
+    ([3, "x"], "partition=[3, 'x'] (not a positive integer: ['x'])"),  # strategy.partition=[3,x]
+    ([3, 0], "(not a positive integer: [0])"),
+    ([3, 2.5], "(not a positive integer: [2.5])"),
+    ([True, 3], "(not a positive integer: [True])"),
+    ([], "partition=[]"),
+    ({"a": 1}, "partition={'a': 1}"),
+])
+def test_malformed_partition_names_the_rule_and_setting(bad, seen):
+    with pytest.raises(PipelineConfigError) as err:
+        PipelineConfig(partition=bad)
+    msg = str(err.value)
+    assert "a list of positive per-stage layer counts" in msg and seen in msg, msg
+    assert msg.endswith("Change `partition` (PipelineStrategy(partition=...); Hydra: strategy.partition).")
+    with pytest.raises(PipelineConfigError):
+        PipelineStrategy(partition=bad)
+
+
+def test_every_setting_renders_its_python_and_hydra_forms():
+    for name in SETTINGS:
+        text = describe_setting(name)
+        assert text.startswith(f"`{name}` (") and "; Hydra: " in text and text.endswith(")"), text
+        # One level of parentheses: the hint never nests inside the key (design review, 4.1).
+        assert "`" not in text[len(name) + 2:], text
+    assert SETTINGS["schedule_options"].hydra == ("schedule.options",)
+    assert SETTINGS["recompute"].hydra == ("strategy.recompute",)
+    assert describe_setting("trainer.something") == "`trainer.something`"
+    msg = str(config_error("Rule.", "x=1", "microbatches", "e.g. 4", also=("batch_size",)))
+    assert msg == ("Rule. Got x=1. Change `microbatches` (PipelineStrategy(microbatches=...); Hydra: "
+                   "schedule.microbatches), or `batch_size` (DataLoader(batch_size=...); Hydra: data.batch_size); "
+                   "e.g. 4.")
+
+
+def test_options_a_schedule_does_not_take_are_refused_at_construction():
+    with pytest.raises(PipelineConfigError) as err:
+        PipelineStrategy(schedule="1f1b", schedule_options={"actions": [["0F0", "0B0"], ["1F0", "1B0"]]})
+    msg = str(err.value)
+    assert "Schedule '1f1b' takes no options" in msg and "['actions']" in msg
+    assert "Hydra: schedule.options" in msg and "Hydra: schedule=<name>" in msg
+    with pytest.raises(PipelineConfigError, match=r"'custom' takes only the options \['actions', 'csv', 'placement'\]"
+                                                  r".*\['action'\]"):
+        PipelineStrategy(schedule="custom", schedule_options={"action": [["0F0", "0B0"]]})
+    with pytest.raises(PipelineConfigError, match="takes no options"):
+        plan_schedule(PipelineConfig(schedule="gpipe", schedule_options={"csv": "x.csv"}), 2)
+    # A null entry is absent (Hydra configs ship `csv: null`): not an option given to the schedule.
+    assert PipelineConfig(schedule="1f1b", schedule_options={"csv": None}).schedule_options == {}
+    PipelineStrategy(schedule="1f1b", schedule_options={"actions": None})
+    with pytest.raises(PipelineConfigError, match=r"mapping.*Hydra: schedule.options"):
+        PipelineConfig(schedule_options=["actions"])
 
 
 def test_world_not_divisible_by_data_parallel():
@@ -81,8 +136,23 @@ def test_string_strategy_is_registered():
 
 
 def test_unsupported_precision_is_refused_with_the_key():
-    with pytest.raises(PipelineConfigError, match=r"DoublePrecision.*'64-true'.*trainer.precision"):
+    with pytest.raises(PipelineConfigError, match=r"DoublePrecision.*'64-true'.*Hydra: trainer.precision"):
         L.Trainer(strategy="pipeline", accelerator="cpu", devices=2, precision="64-true", logger=False)
+    with pytest.raises(PipelineConfigError, match=r"precision='64-true'.*Hydra: trainer.precision"):
+        lightning_pipe.PipelinePrecision("64-true")  # type: ignore[arg-type]
+
+
+def test_refused_precision_plugin_keeps_its_reason():
+    # "16-mixed" is supported; what is refused is the custom scaler, and the message must say so (review D6).
+    class MyScaler(torch.amp.GradScaler):
+        pass
+
+    strategy = PipelineStrategy()
+    with pytest.raises(PipelineConfigError) as err:
+        strategy.precision_plugin = MixedPrecision("16-mixed", "cpu", scaler=MyScaler("cpu"))
+    msg = str(err.value)
+    assert "precision='16-mixed'" in msg and "custom GradScaler (MyScaler) cannot be carried over" in msg, msg
+    assert "Hydra: trainer.precision" in msg and "PipelinePrecision(...)" in msg
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "16-true"])
@@ -99,3 +169,20 @@ def test_recompute_setting():
     assert PipelineConfig().recompute_every is None
     with pytest.raises(PipelineConfigError, match=r"recompute='sometimes'.*strategy.recompute"):
         PipelineConfig(recompute="sometimes")
+
+
+def test_stray_parameter_error_says_to_move_it_into_a_layer():
+    from torch import nn
+
+    from lightning_pipe.stages import check_no_stray_parameters
+
+    model = nn.Module()
+    model.layers = nn.Sequential(nn.Linear(2, 2))
+    model.scale = nn.Parameter(torch.ones(1))
+    with pytest.raises(PipelineConfigError) as err:
+        check_no_stray_parameters(model, "layers")
+    msg = str(err.value)
+    # The cure (move it into a layer) comes first; layers_attr is the secondary hint.
+    assert "Got parameters outside `layers`: ['scale']" in msg
+    assert msg.index("Move each of them into a layer") < msg.index("Or change `layers_attr`"), msg
+    assert "Hydra: strategy.layers_attr" in msg

@@ -113,8 +113,30 @@ def test_too_little_data_names_the_keys(tmp_path: Path) -> None:
     text = tmp_path / "t.txt"
     text.write_bytes(b"x" * 100)
     dm = ByteCorpusDataModule(text_path=str(text), block_size=32, batch_size=4)
-    with pytest.raises(ValueError, match="data.batch_size"):
+    with pytest.raises(ValueError) as err:
         dm.setup()
+    msg = str(err.value)
+    assert "4 x 33 = 132 tokens" in msg and "Got 95 tokens in the train split" in msg and str(text) in msg
+    assert "Change `data.text_path` (more data), `data.batch_size`" in msg
+
+
+def test_missing_data_file_is_refused_at_construction(tmp_path: Path) -> None:
+    # In the launching process, before any rank starts (configs/data/text_file.yaml, bin_file.yaml).
+    for key in ("text_path", "bin_path", "val_bin_path"):
+        kwargs = {key: str(tmp_path / "missing")}
+        if key == "val_bin_path":
+            np.arange(3000, dtype=np.uint16).tofile(tmp_path / "train.bin")
+            kwargs["bin_path"] = str(tmp_path / "train.bin")
+        with pytest.raises(FileNotFoundError, match=rf"{key}='.*missing'.*Change `data.{key}`"):
+            ByteCorpusDataModule(**kwargs)
+
+
+def test_empty_or_tiny_sources_name_their_setting(tmp_path: Path) -> None:
+    (tmp_path / "empty.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"Got 0 tokens.*Change `data.bin_path`"):
+        ByteCorpusDataModule(bin_path=str(tmp_path / "empty.bin"), block_size=8, batch_size=2).setup()
+    with pytest.raises(ValueError, match=r"standard-library corpus.*max_bytes=500.*Change `data.max_bytes`"):
+        ByteCorpusDataModule(max_bytes=500, block_size=32, batch_size=4).setup()
 
 
 def test_val_fraction_is_checked() -> None:

@@ -3,16 +3,16 @@
 import pytest
 
 from lightning_pipe import PipelineConfigError
-from lightning_pipe.partition import balanced_counts, split_layers, uniform_counts
+from lightning_pipe.partition import balanced_counts, partition_layers, uniform_counts
 
 
 def test_uniform_gives_extra_layers_to_the_first_stages():
     assert uniform_counts(10, 4) == [3, 3, 2, 2]
     assert uniform_counts(8, 2) == [4, 4]
-    assert [list(r) for r in split_layers(5, 2, "uniform")] == [[0, 1, 2], [3, 4]]
+    assert [list(r) for r in partition_layers(5, 2, "uniform")] == [[0, 1, 2], [3, 4]]
 
 
-def test_parameters_split_balances_the_heaviest_stage():
+def test_parameters_partition_balances_the_heaviest_stage():
     # a heavy embedding and head around light blocks: uniform would give 4 + 4 layers, balanced isolates them
     assert balanced_counts([100, 10, 10, 10, 10, 10, 10, 100], 2) == [4, 4]
     assert balanced_counts([100, 10, 10, 10, 10, 10, 10, 100], 3) == [1, 6, 1]
@@ -20,7 +20,7 @@ def test_parameters_split_balances_the_heaviest_stage():
     assert balanced_counts([5, 1, 1, 1, 1, 5], 3) == [1, 4, 1]
 
 
-def test_parameters_split_is_optimal_on_small_cases():
+def test_parameters_partition_is_optimal_on_small_cases():
     import itertools
 
     costs = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -37,31 +37,37 @@ def test_parameters_split_is_optimal_on_small_cases():
         assert min(got) >= 1
 
 
-def test_explicit_split():
-    assert [len(r) for r in split_layers(6, 2, [2, 4])] == [2, 4]
+def test_explicit_partition():
+    assert [len(r) for r in partition_layers(6, 2, [2, 4])] == [2, 4]
 
 
-def test_explicit_split_must_sum_to_layer_count():
+def test_explicit_partition_must_sum_to_layer_count():
     with pytest.raises(PipelineConfigError) as err:
-        split_layers(6, 2, [2, 3])
+        partition_layers(6, 2, [2, 3])
     msg = str(err.value)
-    assert "sum to the number of layers" in msg and "[2, 3]" in msg and "6 layers" in msg and "strategy.split" in msg
+    assert "sum to the number of layers" in msg and "[2, 3]" in msg and "6 layers" in msg and "Hydra: strategy.partition" in msg
 
 
-def test_explicit_split_needs_one_count_per_stage():
-    with pytest.raises(PipelineConfigError, match=r"one layer count per stage.*3 counts.*2 stages.*strategy.split"):
-        split_layers(6, 2, [2, 2, 2])
+def test_explicit_partition_needs_one_count_per_stage():
+    with pytest.raises(PipelineConfigError, match=r"one layer count per stage.*3 counts.*2 stages.*Hydra: strategy.partition"):
+        partition_layers(6, 2, [2, 2, 2])
+
+
+def test_explicit_partition_is_checked_like_the_config():
+    with pytest.raises(PipelineConfigError, match=r"partition=\[3, 'x'\].*Hydra: strategy.partition"):
+        partition_layers(6, 2, [3, "x"])
 
 
 def test_more_stages_than_layers_is_refused():
     with pytest.raises(PipelineConfigError) as err:
-        split_layers(3, 4, "uniform")
+        partition_layers(3, 4, "uniform")
     msg = str(err.value)
     assert "4 stages for 3 layers" in msg and "cannot exceed the number of layers" in msg
-    assert "schedule.stages_per_rank" in msg
+    assert "Hydra: schedule.stages_per_rank" in msg and "Hydra: strategy.data_parallel_size" in msg
+    assert "Hydra: trainer.devices / trainer.num_nodes" in msg
 
 
-def test_parameter_split_counts_a_tied_weight_once():
+def test_parameter_partition_counts_a_tied_weight_once():
     from lightning_pipe.partition import layer_param_counts as _param_counts
     from tests.models import ToyRegressor
 

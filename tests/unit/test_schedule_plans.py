@@ -7,8 +7,7 @@ import pytest
 
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.config import PipelineConfig, PipelineConfigError
-from lightning_pipe.schedules.custom import load_actions, validate_actions
-from lightning_pipe.partition import split_layers
+from lightning_pipe.partition import partition_layers
 from lightning_pipe.schedules import (
     ScheduleDeadlock,
     available_schedules,
@@ -16,6 +15,7 @@ from lightning_pipe.schedules import (
     plan_schedule,
     simulate,
 )
+from lightning_pipe.schedules.custom import load_actions, validate_actions
 
 NAMED = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zbv", "dualpipev"]
 
@@ -152,7 +152,7 @@ def test_interleaved_microbatches_must_divide_into_rounds(name: str) -> None:
 def test_virtual_stages_times_ranks_cannot_exceed_layers() -> None:
     pl = plan("interleaved_1f1b", 4, 3, 8)  # 12 stages
     with pytest.raises(PipelineConfigError) as err:
-        split_layers(8, pl.num_stages, "uniform")
+        partition_layers(8, pl.num_stages, "uniform")
     msg = _message(err)
     assert "12 stages for 8 layers" in msg and "schedule.stages_per_rank" in msg
 
@@ -243,7 +243,8 @@ def test_malformed_custom_lists_are_refused(case: str) -> None:
     msg = _message(err)
     for part in expected:
         assert part in msg, msg
-    assert "schedule_options" in msg  # names the key to change
+    # Names the setting with its real Hydra path (`schedule.options`, not `schedule.schedule_options`).
+    assert "Change `schedule_options` (PipelineStrategy(schedule_options=...); Hydra: schedule.options)" in msg, msg
 
 
 def test_custom_microbatches_and_stages_per_rank_must_agree() -> None:
@@ -257,6 +258,32 @@ def test_custom_microbatches_and_stages_per_rank_must_agree() -> None:
         custom()
     with pytest.raises(PipelineConfigError, match="must exist"):
         custom(csv="/nonexistent/schedule.csv")
+
+
+def test_a_null_option_is_absent(tmp_path) -> None:
+    # What `schedule=custom schedule.options.csv=my.csv schedule.options.actions=null` hands the strategy.
+    path = tmp_path / "s.csv"
+    path.write_text("\n".join(",".join(row) for row in ONE_F_ONE_B) + "\n")
+    from_csv = custom(csv=str(path), actions=None, placement=None)
+    assert from_csv.actions == custom(ONE_F_ONE_B, csv=None).actions
+    assert load_actions({"actions": None, "csv": str(path)}) == load_actions({"csv": str(path)})
+    with pytest.raises(PipelineConfigError, match=r"exactly one of.*schedule.options.actions=null"):
+        load_actions({"actions": None, "csv": None})
+    with pytest.raises(PipelineConfigError, match=r"one list of actions per rank"):
+        load_actions({"actions": "0F0,0B0"})
+
+
+def test_default_stages_per_rank_is_what_the_docs_say() -> None:
+    # PipelineConfig.stages_per_rank's docstring, the README's Schedules table and configs/schedule/*.yaml.
+    defaults = {name: plan(name, 2, None, 4).stages_per_rank for name in NAMED}
+    assert defaults == {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "looped_bfs": 2, "zb_h1": 2, "zbv": 2,
+                        "dualpipev": 2}
+    assert plan("zb_h1", 2, 1, 4).stages_per_rank == 1  # v >= 1
+
+
+def test_zb_h1_needs_as_many_microbatches_as_pipeline_ranks() -> None:
+    with pytest.raises(PipelineConfigError, match="at least as many micro-batches as pipeline ranks"):
+        plan("zb_h1", 4, 2, 2)
 
 
 def test_deadlock_is_reported_by_the_simulator() -> None:
