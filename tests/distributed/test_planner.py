@@ -20,3 +20,18 @@ def test_auto_schedule_matches_single_device(tmp_path) -> None:
     results = launch("training", 2, cases, tmp_path, timeout=420)
     for i, case in enumerate(cases):
         assert_case_parity(results, i, case)
+
+
+@pytest.mark.timeout(600)
+def test_a_slowed_rank_gets_fewer_layers(tmp_path) -> None:
+    """Rank 1 pauses 3 ms per layer call (a throttled or shared device): the profiles taken on every rank show it,
+    and the plan every rank adopts gives it fewer layers than rank 0."""
+    from tests.distributed.scenarios.planner import SlowRankCase
+
+    results = launch("planner_slow_rank", 2, [SlowRankCase()], tmp_path, timeout=420)
+    plans = [rank[0]["plan"] for rank in results]
+    assert plans[0] == plans[1]  # one plan, adopted everywhere
+    plan = plans[0]
+    assert plan["rank_speeds"][1] > 2 * plan["rank_speeds"][0]
+    held = [sum(n for n, r in zip(plan["partition"], plan["stage_ranks"]) if r == rank) for rank in (0, 1)]
+    assert held[1] < held[0], plan["layout"]
