@@ -46,12 +46,19 @@ MultiProcessingLauncher = _resolve("lightning.pytorch.strategies.launchers", "_M
 SubprocessScriptLauncher = _resolve("lightning.pytorch.strategies.launchers", "_SubprocessScriptLauncher")
 _Precision = _resolve("lightning.pytorch.plugins.precision", "Precision")
 _Strategy = _resolve("lightning.pytorch.strategies", "Strategy")
+# lightning/faults.py: the trainer's signal handling (its SIGTERM handler runs a collective inside the handler;
+# ours defers the stop to a step boundary) and ModelCheckpoint's "last" save on preemption.
+SignalConnector = _resolve("lightning.pytorch.trainer.connectors.signal_connector", "_SignalConnector")
+_ModelCheckpoint = _resolve("lightning.pytorch.callbacks", "ModelCheckpoint")
 
 # Private methods we override or call: (class, method name).
 PRIVATE_LIGHTNING_METHODS = (
     _method(MultiProcessingLauncher, "_collect_rank_zero_results"),  # lightning/launchers.py
     _method(_Precision, "_after_closure"),  # lightning/precision.py: fp16 optimizer_step
     _method(_Strategy, "_configure_launcher"),  # lightning/strategy.py
+    _method(SignalConnector, "_sigterm_notifier_fn"),  # lightning/faults.py: replaced (no collective inside)
+    _method(_ModelCheckpoint, "_save_last_checkpoint"),  # lightning/faults.py: "last" on SIGTERM
+    _method(_ModelCheckpoint, "_monitor_candidates"),  # lightning/faults.py
 )
 
 

@@ -1,0 +1,208 @@
+"""Failures and preemption under :class:`~lightning_pipe.PipelineStrategy`: every rank stops, none hangs.
+
+Two mechanisms, wired into the strategy's hooks by :class:`PipelineFaults` (one per trainer run):
+
+* **a failure on one rank** is written to the store and stops the others ([Note: failure propagation] in
+  :mod:`lightning_pipe.watchdog`);
+* **SIGTERM** (SLURM preemption, Kubernetes) stops every rank together at a step boundary ([Note: SIGTERM at a
+  step boundary]).
+
+[Note: SIGTERM at a step boundary]
+Lightning 2.6's SIGTERM handler runs ``dist.broadcast`` *inside the signal handler*. Under the pipeline the signal
+lands mid-schedule: rank 0 enters the broadcast while rank 1 is blocked on rank 0's next activation, and both wait
+until the process-group timeout. Our handler only records the signal (and forwards it to the ranks this process
+launched, as Lightning does); no collective, no I/O. After every step each rank joins a MAX all-reduce of "SIGTERM
+seen here" over the world (:func:`~lightning_pipe.watchdog.any_rank`), so all ranks learn it at the same step and
+then stop the way Lightning stops on SIGTERM (``SIGTERMException``, exit code 0, the callbacks' ``on_exception``):
+in training after the optimizer step that closes the current accumulation window, in evaluation and prediction
+after the current batch. Because every rank is at the same point, checkpoint saves (collective here) work:
+``ModelCheckpoint(save_on_exception=True)`` and ``OnExceptionCheckpoint`` save as usual, and a
+``ModelCheckpoint(save_last=True)`` also saves ``last`` then, so a preempted run resumes from where it stopped. If
+the ranks have not agreed within :data:`SIGTERM_DEADLINE_S` (a rank stuck outside any step), the process ends anyway.
+"""
+
+from __future__ import annotations
+
+import signal
+import uuid
+from datetime import timedelta
+from typing import Any, Optional, Union
+
+import torch.distributed as dist
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_pipe._compat import lightning as _compat
+from lightning_pipe._compat import torch as _compat_torch
+from lightning_pipe.config import config_error
+from lightning_pipe.watchdog import FailureWatch, any_rank
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+"""The process-group timeout: how long one collective or P2P transfer may wait before it fails.
+
+A failed rank stops its peers within seconds through the store, and SIGTERM and dead processes end a run at once,
+so this limit only ends a rank that waits on a peer which is alive but stuck (a hung data loader, a deadlock). It
+must still exceed the longest *legitimate* one-sided wait: a downstream stage waiting while the stages before it
+compile or run their first step, or while local rank 0 runs ``prepare_data``. 10 minutes is torch's own NCCL
+default (Lightning and gloo use 30); raise it with ``PipelineStrategy(timeout=...)`` for longer one-sided work."""
+
+SIGTERM_DEADLINE_S = 30.0
+"""Seconds after SIGTERM by which the ranks must have agreed to stop; later, this process ends without a
+checkpoint (SLURM and Kubernetes follow SIGTERM with SIGKILL after 30 s by default)."""
+
+
+def resolve_timeout(timeout: Union[timedelta, float, int, None]) -> timedelta:
+    """``PipelineStrategy(timeout=...)``: a ``timedelta`` or seconds (Hydra passes numbers); None: the default."""
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise config_error(
+            "The process-group timeout (how long a rank waits on another in one transfer) must be a positive "
+            "duration.", f"timeout={timeout!r}", "timeout",
+            "give seconds (e.g. 600) or a datetime.timedelta; null for the default of 10 minutes")
+    return timedelta(seconds=float(seconds))
+
+
+class PipelineSignalConnector(_compat.SignalConnector):  # type: ignore[misc, valid-type]
+    """Lightning's signal connector whose SIGTERM handler only records the signal ([Note: SIGTERM at a step
+    boundary]); everything else (SLURM requeue, handler restore at teardown) is Lightning's."""
+
+    def __init__(self, trainer: Trainer, faults: "PipelineFaults") -> None:
+        super().__init__(trainer)
+        self.faults = faults
+
+    def _sigterm_notifier_fn(self, signum: Any, _: Any) -> None:
+        # A signal handler: no collective, no I/O (printing here can raise "reentrant call" on a busy stream).
+        self.faults.sigterm_received(signum)
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["faults"] = None  # holds a thread; a spawned rank builds its own at setup
+        return state
+
+
+class _FailureReporter(Callback):
+    """Reports a failure before the checkpoint callbacks' ``on_exception`` (Lightning runs checkpoint callbacks
+    last): their save is collective and would otherwise wait on peers that do not know yet."""
+
+    def __init__(self, faults: "PipelineFaults") -> None:
+        self.faults = faults
+
+    def on_exception(self, trainer: Trainer, pl_module: Any, exception: BaseException) -> None:
+        self.faults.report(exception)
+
+
+class PipelineFaults:
+    """One trainer run's failure watch and SIGTERM agreement on this rank (see the module docstring)."""
+
+    def __init__(self, strategy: Any, trainer: Trainer, watch: FailureWatch) -> None:
+        self.strategy = strategy
+        self.trainer = trainer
+        self.watch = watch
+        self.sigterm_pending = False
+        self.stopping = False  # every rank agreed to stop on SIGTERM
+        self.failed = False
+        self._reporter = _FailureReporter(self)
+
+    @classmethod
+    def start(cls, strategy: Any, trainer: Trainer) -> Optional["PipelineFaults"]:
+        """Start watching (after the process group exists; a collective: every rank calls it). None on one rank."""
+        if strategy.world_size < 2:
+            return None
+        # Keys private to this run: a process that runs fit, then validate, reuses the store.
+        token = strategy.broadcast(uuid.uuid4().hex[:12])
+        store = dist.PrefixStore(f"lightning_pipe/faults/{token}/", _compat_torch.default_store())
+        watch = FailureWatch(store, strategy.global_rank, before_exit=lambda: _end_launched_ranks(strategy))
+        faults = cls(strategy, trainer, watch)
+        connector = trainer._signal_connector  # private attribute (checked in tests/unit/test_faults.py)
+        if isinstance(connector, PipelineSignalConnector):
+            connector.faults = faults
+        else:
+            trainer._signal_connector = PipelineSignalConnector(trainer, faults)
+        trainer.callbacks.insert(0, faults._reporter)
+        watch.start()
+        return faults
+
+    # ------------------------------------------------------------------ failures
+    def report(self, exception: BaseException) -> None:
+        """This rank failed: tell the others (once). An agreed SIGTERM stop is not a failure."""
+        if self.failed or (isinstance(exception, SIGTERMException) and self.stopping):
+            return
+        self.failed = True
+        self.watch.report(exception)
+
+    # ------------------------------------------------------------------ SIGTERM
+    def sigterm_received(self, signum: Any) -> None:
+        """Called from the signal handler: record, forward to launched ranks, arm the deadline."""
+        if self.sigterm_pending:
+            return
+        self.sigterm_pending = True
+        launcher = self.strategy.launcher
+        if launcher is not None and hasattr(launcher, "kill"):
+            launcher.kill(signum)  # the ranks this process started (Lightning's popen launcher) stop with us
+        self.watch.set_deadline(
+            SIGTERM_DEADLINE_S,
+            f"lightning_pipe: rank {self.strategy.global_rank} received SIGTERM {SIGTERM_DEADLINE_S:.0f} s ago and "
+            "the ranks did not reach a step boundary together (a rank is stuck outside a step); exiting now, "
+            "without a checkpoint, with code 143.", 143)
+
+    def after_step(self, phase: str, batch_idx: Optional[int]) -> None:
+        """Every rank, after every step: agree on SIGTERM ([Note: SIGTERM at a step boundary])."""
+        if not self.stopping:
+            if not any_rank(self.sigterm_pending, self.strategy.root_device):
+                return
+            self.stopping = True
+            self.watch.clear_deadline()
+            rank_zero_info(f"lightning_pipe: SIGTERM received: every rank stops together at the end of the current "
+                           f"{'training' if phase == 'train' else phase} batch.")
+        if phase != "train":
+            raise SIGTERMException
+        accumulate = max(1, self.trainer.accumulate_grad_batches)
+        if batch_idx is None or (batch_idx + 1) % accumulate == 0:
+            # Lightning raises SIGTERMException after this batch's optimizer step (training_epoch_loop).
+            self.trainer._signal_connector.received_sigterm = True
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Strategy.on_exception: a failure is reported; an agreed SIGTERM stop saves ``last`` when asked."""
+        self.report(exception)
+        if isinstance(exception, SIGTERMException) and self.stopping:
+            _save_last_on_preemption(self.trainer)
+
+    def stop(self) -> None:
+        """Strategy.teardown. After a normal end (or an agreed stop) every rank stops polling before any may exit:
+        the store lives in rank 0's process, and a peer still polling it would log a failed connection."""
+        if self._reporter in self.trainer.callbacks:
+            self.trainer.callbacks.remove(self._reporter)
+        if not self.failed:
+            self.strategy.barrier("lightning_pipe.faults.stop")
+        self.watch.stop()
+
+
+def _save_last_on_preemption(trainer: Trainer) -> None:
+    """Every ``ModelCheckpoint(save_last=...)`` writes ``last`` now, unless it already saved at this step (or saves
+    on exception by itself)."""
+    if trainer.sanity_checking or trainer.fast_dev_run or trainer.state.fn != TrainerFn.FITTING:
+        return
+    for callback in trainer.checkpoint_callbacks:
+        if not isinstance(callback, ModelCheckpoint) or not callback.save_last:
+            continue
+        if getattr(callback, "save_on_exception", False) or callback._last_global_step_saved == trainer.global_step:
+            continue
+        callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
+        rank_zero_info(f"lightning_pipe: saved {callback.last_model_path} at global step {trainer.global_step} "
+                       "after SIGTERM; resume with ckpt_path=\"last\" (or that path).")
+
+
+def _end_launched_ranks(strategy: Any) -> None:
+    """Before this process ends on a peer's failure: end the ranks it launched (Lightning's popen launcher does the
+    same on Ctrl-C), so none outlives the run."""
+    launcher = strategy.launcher
+    if isinstance(launcher, _compat.SubprocessScriptLauncher):
+        launcher.kill(signal.SIGKILL)
+
+
+__all__ = ["DEFAULT_TIMEOUT", "PipelineFaults", "PipelineSignalConnector", "resolve_timeout"]

@@ -1,0 +1,94 @@
+"""No hangs (issue 14, items 4 and 5), on real processes started the way users start them (popen: the script is
+re-run for rank 1): a rank that fails and stays alive, SIGTERM to the main process mid-step, kill -9 of a rank.
+``bench/sigterm.py`` runs the SIGTERM case 20 times."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import fault_script as fs
+
+pytestmark = [pytest.mark.distributed]
+
+STARTUP_S = 180.0  # two Python processes importing Lightning on a busy 2-core machine
+
+
+def wait_for_file(path: Path, proc: object, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path.name} never appeared:\n{fs.log_tail(path.parent)}")
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_that_fails_and_stays_alive_stops_every_rank(tmp_path: Path) -> None:
+    proc = fs.start(tmp_path, "fail", fail_rank=1, fail_at=9)
+    try:
+        wait_for_file(tmp_path / "caught1", proc, STARTUP_S)  # rank 1 raised, caught it, and sleeps 90 s
+        seconds, codes = fs.time_to_exit(tmp_path, proc, time.monotonic(), 60)
+    finally:
+        fs.cleanup(proc)
+    log = fs.log_tail(tmp_path, 60)
+    assert seconds < 60, f"ranks still running 60 s after rank 1 failed:\n{log}"
+    assert codes[0] == 1, log  # rank 0 stopped itself (and ended rank 1, which it launched)
+    assert ("lightning_pipe: rank 0 stops because another rank failed: rank 1: RuntimeError: injected failure in "
+            "a layer's forward (call 9)") in log, log
+
+
+@pytest.mark.timeout(420)
+def test_sigterm_mid_step_stops_every_rank_together_and_last_checkpoint_resumes(tmp_path: Path) -> None:
+    rng = random.Random(14)
+    stopped = []
+    for trial in range(2):
+        out = tmp_path / f"trial{trial}"
+        proc = fs.start(out, "train", ckpt=True)
+        try:
+            fs.wait_for_step(out, proc, 3 + 2 * trial, timeout=STARTUP_S)
+            time.sleep(rng.uniform(0.0, 0.4))  # somewhere inside a step (about 0.2-0.4 s here)
+            sent = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            seconds, codes = fs.time_to_exit(out, proc, sent, 30)
+        finally:
+            fs.cleanup(proc)
+        log = fs.log_tail(out, 60)
+        assert seconds < 30, f"trial {trial}: ranks still running 30 s after SIGTERM:\n{log}"
+        assert codes[0] == 0, log  # Lightning's SIGTERMException: a clean stop
+        step = fs.read_int(out / "step0")
+        assert step is not None and step == fs.read_int(out / "step1"), log  # the same step on both ranks
+        assert f"saved {out / 'ckpt' / 'last.ckpt'} at global step {step} after SIGTERM" in log, log
+        stopped.append(step)
+
+    # The last complete checkpoint loads and training continues from it.
+    out = tmp_path / "trial0"
+    proc = fs.start(out, "resume", ckpt=True, max_steps=stopped[0] + 2)
+    try:
+        code = proc.wait(timeout=STARTUP_S)
+    finally:
+        fs.cleanup(proc)
+    assert code == 0, fs.log_tail(out)
+    for rank in (0, 1):
+        assert fs.read_int(out / f"start{rank}") == stopped[0], fs.log_tail(out)
+        assert fs.read_int(out / f"resumed{rank}") == stopped[0] + 2, fs.log_tail(out)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("victim", [0, 1])
+def test_kill_9_of_a_rank_still_ends_every_process(tmp_path: Path, victim: int) -> None:
+    proc = fs.start(tmp_path, "train")
+    try:
+        fs.wait_for_step(tmp_path, proc, 3, timeout=STARTUP_S)
+        pid = fs.read_int(tmp_path / f"pid{victim}")
+        assert pid is not None
+        sent = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        seconds, _ = fs.time_to_exit(tmp_path, proc, sent, 30)
+    finally:
+        fs.cleanup(proc)
+    assert seconds < 30, f"ranks still running 30 s after kill -9 of rank {victim}:\n{fs.log_tail(tmp_path)}"
