@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
+import os
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -11,6 +13,7 @@ from typing import Any, Callable, Generator, Literal, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
@@ -25,8 +28,9 @@ from lightning_pipe._compat import lightning as _compat
 from lightning_pipe.checkpoint import remove as remove_checkpoint_files
 from lightning_pipe.config import PartitionSpec, PipelineConfig, Topology, config_error
 from lightning_pipe.engine import PipelineEngine, PipelineLayout, build_engine
-from lightning_pipe.lightning.faults import DEFAULT_TIMEOUT, PipelineFaults, resolve_timeout
 from lightning_pipe.lightning.launchers import PipelineMultiProcessingLauncher
+from lightning_pipe.planner.auto import plan_on_ranks
+from lightning_pipe.planner.plan import apply_plan, explain
 from lightning_pipe.lightning.precision import SUPPORTED_PRECISION, PipelinePrecision, convert_precision_plugin
 from lightning_pipe.schedules import SchedulePlan, check_schedule_settings, plan_schedule
 from lightning_pipe.lightning.checkpointing import RankGroup, ShardedCheckpointer
@@ -56,10 +60,12 @@ class PipelineStrategy(ParallelStrategy):
         recompute: activation recomputation per stage: ``"none"``, ``"all"`` (every layer) or ``k`` (every k-th
             layer of each stage): activations inside a recomputed layer are rebuilt in backward instead of kept.
         schedule_options: schedule-specific options (see ``schedule``).
+        plan: a plan file (or its dict) from ``python -m lightning_pipe.planner search``: its schedule,
+            micro-batches, stages per rank, replicas and partition replace those arguments (README: "Let it plan").
+        memory_budget: per-device limit for ``schedule="auto"`` (bytes or e.g. ``"20GiB"``; also accepted as
+            ``schedule_options={"memory_budget": ...}``). ``schedule="auto"`` profiles the model at setup on every
+            rank and picks schedule, micro-batches, stages per rank and partition (``data_parallel_size`` is kept).
         start_method: ``"popen"`` re-runs the script per rank (like ``ddp``); ``"spawn"`` for notebooks.
-        timeout: how long a rank waits on another in one transfer before failing (a ``timedelta`` or seconds;
-            default 10 minutes). A rank that fails stops its peers within seconds regardless (README:
-            "Failures and preemption").
     """
 
     strategy_name = "pipeline"
@@ -74,18 +80,35 @@ class PipelineStrategy(ParallelStrategy):
         layers_attr: str = "layers",
         recompute: Union[str, int] = "none",
         schedule_options: Optional[dict[str, Any]] = None,
+        plan: Union[str, os.PathLike, dict[str, Any], None] = None,
+        memory_budget: Union[int, str, None] = None,
         accelerator: Any = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
-        timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT,
+        timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
+        if plan is not None:
+            # A saved plan (python -m lightning_pipe.planner search) replaces the layout settings; its world size
+            # is checked in set_world_ranks, once the world is known.
+            planned = apply_plan(plan)
+            schedule, microbatches, stages_per_rank = (planned["schedule"], planned["microbatches"],
+                                                       planned["stages_per_rank"])
+            data_parallel_size, partition = planned["data_parallel_size"], planned["partition"]
+        self._plan_source = plan
+        # schedule="auto": the planner picks at setup (_plan_automatically); until then a placeholder checks the world
+        options = dict(schedule_options or {})
+        self._auto = str(schedule).lower() == "auto"
+        self._memory_budget = memory_budget if memory_budget is not None else options.pop("memory_budget", None)
+        self.auto_plan: Optional[dict[str, Any]] = None
+        if self._auto:
+            schedule, microbatches, stages_per_rank, partition, schedule_options = "1f1b", None, None, "uniform", {}
         self.pipeline_config = PipelineConfig(
             schedule=schedule, microbatches=microbatches, data_parallel_size=data_parallel_size,
             partition=partition,
@@ -95,8 +118,7 @@ class PipelineStrategy(ParallelStrategy):
         check_schedule_settings(self.pipeline_config)
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
-        self._timeout = resolve_timeout(timeout)
-        self._faults: Optional[PipelineFaults] = None
+        self._timeout = timeout
         self._start_method = start_method
         self.engine: Optional[PipelineEngine] = None
         self.plan: Optional[SchedulePlan] = None
@@ -160,6 +182,8 @@ class PipelineStrategy(ParallelStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
         self.topology = None
+        if self._plan_source is not None:
+            apply_plan(self._plan_source, world_size=self.world_size)  # a plan is made for one world size
         # World-shape rules are checked here, before any process waits on another; the plan is resolved once.
         self.plan = plan_schedule(self.pipeline_config, self._topology().pipeline_size)
 
@@ -178,8 +202,6 @@ class PipelineStrategy(ParallelStrategy):
             # Lightning only does this for NCCL; gloo process groups alive at interpreter exit can abort the
             # process ("terminate called without an active exception") after a perfectly good run.
             atexit.register(_destroy_process_group)
-        # Failures on one rank stop the others; SIGTERM stops all ranks at a step boundary (lightning/faults.py).
-        self._faults = PipelineFaults.start(self, self.lightning_module.trainer)
 
     # ------------------------------------------------------------------ precision
     @property  # type: ignore[override]
@@ -213,6 +235,8 @@ class PipelineStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         self._check_module(module)
+        if self._auto and self.auto_plan is None:
+            self._plan_automatically(trainer, module)
         self.precision_plugin.convert_module(module)
         self.engine = self._build_engine(module)  # moves this rank's layers to the device
         self.precision_plugin.setup(self.engine, self.root_device)
@@ -221,6 +245,23 @@ class PipelineStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _compat.optimizers_to_device(self.optimizers, self.root_device)
+
+    def _plan_automatically(self, trainer: Trainer, module: LightningModule) -> None:
+        """``schedule="auto"``: every rank profiles the layers on one training batch, rank 0 searches (planner), all
+        adopt the same plan; rank 0 logs it with the runners-up."""
+        if trainer.state.fn != TrainerFn.FITTING:
+            raise config_error("schedule='auto' plans from a training batch, so it needs trainer.fit first.",
+                               f"trainer.{trainer.state.fn.value}() with schedule='auto'", "schedule",
+                               "pass plan=<a plan file> (python -m lightning_pipe.planner search) to evaluate")
+        loader = _compat.train_dataloader(trainer)
+        batch = next(iter(loader))
+        config = self.pipeline_config
+        self.auto_plan = plan_on_ranks(module, batch, config.data_parallel_size, self._memory_budget,
+                                       config.layers_attr, self.root_device)
+        kwargs = apply_plan(self.auto_plan, world_size=self.world_size)
+        self.pipeline_config = dataclasses.replace(config, **kwargs)
+        self.plan = plan_schedule(self.pipeline_config, self._topology().pipeline_size)
+        rank_zero_info("PipelineStrategy(schedule='auto') chose, from measured costs:\n" + explain(self.auto_plan))
 
     def _check_module(self, module: LightningModule) -> None:
         missing = [name for name in ("loss_fn", "split_batch", "compute_loss") if not hasattr(module, name)]
@@ -296,16 +337,8 @@ class PipelineStrategy(ParallelStrategy):
         trainer = self.lightning_module.trainer
         self.engine.accumulate_grad_batches = trainer.accumulate_grad_batches
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
-        try:
-            with self.engine.running(phase, batch_idx):
-                result = parent(*args, **kwargs)
-        except BaseException as err:
-            if self._faults is not None:
-                self._faults.report(err)  # now: peers are blocked on this rank ([Note: failure propagation])
-            raise
-        if self._faults is not None:
-            self._faults.after_step(phase, batch_idx)  # every rank: stop together on SIGTERM
-        return result
+        with self.engine.running(phase, batch_idx):
+            return parent(*args, **kwargs)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -390,15 +423,7 @@ class PipelineStrategy(ParallelStrategy):
         return tensor
 
     @override
-    def on_exception(self, exception: BaseException) -> None:
-        if self._faults is not None:
-            self._faults.on_exception(exception)
-
-    @override
     def teardown(self) -> None:
-        faults, self._faults = self._faults, None
-        if faults is not None:
-            faults.stop()
         if self.lightning_module is not None:
             self.lightning_module._pipeline_engine = None  # type: ignore[attr-defined]
         if isinstance(self._precision_plugin, PipelinePrecision):
