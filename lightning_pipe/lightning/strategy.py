@@ -13,7 +13,6 @@ from typing import Any, Callable, Generator, Literal, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
@@ -28,6 +27,7 @@ from lightning_pipe._compat import lightning as _compat
 from lightning_pipe.checkpoint import remove as remove_checkpoint_files
 from lightning_pipe.config import PartitionSpec, PipelineConfig, Topology, config_error
 from lightning_pipe.engine import PipelineEngine, PipelineLayout, build_engine
+from lightning_pipe.lightning.faults import DEFAULT_TIMEOUT, PipelineFaults, resolve_timeout
 from lightning_pipe.lightning.launchers import PipelineMultiProcessingLauncher
 from lightning_pipe.planner.auto import plan_on_ranks
 from lightning_pipe.planner.plan import apply_plan, explain
@@ -66,6 +66,9 @@ class PipelineStrategy(ParallelStrategy):
             ``schedule_options={"memory_budget": ...}``). ``schedule="auto"`` profiles the model at setup on every
             rank and picks schedule, micro-batches, stages per rank and partition (``data_parallel_size`` is kept).
         start_method: ``"popen"`` re-runs the script per rank (like ``ddp``); ``"spawn"`` for notebooks.
+        timeout: how long a rank waits on another in one transfer before failing (a ``timedelta`` or seconds;
+            default 10 minutes). A rank that fails stops its peers within seconds regardless (README:
+            "Failures and preemption").
     """
 
     strategy_name = "pipeline"
@@ -88,7 +91,7 @@ class PipelineStrategy(ParallelStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
@@ -118,7 +121,8 @@ class PipelineStrategy(ParallelStrategy):
         check_schedule_settings(self.pipeline_config)
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
-        self._timeout = timeout
+        self._timeout = resolve_timeout(timeout)
+        self._faults: Optional[PipelineFaults] = None
         self._start_method = start_method
         self.engine: Optional[PipelineEngine] = None
         self.plan: Optional[SchedulePlan] = None
@@ -202,6 +206,8 @@ class PipelineStrategy(ParallelStrategy):
             # Lightning only does this for NCCL; gloo process groups alive at interpreter exit can abort the
             # process ("terminate called without an active exception") after a perfectly good run.
             atexit.register(_destroy_process_group)
+        # Failures on one rank stop the others; SIGTERM stops all ranks at a step boundary (lightning/faults.py).
+        self._faults = PipelineFaults.start(self, self.lightning_module.trainer)
 
     # ------------------------------------------------------------------ precision
     @property  # type: ignore[override]
@@ -337,8 +343,16 @@ class PipelineStrategy(ParallelStrategy):
         trainer = self.lightning_module.trainer
         self.engine.accumulate_grad_batches = trainer.accumulate_grad_batches
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
-        with self.engine.running(phase, batch_idx):
-            return parent(*args, **kwargs)
+        try:
+            with self.engine.running(phase, batch_idx):
+                result = parent(*args, **kwargs)
+        except BaseException as err:
+            if self._faults is not None:
+                self._faults.report(err)  # now: peers are blocked on this rank ([Note: failure propagation])
+            raise
+        if self._faults is not None:
+            self._faults.after_step(phase, batch_idx)  # every rank: stop together on SIGTERM
+        return result
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -423,7 +437,15 @@ class PipelineStrategy(ParallelStrategy):
         return tensor
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        if self._faults is not None:
+            self._faults.on_exception(exception)
+
+    @override
     def teardown(self) -> None:
+        faults, self._faults = self._faults, None
+        if faults is not None:
+            faults.stop()
         if self.lightning_module is not None:
             self.lightning_module._pipeline_engine = None  # type: ignore[attr-defined]
         if isinstance(self._precision_plugin, PipelinePrecision):
