@@ -5,13 +5,13 @@ zero-bubble schedules (I: input gradient, W: weight gradient, timed with torch's
 ``stage_backward_weight``); the bytes autograd saves for backward (:class:`~lightning_pipe.memory.ActivationMeter`);
 the output bytes (what crosses a stage boundary); parameter bytes. One layer is resident at a time: a layer built
 on the meta device is materialised (``module.reset_layer(index, layer)`` or ``reset_parameters``), profiled and
-freed, so a model that does not fit on one device is profiled on one device. Few repetitions, median: seconds.
+freed, so a model that does not fit on one device is profiled on one device. Few repetitions, the fastest: on a
+shared machine contention only ever adds time, so the least-disturbed repetition is the closest to the cost.
 """
 
 from __future__ import annotations
 
 import copy
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
@@ -129,7 +129,7 @@ def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
 
 def profile_layer(layer: nn.Module, inputs: Any, loss: Callable[[Any], torch.Tensor] | None = None,
                   repeats: int = 3) -> tuple[LayerCost, Any]:
-    """Time one layer on ``inputs`` (one warm-up, then the median of ``repeats``); also return its output.
+    """Time one layer on ``inputs`` (one warm-up, then the fastest of ``repeats``); also return its output.
 
     ``loss`` (last layer only) maps the output to a scalar; otherwise backward starts from a random output
     gradient, as it does on a pipeline stage."""
@@ -169,7 +169,7 @@ def profile_layer(layer: nn.Module, inputs: Any, loss: Callable[[Any], torch.Ten
                 p.grad = None
         if rep == 0:
             out = out.detach() if isinstance(out, torch.Tensor) else out
-    med = {k: statistics.median(v) if v else 0.0 for k, v in runs.items()}
+    med = {k: min(v) if v else 0.0 for k, v in runs.items()}
     cost = LayerCost(med["F"], med["B"], med["I"], med["W"], int(saved), _nbytes(out),
                      sum(p.nelement() * p.element_size() for p in layer.parameters()), _optimizer_time(params, repeats))
     return cost, _detach_all(out)
@@ -188,7 +188,7 @@ def _optimizer_time(params: list[nn.Parameter], repeats: int) -> float:
         t, _ = _timed(opt.step, copies[0].device)
         if rep:
             times.append(t)
-    return statistics.median(times)
+    return min(times)
 
 
 def _detach_all(value: Any) -> Any:
@@ -258,7 +258,7 @@ def _rows(value: Any, n: int, device: torch.device) -> Any:
 def measure_link(src: int = 0, dst: int = 1, sizes: Sequence[int] = (1 << 10, 1 << 18, 1 << 21),
                  repeats: int = 5, group: Any = None, device: torch.device | str = "cpu") -> tuple[float, float]:
     """Latency (s) and bandwidth (bytes/s) between two ranks, from ping-pongs of a few sizes (least squares of
-    half the round trip against the size). Call on every rank of ``group``; all get the same answer."""
+    the fastest half round trip against the size). Call on every rank of ``group``; all get the same answer."""
     rank = dist.get_rank(group)
     device = torch.device(device)
     points = []
@@ -275,7 +275,7 @@ def measure_link(src: int = 0, dst: int = 1, sizes: Sequence[int] = (1 << 10, 1 
                 dist.send(buf, src, group=group)
             if rep:
                 times.append((time.perf_counter() - start) / 2)
-        points.append((float(size), statistics.median(times) if times else 0.0))
+        points.append((float(size), min(times) if times else 0.0))
     n = len(points)
     mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
     var = sum((x - mx) ** 2 for x, _ in points)
