@@ -29,6 +29,16 @@ __all__ = [
     "compute_order",
 ]
 
+
+def __getattr__(name: str) -> object:
+    # Lazy: `import lightning_pipe` never imports transformers (an optional extra).
+    if name == "HFCausalLM":
+        from lightning_pipe.lightning.hf import HFCausalLM
+
+        return HFCausalLM
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 # Lightning has no entry-point discovery for strategies: register on import. Launched ranks re-run the user's
 # script, which imports us again, so the name is known there too.
 if "pipeline" not in StrategyRegistry:

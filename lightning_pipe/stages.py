@@ -171,13 +171,23 @@ def materialize(module: nn.Module, attr: str, stage_modules: Sequence[StageModul
     return True
 
 
+def _local_submodule(module: nn.Module, path: str) -> nn.Module | None:
+    """``module.get_submodule(path)``, or None where the path runs through another rank's layer (a RemoteLayer)."""
+    for part in path.split(".") if path else ():
+        child = module._modules.get(part)
+        if child is None or isinstance(child, RemoteLayer):
+            return None
+        module = child
+    return module
+
+
 def _retie(module: nn.Module, tied: Sequence[TiedParameter]) -> None:
     for tie in tied:
         owners = []
         for name in tie.names:
             prefix, _, leaf = name.rpartition(".")
-            owner = module.get_submodule(prefix)
-            if leaf in owner._parameters:
+            owner = _local_submodule(module, prefix)  # a use nested in another rank's layer is not here
+            if owner is not None and leaf in owner._parameters:
                 owners.append((owner, leaf))
         for owner, leaf in owners[1:]:
             owner._parameters[leaf] = owners[0][0]._parameters[owners[0][1]]

@@ -1,0 +1,371 @@
+"""transformers causal LMs as a pipeline layer list (plain torch + transformers; no Lightning import).
+
+A ``*ForCausalLM`` model of the GPT-2, Llama, Mistral, Qwen2 or Qwen3 family becomes an ``nn.ModuleList``::
+
+    [embedding, decoder_0, ..., decoder_{n-1}, final_norm, head]
+
+built from the model's own modules (so weights are the same objects, and a tied embedding / head stays ONE
+``nn.Parameter`` used by the first and the last layer — the pipeline detects and syncs it).
+
+[Note: layer I/O]
+Only tensors cross stage boundaries, all with the batch in dim 0. Each layer takes its inputs either as positional
+tensors or as one tuple of them (a layer list run in one process passes a tuple output on as one argument; torch's
+pipeline unpacks it into positional arguments at a stage boundary), and returns:
+
+=================  =================================================  =============================================
+layer              input                                              output
+=================  =================================================  =============================================
+embedding          ``input_ids`` [, ``attention_mask`` [, ``pos``]]   ``hidden`` [, ``attention_mask`` [, ``pos``]]
+decoder i          ``hidden`` [, ``attention_mask`` [, ``pos``]]      same arity, same mask / position tensors
+final norm         ``hidden`` [, ...]                                 ``hidden``
+head               ``hidden``                                         ``logits`` [B, T, vocab]
+=================  =================================================  =============================================
+
+``attention_mask`` is the 2-D ``[B, T]`` padding mask (1 = token, 0 = padding) as tokenizers / collators give it;
+``pos`` are optional ``[B, T]`` position ids (default ``arange(T)``, as the model uses). No 4-D mask and no rotary
+``(cos, sin)`` ever crosses a stage: each decoder layer builds its causal (+ padding, + sliding-window) mask with
+transformers' own mask functions for its own attention type and attention implementation, and computes ``(cos, sin)``
+with its own copy of the model's rotary module (buffers only, no parameters). So every layer computes exactly what
+the model's forward computes, and the logits match ``model(input_ids, attention_mask=...)``.
+
+[Note: HF names]
+Every layer records, for each of its parameters (and persistent buffers), the candidate keys under which the
+model's ``state_dict`` / safetensors file stores it (``hf_keys``); a tied head weight also lists the embedding's
+key (tied checkpoints often store only that one). :func:`~lightning_pipe.hf.weights.load_layers` /
+:func:`~lightning_pipe.hf.weights.load_layer_weights_` read exactly those keys with ``safetensors.safe_open``, so a
+rank reads only the tensors of its own layers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any, cast
+
+import torch
+from torch import Tensor, nn
+
+try:
+    from transformers import masking_utils
+except ImportError as err:  # pragma: no cover - exercised only without the optional dependency
+    raise ImportError(
+        "lightning_pipe.hf needs the `transformers` package (>=5,<6): `pip install 'transformers>=5,<6' safetensors`."
+    ) from err
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "CausalLMDecoderLayer",
+    "CausalLMEmbedding",
+    "CausalLMHead",
+    "CausalLMNorm",
+    "HFLayer",
+    "causal_lm_layers",
+    "layers_from_config",
+]
+
+
+# ------------------------------------------------------------------------------------------------ families
+class _Family:
+    """Where a family keeps its parts, as attribute paths of the ``*ForCausalLM`` model."""
+
+    def __init__(self, base: str, embed: str, layers: str, norm: str, pos_embed: str | None = None,
+                 drop: str | None = None, rotary: str | None = None) -> None:
+        self.base, self.embed, self.layers, self.norm = base, embed, layers, norm
+        self.pos_embed, self.drop, self.rotary = pos_embed, drop, rotary
+
+
+_LLAMA_LIKE = _Family(base="model", embed="embed_tokens", layers="layers", norm="norm", rotary="rotary_emb")
+
+# Families whose model forward is exactly: embed -> [mask, rotary] -> decoder layers -> norm -> lm_head.
+# (Others, e.g. Gemma, scale embeddings or soft-cap logits inside forward: they need their own entry and a test.)
+_FAMILIES: dict[str, _Family] = {
+    "gpt2": _Family(base="transformer", embed="wte", pos_embed="wpe", drop="drop", layers="h", norm="ln_f"),
+    "llama": _LLAMA_LIKE,
+    "mistral": _LLAMA_LIKE,
+    "qwen2": _LLAMA_LIKE,
+    "qwen3": _LLAMA_LIKE,
+}
+SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
+
+
+def _family(config: Any) -> _Family:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in _FAMILIES:
+        raise NotImplementedError(
+            f"lightning_pipe.hf turns causal LMs of the model types {list(SUPPORTED_MODEL_TYPES)} into layer lists; "
+            f"got model_type={model_type!r}. Other families need an entry in lightning_pipe.hf.layers._FAMILIES "
+            "(and a parity test): their forward may do more than embed -> decoder layers -> norm -> head."
+        )
+    return _FAMILIES[model_type]
+
+
+def _attention_type(config: Any, index: int) -> str:
+    """``"full_attention"`` or ``"sliding_attention"`` for decoder layer ``index``, as the model's forward picks it."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:  # Qwen2 / Qwen3: per layer
+        return layer_types[index]
+    # Mistral: every layer slides when config.sliding_window is set; Llama / GPT-2 have no sliding window.
+    return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
+
+
+_MASK_FUNCTIONS: dict[str, Callable[..., Any]] = {
+    "full_attention": masking_utils.create_causal_mask,
+    "sliding_attention": masking_utils.create_sliding_window_causal_mask,
+}
+
+
+@functools.cache
+def _mask_parameters(fn: Callable[..., Any]) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
+
+
+def _make_mask(kind: str, config: Any, hidden: Tensor, attention_mask: Tensor | None,
+               position_ids: Tensor) -> Any:
+    """The mask the model's forward would hand its decoder layers (4-D, or ``None`` for SDPA's ``is_causal``).
+
+    Keyword names moved within transformers 5.x (``cache`` was ``past_key_values``; ``input_embeds``;
+    ``cache_position``): pass what this version's signature has.
+    """
+    fn = _MASK_FUNCTIONS[kind]
+    params = _mask_parameters(fn)
+    kwargs: dict[str, Any] = {"config": config, "attention_mask": attention_mask, "position_ids": position_ids}
+    kwargs["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = hidden
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            kwargs[name] = None
+    if "cache_position" in params:
+        kwargs["cache_position"] = torch.arange(hidden.shape[1], device=hidden.device)
+    return fn(**kwargs)
+
+
+def _unpack(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Positional tensors, or one tuple of them (see [Note: layer I/O])."""
+    if len(args) == 1 and isinstance(args[0], (tuple, list)):
+        return tuple(args[0])
+    return args
+
+
+def _default_position_ids(hidden: Tensor) -> Tensor:
+    # What the model's forward uses without a cache: arange(T), unsqueezed (broadcast over the batch).
+    return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+
+
+# ------------------------------------------------------------------------------------------------ layers
+class HFLayer(nn.Module):
+    """Base of the layer wrappers: knows the checkpoint keys of its tensors (see [Note: HF names]).
+
+    ``hf_keys``: local name (as in ``self.state_dict()``) -> candidate keys in the model's checkpoint, best first.
+    ``base_prefix``: the base model's attribute (``"model."`` / ``"transformer."``); checkpoints saved from the bare
+    base model store keys without it, so it is tried stripped too.
+    """
+
+    hf_keys: dict[str, tuple[str, ...]]
+    base_prefix: str = ""
+    tied: frozenset[str] = frozenset()
+    """Local names of parameters that are a tie's second use (the head's weight): left alone by :func:`init_layer_`."""
+
+    def _record_hf_keys(self, model: nn.Module, base_prefix: str) -> None:
+        names_of: dict[int, list[str]] = {}
+        for name, tensor in _state_tensors(model):
+            names_of.setdefault(id(tensor), []).append(name)
+        keys: dict[str, tuple[str, ...]] = {}
+        for local, tensor in _state_tensors(self):
+            candidates = names_of.get(id(tensor))
+            if not candidates:
+                continue  # not part of the model's state (cannot happen for the supported families)
+            keys[local] = tuple(candidates)
+        self.hf_keys = keys
+        self.base_prefix = f"{base_prefix}." if base_prefix else ""
+
+    def reset_buffers(self) -> None:
+        """Recompute non-persistent buffers (they hold garbage after ``to_empty`` from the meta device)."""
+
+
+def _state_tensors(module: nn.Module) -> Iterable[tuple[str, Tensor]]:
+    """Parameters (duplicates kept) and persistent buffers, with their state-dict names."""
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for name, param in sub._parameters.items():
+            if param is not None:
+                yield dot + name, param
+        for name, buf in sub._buffers.items():
+            if buf is not None and name not in sub._non_persistent_buffers_set:
+                yield dot + name, buf
+
+
+class CausalLMEmbedding(HFLayer):
+    """``input_ids [, attention_mask [, position_ids]] -> hidden [, attention_mask [, position_ids]]``.
+
+    Token embedding (+ GPT-2's learned position embedding and embedding dropout). The mask and position ids are
+    passed on untouched for the decoder layers.
+    """
+
+    def __init__(self, embed_tokens: nn.Embedding, position_embedding: nn.Embedding | None = None,
+                 dropout: nn.Module | None = None) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.position_embedding = position_embedding
+        self.dropout = dropout
+
+    def forward(self, *args: Any) -> Any:
+        input_ids, *rest = _unpack(args)
+        hidden = self.embed_tokens(input_ids)
+        if self.position_embedding is not None:
+            position_ids = rest[1] if len(rest) > 1 else _default_position_ids(hidden)
+            hidden = hidden + self.position_embedding(position_ids).to(hidden.device)
+        if self.dropout is not None:
+            hidden = self.dropout(hidden)
+        return (hidden, *rest) if rest else hidden
+
+
+class CausalLMDecoderLayer(HFLayer):
+    """``hidden [, attention_mask [, position_ids]] -> hidden [, attention_mask [, position_ids]]``.
+
+    Wraps one of the model's decoder layers. Builds the 4-D mask for its attention type (full / sliding window) with
+    transformers' mask functions, and — for rotary families — ``(cos, sin)`` with its own copy of the rotary module,
+    exactly as the model's forward does once for all layers.
+    """
+
+    def __init__(self, block: nn.Module, config: Any, layer_index: int, rotary: nn.Module | None = None) -> None:
+        super().__init__()
+        self.block = block
+        self.rotary_emb = rotary
+        self.layer_index = layer_index
+        self.attention_type = _attention_type(config, layer_index)
+        # The model's config object itself (shared, not copied): set_attn_implementation on the model reaches us.
+        self.config = config
+
+    def forward(self, *args: Any) -> Any:
+        hidden, *rest = _unpack(args)
+        attention_mask = rest[0] if rest else None
+        position_ids = rest[1] if len(rest) > 1 else _default_position_ids(hidden)
+        mask = _make_mask(self.attention_type, self.config, hidden, attention_mask, position_ids)
+        kwargs: dict[str, Any] = {"attention_mask": mask, "position_ids": position_ids, "use_cache": False}
+        if self.rotary_emb is not None:
+            kwargs["position_embeddings"] = self.rotary_emb(hidden, position_ids)
+        out = self.block(hidden, **kwargs)
+        if isinstance(out, tuple):  # older layer classes returned (hidden, ...)
+            out = out[0]
+        return (out, *rest) if rest else out
+
+    def reset_buffers(self) -> None:
+        rotary: Any = self.rotary_emb
+        if rotary is None or not hasattr(rotary, "inv_freq") or rotary.inv_freq.is_meta:
+            return
+        rope_type = getattr(rotary, "rope_type", "default")
+        if rope_type == "default" and hasattr(rotary, "compute_default_rope_parameters"):
+            fn = rotary.compute_default_rope_parameters
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+            fn = ROPE_INIT_FUNCTIONS[rope_type]
+        inv_freq, scaling = fn(rotary.config)
+        with torch.no_grad():
+            rotary.inv_freq.copy_(inv_freq)
+            if getattr(rotary, "original_inv_freq", None) is not None:
+                rotary.original_inv_freq.copy_(inv_freq)
+        rotary.attention_scaling = scaling
+
+    def extra_repr(self) -> str:
+        return f"layer_index={self.layer_index}, attention_type={self.attention_type}"
+
+
+class CausalLMNorm(HFLayer):
+    """``hidden [, ...] -> hidden``: the final norm; the mask and position ids end here."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, *args: Any) -> Tensor:
+        return self.norm(_unpack(args)[0])
+
+
+class CausalLMHead(HFLayer):
+    """``hidden -> logits``. With tied embeddings ``lm_head.weight`` IS the embedding's Parameter."""
+
+    def __init__(self, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.lm_head = lm_head
+
+    def forward(self, *args: Any) -> Tensor:
+        return self.lm_head(_unpack(args)[0])
+
+
+# ------------------------------------------------------------------------------------------------ building
+def causal_lm_layers(model: nn.Module) -> nn.ModuleList:
+    """The layer list of an instantiated transformers ``*ForCausalLM`` model, reusing its modules (same weights).
+
+    ``[CausalLMEmbedding, CausalLMDecoderLayer x num_hidden_layers, CausalLMNorm, CausalLMHead]``; see
+    [Note: layer I/O]. With ``config.tie_word_embeddings`` the head's weight is the embedding's Parameter object.
+    The model object itself is not kept: drop it and keep the list.
+    """
+    config: Any = model.config
+    fam = _family(config)
+    base: Any = getattr(model, fam.base)
+    if base is None or not hasattr(model, "lm_head"):
+        raise TypeError(f"Expected a transformers *ForCausalLM model with `.{fam.base}` and `.lm_head`; "
+                        f"got {type(model).__name__}.")
+    embed = CausalLMEmbedding(
+        getattr(base, fam.embed),
+        getattr(base, fam.pos_embed) if fam.pos_embed else None,
+        getattr(base, fam.drop) if fam.drop else None,
+    )
+    rotary = getattr(base, fam.rotary) if fam.rotary else None
+    blocks = list(getattr(base, fam.layers))[: config.num_hidden_layers]
+    decoders = []
+    for i, block in enumerate(blocks):
+        # Each decoder layer owns a copy of the rotary module (buffers only): a stage needs no other stage's module.
+        own_rotary = _copy_rotary(rotary) if rotary is not None else None
+        decoders.append(CausalLMDecoderLayer(block, config, i, own_rotary))
+    norm = CausalLMNorm(getattr(base, fam.norm))
+    head = CausalLMHead(cast(nn.Module, model.lm_head))
+    parts: list[HFLayer] = [embed, *decoders, norm, head]
+
+    embed_weights = {id(p) for p in embed.parameters()}
+    head.tied = frozenset(n for n, p in head.named_parameters() if id(p) in embed_weights)
+    for layer in parts:
+        layer._record_hf_keys(model, fam.base)
+        # Plain attributes (picklable): what init_layer_ needs to run the model class's own _init_weights.
+        layer.__dict__["hf_model_class"] = type(model)
+        layer.__dict__["hf_config"] = config
+    return nn.ModuleList(parts)
+
+
+def _copy_rotary(rotary: nn.Module) -> nn.Module:
+    import copy
+    return copy.deepcopy(rotary, memo={id(rotary.config): rotary.config})
+
+
+def layers_from_config(config: Any, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                       attn_implementation: str | None = None, init: bool = True) -> nn.ModuleList:
+    """Build the layer list of ``config``'s causal LM without any download.
+
+    ``device="meta"`` (or an ambient ``with torch.device("meta")``, as ``configure_model`` runs under the pipeline)
+    allocates nothing: allocate the layers you hold with
+    :func:`~lightning_pipe.hf.weights.materialize_layers_`, then fill them with
+    :func:`~lightning_pipe.hf.weights.init_layer_` (seeded random init) or
+    :func:`~lightning_pipe.hf.weights.load_layer_weights_` (a local checkpoint). ``init=False``
+    skips transformers' random init on a real device (when the weights are loaded right after).
+    """
+    from transformers import AutoModelForCausalLM
+
+    _family(config)  # fail early, with the list of supported families
+    kwargs: dict[str, Any] = {}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    meta = device is not None and torch.device(device).type == "meta"
+    skip_init = meta or not init
+    with contextlib.ExitStack() as stack:
+        if device is not None:
+            stack.enter_context(torch.device(device))
+        if skip_init:
+            from transformers.initialization import no_init_weights
+            stack.enter_context(no_init_weights())
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+    if config.tie_word_embeddings and model.lm_head.weight is not model.get_input_embeddings().weight:
+        model.tie_weights()
+    return causal_lm_layers(model)

@@ -1,0 +1,122 @@
+""":class:`HFCausalLM`: a transformers causal LM as a :class:`~lightning_pipe.PipelineModule`, in one line.
+
+From one of
+
+* ``model=`` an instantiated ``*ForCausalLM`` (its modules are reused: same weights, built in ``__init__``);
+* ``config=`` a transformers config: random init, seeded per layer (``seed + layer index``), so one device and every
+  pipeline layout start from the same values;
+* ``pretrained=`` a local directory (``config.json`` + safetensors, as ``save_pretrained`` writes it): each rank
+  reads only the tensors of its own layers.
+
+For ``config=`` / ``pretrained=`` the layers are built in ``configure_model`` — on the meta device under the
+pipeline strategy, which then allocates this rank's layers and calls :meth:`HFCausalLM.reset_layer` for them only.
+
+Batches are dicts as transformers' collators produce them: ``{"input_ids", "attention_mask", "labels"}``
+(``labels`` = ``input_ids`` with -100 where no loss is wanted; the shift happens inside the loss, as in
+transformers), optionally ``"position_ids"`` (needs ``"attention_mask"``). The loss is token-weighted: ``loss_fn``
+returns ``(sum, count)``, so padded batches give the loss (and gradients) of the model's own ``.loss`` over the
+whole batch, however the padding falls across micro-batches and replicas.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_pipe.hf.layers import causal_lm_layers, layers_from_config
+from lightning_pipe.hf.loss import causal_lm_loss_sum_count
+from lightning_pipe.hf.weights import SafetensorsCheckpoint, init_layer_, load_layer_weights_
+from lightning_pipe.lightning.module import PipelineModule
+
+
+class HFCausalLM(PipelineModule):
+    """A transformers causal LM (GPT-2, Llama, Mistral, Qwen2, Qwen3) trained as a pipeline layer list.
+
+    Args:
+        model: an instantiated ``*ForCausalLM``; its modules become ``self.layers`` (drop the model afterwards).
+        config: a transformers config to build from, randomly initialised (no download).
+        pretrained: a local checkpoint directory (no download).
+        seed: base seed of the per-layer random init (``config=`` only).
+        attn_implementation: ``"sdpa"`` / ``"eager"`` / ... for ``config=`` / ``pretrained=``.
+        optimizer: ``params -> torch.optim.Optimizer``; default AdamW(lr=3e-4, weight_decay=0).
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None, *, config: Any = None,
+                 pretrained: str | os.PathLike[str] | None = None, seed: int = 0,
+                 attn_implementation: str | None = None,
+                 optimizer: Callable[[Any], torch.optim.Optimizer] | None = None) -> None:
+        super().__init__()
+        given = [name for name, value in (("model", model), ("config", config), ("pretrained", pretrained))
+                 if value is not None]
+        if len(given) != 1:
+            raise ValueError(f"HFCausalLM takes exactly one of `model`, `config`, `pretrained`; got {given or 'none'}.")
+        self.layers = causal_lm_layers(model) if model is not None else None
+        self.hf_config = config
+        self.pretrained = os.fspath(pretrained) if pretrained is not None else None
+        self.seed = seed
+        self.attn_implementation = attn_implementation
+        self.optimizer_factory = optimizer
+        self.checkpoint_reader: SafetensorsCheckpoint | None = None
+        """The ``pretrained=`` directory's reader (``keys_read``: what this process read from it)."""
+
+    # ---------------------------------------------------------------- building
+    def configure_model(self) -> None:
+        if self.layers is not None:
+            return
+        config = self.hf_config
+        if self.pretrained is not None:
+            from transformers import AutoConfig
+            config = AutoConfig.from_pretrained(self.pretrained)
+        # On the ambient device: meta under PipelineStrategy (nothing allocated), the real device otherwise.
+        # transformers' own init is skipped: reset_layer fills every layer.
+        self.layers = layers_from_config(config, attn_implementation=self.attn_implementation, init=False)
+        for index, layer in enumerate(self.layers):
+            self.reset_layer(index, layer)
+
+    def reset_layer(self, index: int, layer: torch.nn.Module) -> None:
+        """Fill one allocated layer: from the checkpoint (its own tensors only), or seeded random init."""
+        if any(t.is_meta for t in layer.parameters()):
+            return
+        if self.pretrained is not None:
+            if self.checkpoint_reader is None:
+                self.checkpoint_reader = SafetensorsCheckpoint(self.pretrained)
+            load_layer_weights_(layer, self.checkpoint_reader)
+        else:
+            init_layer_(layer, self.seed + index)
+
+    # ---------------------------------------------------------------- contract
+    def split_batch(self, batch: Any) -> tuple[Any, Any]:
+        """``{"input_ids", "attention_mask"?, "position_ids"?, "labels"?}`` -> ``((input_ids, attention_mask
+        [, position_ids]), labels)``; other batch shapes as :class:`PipelineModule` splits them."""
+        if isinstance(batch, Mapping) and "input_ids" in batch:
+            input_ids = batch["input_ids"]
+            mask, position_ids = batch.get("attention_mask"), batch.get("position_ids")
+            if position_ids is not None and mask is None:
+                raise ValueError(
+                    "A batch with `position_ids` needs an `attention_mask` too (the layers carry them in the order "
+                    "(input_ids, attention_mask, position_ids)). For packed sequences without padding pass "
+                    "`attention_mask=torch.ones_like(input_ids)`; note transformers then masks causally over the "
+                    "whole row, as model(input_ids, attention_mask=..., position_ids=...) does."
+                )
+            if mask is None:
+                inputs: Any = input_ids
+            elif position_ids is None:
+                inputs = (input_ids, mask)
+            else:
+                inputs = (input_ids, mask, position_ids)
+            return inputs, batch.get("labels")
+        return super().split_batch(batch)
+
+    def loss_fn(self, logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """``(sum of token losses, counted tokens)``: labels -100 do not count; the batch loss is the global sum over
+        the global count (== the model's own ``.loss`` over the whole batch)."""
+        return causal_lm_loss_sum_count(logits, labels)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer_factory is not None:
+            return self.optimizer_factory(self.parameters())
+        return torch.optim.AdamW(self.parameters(), lr=3e-4, weight_decay=0.0)

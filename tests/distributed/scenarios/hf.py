@@ -1,0 +1,166 @@
+"""transformers causal LMs through ``HFCausalLM`` on the pipeline vs the transformers model itself on one device.
+
+The reference is the ``*ForCausalLM`` model: same initial weights (``HFCausalLM(config=...)``'s seeded init, copied
+into the model with ``hf_state_dict``, or the same ``save_pretrained`` directory), its own forward and ``.loss``, a
+plain SGD loop over the batches in the order Lightning's DistributedSampler gives the pipeline. Batches are padded
+unevenly (left and right, -100 labels on padding and on a random prompt), so micro-batches hold different token counts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, TypedDict
+
+import lightning.pytorch as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader
+from typing_extensions import NotRequired
+
+from lightning_pipe import PipelineStrategy
+from tests.models import SameOrderAsDistributedSampler
+
+VOCAB, LENGTH, SEED, LR = 96, 12, 5, 0.2
+COMMON = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "intermediate_size": 64, "max_position_embeddings": 64, "pad_token_id": 0,
+          "bos_token_id": 1, "eos_token_id": 2}
+
+
+def make_config(family: str) -> Any:
+    import transformers
+
+    if family == "gpt2":  # embedding and head tied: across the two ranks under 1F1B, on rank 0 under ZB-V
+        return transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2)
+    if family == "llama":
+        return transformers.LlamaConfig(**COMMON)
+    if family == "mistral":  # a window shorter than the sequence: every layer slides
+        return transformers.MistralConfig(sliding_window=4, **COMMON)
+    if family == "qwen2":  # layer 0 full attention, layer 1 sliding
+        return transformers.Qwen2Config(use_sliding_window=True, sliding_window=4, max_window_layers=1, **COMMON)
+    raise ValueError(family)
+
+
+@dataclass(frozen=True)
+class HFCase:
+    family: str = "llama"
+    schedule: str = "1f1b"
+    stages_per_rank: int | None = None
+    microbatches: int = 4
+    pretrained: str | None = None  # a save_pretrained directory: HFCausalLM(pretrained=...) instead of config=
+    steps: int = 3
+    batch: int = 8
+    n_data: int = 32
+    expect_error: bool = False
+
+
+class HFResult(TypedDict):
+    params: dict[str, torch.Tensor]  # under the model's own names (this rank's layers under the pipeline)
+    losses: list[float]  # train loss per step
+    val_loss: float  # after training, on the first batch
+    topology: NotRequired[tuple[int, int]]
+    keys_read: NotRequired[list[str]]  # pretrained: the checkpoint keys this rank read
+
+
+def padded_data(n: int, seed: int = 3) -> list[dict[str, torch.Tensor]]:
+    """Rows of 3..LENGTH real tokens, padded left or right; labels -100 on padding and on a random prompt."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        real = int(torch.randint(3, LENGTH + 1, (), generator=g))
+        ids = torch.zeros(LENGTH, dtype=torch.long)
+        mask = torch.zeros(LENGTH, dtype=torch.long)
+        where = slice(LENGTH - real, LENGTH) if torch.rand((), generator=g) < 0.5 else slice(0, real)
+        ids[where] = torch.randint(3, VOCAB, (real,), generator=g)
+        mask[where] = 1
+        labels = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
+        prompt = int(torch.randint(0, real - 1, (), generator=g))
+        labels[where.start:where.start + prompt] = -100
+        rows.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return rows
+
+
+def hf_params(layers: Any) -> dict[str, torch.Tensor]:
+    """The parameters of the layers held here, under the model's names (a tie's copies under its first name)."""
+    out: dict[str, torch.Tensor] = {}
+    for layer in layers:
+        keys = getattr(layer, "hf_keys", None)  # RemoteLayer placeholders have none
+        if keys is None:
+            continue
+        for local, p in layer.named_parameters(remove_duplicate=False):
+            out[keys[local][0]] = p.detach().clone()
+    return out
+
+
+class _Losses(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+
+def _module(case: HFCase) -> Any:
+    from lightning_pipe import HFCausalLM
+
+    def sgd(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=LR)
+
+    if case.pretrained is not None:
+        return HFCausalLM(pretrained=case.pretrained, attn_implementation="sdpa", optimizer=sgd)
+    return HFCausalLM(config=make_config(case.family), seed=SEED, attn_implementation="sdpa", optimizer=sgd)
+
+
+def run_pipeline(case: HFCase) -> HFResult:
+    """The scenario a launched rank runs."""
+    data = padded_data(case.n_data)
+    module = _module(case)
+    recorder = _Losses()
+    strategy = PipelineStrategy(schedule=case.schedule, microbatches=case.microbatches,
+                                stages_per_rank=case.stages_per_rank)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=int(os.environ["TEST_WORLD_SIZE"]),
+                        max_steps=case.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[recorder])
+    trainer.fit(module, DataLoader(data, batch_size=case.batch, shuffle=False, drop_last=True))
+    val = trainer.validate(module, DataLoader(data[:case.batch], batch_size=case.batch), verbose=False)
+    out = HFResult(params=hf_params(module.layers), losses=recorder.losses, val_loss=float(val[0]["val_loss"]),
+                   topology=(trainer.strategy.topology.dp_rank, trainer.strategy.topology.pp_rank))
+    if module.checkpoint_reader is not None:
+        out["keys_read"] = list(module.checkpoint_reader.keys_read)
+    return out
+
+
+def run_reference(case: HFCase) -> tuple[HFResult, dict[str, torch.Tensor]]:
+    """The transformers model on one process: its forward, its loss, SGD; and its named parameters (deduplicated)."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_pipe.hf import hf_state_dict
+
+    if case.pretrained is not None:
+        model = AutoModelForCausalLM.from_pretrained(case.pretrained, attn_implementation="sdpa")
+    else:
+        config = make_config(case.family)
+        start = _module(case)
+        start.configure_model()  # seeded per layer, as every pipeline rank initialises its own layers
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        missing, unexpected = model.load_state_dict(hf_state_dict(start.layers), strict=False)
+        tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+        assert not unexpected and set(missing) <= tied, (missing, unexpected)
+    data = padded_data(case.n_data)
+    loader = DataLoader(data, batch_size=case.batch, sampler=SameOrderAsDistributedSampler(len(data)),
+                        drop_last=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for _, batch in zip(range(case.steps), loader):
+        optimizer.zero_grad()
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    first = next(iter(DataLoader(data[:case.batch], batch_size=case.batch)))
+    with torch.no_grad():
+        val_loss = float(model(**first).loss)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    full = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    return HFResult(params=params, losses=losses, val_loss=val_loss), full
