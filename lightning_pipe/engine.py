@@ -15,6 +15,20 @@ be wiped by the zero_grad that follows. Instead of skipping Lightning's zero_gra
 ``on_before_zero_grad`` / ``optimizer_zero_grad`` hooks), the engine moves the fresh gradients aside right after the
 schedule (a pointer swap, no copy) and the strategy's ``backward`` puts them back, adding to what survived
 zero_grad. Every hook fires where it fires on one device, and accumulation stays exact.
+
+[Note: re-inference on a new shape]
+Torch sizes its P2P receive buffers by shape inference on the first step and again only on a train/eval switch; a
+batch of another shape would land in the old buffers (wrong outputs in evaluation, a crash in training). The engine
+keys what torch last inferred by the batch's :class:`Signature` (mode, micro-batch rows, each input's trailing shape,
+dtype and requires_grad, the training target's) and makes torch infer again when it changes; the ranks of a pipeline
+read the same batch, so they agree. Cost: about one micro-batch's forward and backward per stage (README).
+
+[Note: shape inference has no side effects]
+Torch's inference runs each stage for real, in the module's current mode: BatchNorm would update its running
+statistics (later stages on stand-in inputs) and count a batch too many. The stages are
+``_compat.GuardedPipelineStage``: each inference runs inside :meth:`PipelineEngine._inference_guard`, which restores
+the stage module's buffers and the RNG state and keeps the inference's loss call out of the step's losses; stand-ins
+are zeros, not ``torch.empty``. Parameters and gradients are untouched (torch computes input gradients only).
 """
 
 from __future__ import annotations
@@ -27,9 +41,19 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.pipelining import PipelineStage
 
 from lightning_pipe._compat import torch as _compat
+from lightning_pipe.batches import (
+    LossParts,
+    Signature,
+    check_target,
+    input_args,
+    loss_parts,
+    pad_rows,
+    signature,
+    target_elements,
+    trim_rows,
+)
 from lightning_pipe.config import PipelineConfig, Topology, config_error
 from lightning_pipe.grads import GradientSync, ProcessGroups
 from lightning_pipe.partition import layer_param_counts, partition_layers
@@ -42,6 +66,7 @@ from lightning_pipe.stages import (
     find_tied_parameters,
     localize_layers,
     materialize,
+    warn_batch_norm,
 )
 
 
@@ -55,29 +80,6 @@ class PipelineLayout:
     plan: SchedulePlan
 
 
-def _rows(inputs: Any) -> int:
-    first = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
-    if not isinstance(first, Tensor) or first.dim() == 0:
-        raise TypeError(f"Pipeline inputs must be tensors with a batch dimension, got {type(first).__name__}")
-    return first.shape[0]
-
-
-def _pad_rows(x: Any, rows: int) -> Any:
-    """Pad along dim 0 to ``rows`` by repeating the last row (values are discarded after the step)."""
-    if isinstance(x, (tuple, list)):
-        return type(x)(_pad_rows(t, rows) for t in x)
-    if not isinstance(x, Tensor) or x.shape[0] == rows:
-        return x
-    pad = x[-1:].expand(rows - x.shape[0], *x.shape[1:])
-    return torch.cat([x, pad], dim=0)
-
-
-def _trim_rows(x: Any, rows: int) -> Any:
-    if isinstance(x, (tuple, list)):
-        return type(x)(_trim_rows(t, rows) for t in x)
-    return x[:rows] if isinstance(x, Tensor) else x
-
-
 class PipelineEngine:
     """Owns this rank's stages and schedule; answers :class:`~lightning_pipe.PipelineModule`'s requests."""
 
@@ -89,7 +91,8 @@ class PipelineEngine:
         self.device = device
         self.stage_modules = stage_modules
         self.stages = [
-            PipelineStage(sm, s, plan.num_stages, device, group=groups.pp)
+            _compat.GuardedPipelineStage(sm, s, plan.num_stages, device, group=groups.pp,
+                                         inference_guard=self._inference_guard)
             for sm, s in zip(stage_modules, local_stage_ids)
         ]
         self.has_first = any(st.is_first for st in self.stages)
@@ -98,15 +101,19 @@ class PipelineEngine:
         self.phase: str | None = None
         self.batch_idx: int | None = None
         self.accumulate_grad_batches = 1
-        self._loss_scale = 1.0
-        self._shape: tuple[str, int] | None = None  # (train|eval, micro-batch rows) torch last initialised for
+        self._loss_scale = 1.0  # of a mean loss ([Note: loss scaling])
+        self._sum_scale = 1.0  # of a (sum, count) loss ([Note: token-weighted loss] in batches.py)
+        self._signature: Signature | None = None  # what torch last inferred shapes for
+        self.shape_inferences = 0  # forward shape inferences run by this rank's stages
+        self._inferring = False
         self._pending_grads: list[Tensor | None] | None = None
         # Deduplicated: a V schedule can put both ends of a tied weight on one rank (one object, two stages).
         self.parameters = list({id(p): p for sm in stage_modules for p in sm.parameters()}.values())
         self.grads = GradientSync(module, self.parameters, groups, device)
         # fp16 loss scaling, set by PipelinePrecision ([Note: fp16 loss scaling in a pipeline] in lightning/precision.py)
         self.loss_scaler: Callable[[Tensor], Tensor] | None = None
-        self._raw_losses: list[Tensor] = []
+        self._records: list[LossParts] = []  # this step's micro-batch losses (last stage)
+        self._owner = type(module).__name__
         # Context managers entered around every training schedule step (see lightning_pipe.memory / trace).
         self.step_contexts: list[Callable[[], contextlib.AbstractContextManager]] = []
 
@@ -128,10 +135,32 @@ class PipelineEngine:
         if self.phase != "train":
             # Forward-only passes still call the schedule's loss; we compute eval losses on merged outputs.
             return torch.zeros((), device=self.device)
-        raw = self.module.loss_fn(output, target)
-        self._raw_losses.append(raw.detach())
-        scaled = raw * self._loss_scale  # [Note: loss scaling]
+        parts = loss_parts(self.module.loss_fn(output, target), self._owner)
+        if not self._inferring:  # torch's shape inference calls the loss too: not one of the step's micro-batches
+            self._records.append(parts.detached())
+        # [Note: loss scaling]; a (sum, count) pair: [Note: token-weighted loss]
+        scaled = parts.value * (self._loss_scale if parts.count is None else self._sum_scale)
         return self.loss_scaler(scaled) if self.loss_scaler is not None else scaled
+
+    @contextlib.contextmanager
+    def _inference_guard(self, stage_module: nn.Module, forward: bool) -> Iterator[None]:
+        """Around each of torch's shape inferences: [Note: shape inference has no side effects]."""
+        buffers = [(b, b.detach().clone()) for b in stage_module.buffers()]
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        self._inferring = True
+        self.shape_inferences += forward
+        try:
+            yield
+        finally:
+            self._inferring = False
+            # Through .data: no autograd version bump, so the inference graph (BatchNorm saves its running
+            # statistics) still serves the backward inference that follows (only its shapes are used).
+            for buffer, saved in buffers:
+                buffer.data.copy_(saved)
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng, self.device)
 
     # ------------------------------------------------------------------ requests from PipelineModule
     def loss(self, module: nn.Module, batch: Any) -> Tensor:
@@ -148,7 +177,7 @@ class PipelineEngine:
         if self.phase == "train":
             raise RuntimeError("compute_output runs forward only; in training_step use compute_loss(batch).")
         inputs, _ = module.split_batch(batch)
-        out = self._forward_only(inputs)
+        out = self._forward_only(input_args(inputs, self._owner))
         return self._broadcast_object(out)
 
     # ------------------------------------------------------------------ training
@@ -162,42 +191,64 @@ class PipelineEngine:
                 f"the batch size to a multiple of {m}", also=("microbatches",))
         return rows // m
 
-    def _ensure_shape(self, mode: str, mb_rows: int) -> None:
-        """Torch infers P2P buffer shapes once per train/eval switch; re-initialise when the row count changes."""
-        if self._shape is not None and self._shape[0] == mode and self._shape[1] != mb_rows:
-            _compat.reset_schedule_shapes(self.schedule)
-        self._shape = (mode, mb_rows)
-
-    def _step_args(self, inputs: Any) -> tuple:
-        if not self.has_first:
-            return ()
-        return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    def _use_signature(self, sig: Signature) -> None:
+        """[Note: re-inference on a new shape]."""
+        if sig != self._signature:
+            if self._signature is not None:
+                _compat.reset_schedule_shapes(self.schedule)
+            self._signature = sig
 
     def _train_step(self, module: nn.Module, batch: Any) -> Tensor:
         inputs, target = module.split_batch(batch)
-        if target is None:
-            raise ValueError("Training under the pipeline needs a target: split_batch returned None for it.")
-        self._ensure_shape("train", self._check_rows(_rows(inputs), "training"))
+        args = input_args(inputs, self._owner)
+        mb_rows = self._check_rows(args[0].shape[0], "training")
+        target = check_target(target, self.plan.microbatches, self._owner)
+        self._use_signature(signature("train", args, mb_rows, target))
         self._loss_scale = 1.0 / (self.plan.microbatches * self.accumulate_grad_batches)
+        self._sum_scale = 1.0 / (self.accumulate_grad_batches * target_elements(target))
         # [Note: gradients across Lightning's zero_grad]: keep what earlier batches accumulated out of the way.
         saved = [p.grad for p in self.parameters]
         for p in self.parameters:
             p.grad = None
-        self._raw_losses = []
+        self._records = []
         with contextlib.ExitStack() as stack:
             for make_context in self.step_contexts:  # measurement (memory meter, trace recorder), off by default
                 stack.enter_context(make_context())
-            self.schedule.step(*self._step_args(inputs), target=target if self.has_last else None)
+            self.schedule.step(*(args if self.has_first else ()), target=target if self.has_last else None)
         self._pending_grads = [p.grad for p in self.parameters]
         for p, g in zip(self.parameters, saved):
             p.grad = g
+        loss, global_count = self._step_loss()
+        if global_count is not None:  # [Note: token-weighted loss]
+            factor = target_elements(target) * self.groups.topology.data_parallel_size / global_count.clamp_min(1)
+            for grad in self._pending_grads:
+                if grad is not None:
+                    grad.mul_(factor.to(grad.dtype))
+        return loss
+
+    def _step_loss(self) -> tuple[Tensor, Tensor | None]:
+        """This replica's batch loss (on every rank) and, for a (sum, count) loss, the count over all replicas."""
+        packed = torch.zeros(2, dtype=torch.float64, device=self.device)  # (mean, -1) or (sum, count)
         if self.has_last:
-            # The last m recorded losses are this step's (torch may call the loss once more while inferring shapes).
-            m = self.plan.microbatches
-            mean = torch.stack([loss.float() for loss in self._raw_losses[-m:]]).mean()
-        else:
-            mean = torch.zeros((), device=self.device)
-        return self._broadcast_loss(mean)
+            records, m = self._records, self.plan.microbatches
+            if len(records) != m or len({r.count is None for r in records}) != 1:
+                raise TypeError(
+                    f"{self._owner}.loss_fn must return the same kind of loss for every micro-batch (a mean, or a "
+                    f"(sum, count) pair); got {['mean' if r.count is None else 'pair' for r in records]} for {m}.")
+            if records[0].count is None:
+                packed[0], packed[1] = torch.stack([r.value.float() for r in records]).mean(), -1.0
+            else:
+                packed[0] = torch.stack([r.value.double() for r in records]).sum()
+                packed[1] = torch.stack([r.count for r in records]).sum()  # type: ignore[misc]
+        if self.plan.pipeline_size > 1:
+            dist.broadcast(packed, group=self.groups.pp, group_src=self.last_pp_rank)
+        if packed[1] < 0:
+            return packed[0].float(), None
+        loss = LossParts(packed[0], packed[1]).reduced().float()
+        count = packed[1].clone()
+        if self.groups.dp is not None:
+            dist.all_reduce(count, group=self.groups.dp)
+        return loss, count
 
     def apply_pending_grads(self) -> None:
         """Lightning's backward, in pipeline terms: add this batch's gradients to what survived zero_grad."""
@@ -216,30 +267,30 @@ class PipelineEngine:
         self._pending_grads = None
 
     # ------------------------------------------------------------------ forward only
-    def _forward_only(self, inputs: Any) -> Any:
-        m = self.plan.microbatches
-        rows = _rows(inputs)
-        mb_rows = math.ceil(rows / m)
-        if self._shape is not None and self._shape[0] == "eval" and self._shape[1] > mb_rows:
-            mb_rows = self._shape[1]  # a short last batch: pad to the shape torch already knows
-        padded = mb_rows * m
-        self._ensure_shape("eval", mb_rows)
+    def _forward_only(self, args: tuple[Tensor, ...]) -> Any:
+        m, rows = self.plan.microbatches, args[0].shape[0]
+        sig = signature("eval", args, math.ceil(rows / m))
+        known = self._signature
+        if known is not None and known.rows > sig.rows and known == sig.with_rows(known.rows):
+            sig = known  # a short last batch: pad to the shape torch already knows
+        self._use_signature(sig)
+        padded = sig.rows * m
         # Lightning evaluates under inference_mode; torch's P2P buffers must stay ordinary tensors so that the
         # next training step can reuse them, so run under no_grad instead.
         with torch.inference_mode(False), torch.no_grad(), _compat.forward_only_actions(self.schedule):
-            args = self._step_args(_pad_rows(inputs, padded))
+            step_args = pad_rows(args, padded) if self.has_first else ()
             dummy_target = torch.zeros(padded, device=self.device) if self.has_last else None
-            out = self.schedule.eval(*args, target=dummy_target)
-        return _trim_rows(out, rows) if self.has_last else None
+            out = self.schedule.eval(*step_args, target=dummy_target)
+        return trim_rows(out, rows) if self.has_last else None
 
     def _eval_loss(self, module: nn.Module, batch: Any) -> Tensor:
         inputs, target = module.split_batch(batch)
         if target is None:
-            raise ValueError("compute_loss needs a target, but split_batch returned None for it.")
-        out = self._forward_only(inputs)
+            raise ValueError(f"compute_loss needs a target, but {self._owner}.split_batch returned None for it.")
+        out = self._forward_only(input_args(inputs, self._owner))
         if self.has_last:
             with torch.inference_mode(False), torch.no_grad():
-                loss = module.loss_fn(out, target).detach().float()
+                loss = loss_parts(module.loss_fn(out, target), self._owner).reduced().detach().float()
         else:
             loss = torch.zeros((), device=self.device)
         return self._broadcast_loss(loss)
@@ -279,6 +330,8 @@ def build_engine(module: nn.Module, config: PipelineConfig, plan: SchedulePlan, 
         check_no_stray_parameters(module, config.layers_attr)
         ranges = partition_layers(len(layers), plan.num_stages, config.partition, layer_param_counts(layers))
         layout = PipelineLayout(tuple(ranges), tuple(find_tied_parameters(module, config.layers_attr)), plan)
+        if topology.global_rank == 0:
+            warn_batch_norm(layers, config.layers_attr, plan.microbatches)
     elif layout.plan != plan:
         raise RuntimeError(
             f"{type(module).__name__} was already split for another pipeline ({layout.plan}); its other layers are "

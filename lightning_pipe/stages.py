@@ -8,6 +8,7 @@ user's ``configure_optimizers`` all see the usual names, only fewer of them.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -15,14 +16,74 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_pipe._compat import torch as _compat
 from lightning_pipe.config import config_error
 
+# [Note: the layer I/O contract]
+# A layer's output is the next layer's input: a tensor is its one argument, a tuple (or list) is unpacked into its
+# positional arguments. That holds on one device (``PipelineModule.forward``), between two layers of one stage, and
+# across a stage boundary, where torch sends each element of the tuple and calls the next stage with them as
+# positional arguments; ``split_batch``'s inputs reach the first layer the same way. Only tensors can cross a stage
+# boundary, and where the boundaries fall depends on the partition, so one rule holds for every layer (and for the
+# inputs), on one device too: a tensor or a non-empty tuple of tensors. It is checked at every layer call (a few
+# isinstance checks, nothing next to the layer) and a break names the layer. Dicts are refused rather than carried:
+# flattening them at boundaries would need their keys on the receiving rank before its first message, and a tuple
+# says the same thing.
 
-def run_layers(layers: nn.Module, inputs: Any) -> Any:
-    """Run a layer list as a chain (the semantics every stage keeps)."""
+
+class LayerContractError(TypeError):
+    """A layer (or ``split_batch``) produced something other than a tensor or a tuple of tensors."""
+
+
+def layer_args(value: Any) -> tuple[Any, ...]:
+    """A layer output (or the inputs) as the next layer's positional arguments ([Note: the layer I/O contract])."""
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def check_layer_io(value: Any, what: str) -> None:
+    """Refuse anything but a tensor or a non-empty tuple/list of tensors, naming ``what`` produced it."""
+    if isinstance(value, torch.Tensor):
+        return
+    if isinstance(value, (tuple, list)) and value and all(isinstance(v, torch.Tensor) for v in value):
+        return
+    raise LayerContractError(
+        f"{what} {_describe(value)}. Rule: every layer returns a tensor or a tuple of tensors, and a tuple is the next "
+        "layer's positional arguments (on one device, inside a stage and across stages; the first layer receives "
+        "split_batch's inputs the same way). Only tensors can cross a pipeline stage boundary, so dicts, None and "
+        "other objects are refused. Return a tuple of tensors instead, e.g. `return hidden, mask`, and take "
+        "`forward(self, hidden, mask)` in the next layer.")
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, dict):
+        return f"a dict with keys {list(value)[:8]}"
+    if isinstance(value, (tuple, list)):
+        if not value:
+            return f"an empty {type(value).__name__}"
+        bad = next(i for i, v in enumerate(value) if not isinstance(v, torch.Tensor))
+        return f"a {type(value).__name__} whose element {bad} is {type(value[bad]).__name__}"
+    return f"a {type(value).__name__}"
+
+
+def run_layers(layers: nn.Module, inputs: Any, indices: Sequence[int] | None = None,
+               recompute_every: int | None = None) -> Any:
+    """Run layers as a chain ([Note: the layer I/O contract]); ``indices`` are their places in the full list.
+
+    With ``recompute_every=k`` (and grad enabled) every k-th layer is checkpointed: non-reentrant, so only its
+    inputs are kept and its RNG is replayed on recomputation.
+    """
+    chain: list[nn.Module] = list(layers)  # type: ignore[call-overload]  # nn.Sequential / nn.ModuleList
+    indices = range(len(chain)) if indices is None else indices
+    check_layer_io(inputs, f"The inputs of layer {indices[0]} (split_batch's inputs, or the previous stage's outputs) are")
     hidden = inputs
-    for layer in layers:
-        hidden = layer(hidden)
+    recompute = recompute_every is not None and torch.is_grad_enabled()
+    for j, (index, layer) in enumerate(zip(indices, chain)):
+        args = layer_args(hidden)
+        if recompute and j % recompute_every == 0:  # type: ignore[operator]
+            hidden = checkpoint(layer, *args, use_reentrant=False)
+        else:
+            hidden = layer(*args)
+        check_layer_io(hidden, f"Layer {index} ({type(layer).__name__}) returned")
     return hidden
 
 
@@ -47,8 +108,8 @@ class RemoteLayer(nn.Module):
 class StageModule(nn.Module):
     """A contiguous run of layers; the module torch's ``PipelineStage`` executes.
 
-    Torch passes a stage the previous stage's outputs as positional arguments; a single argument is the tensor,
-    several are the tuple the previous layer returned, so the chain semantics of the full model are kept.
+    Torch passes a stage the previous stage's outputs as positional arguments, exactly what the next layer takes
+    ([Note: the layer I/O contract]), so the chain semantics of the full model are kept.
     """
 
     def __init__(self, layers: Sequence[nn.Module], layer_indices: range, recompute_every: int | None = None) -> None:
@@ -58,17 +119,7 @@ class StageModule(nn.Module):
         self.recompute_every = recompute_every
 
     def forward(self, *args: Any) -> Any:
-        hidden = args[0] if len(args) == 1 else args
-        k = self.recompute_every
-        if k is None or not torch.is_grad_enabled():
-            return run_layers(self.layers, hidden)
-        for j, layer in enumerate(self.layers):
-            if j % k == 0:
-                # Non-reentrant checkpointing: keeps only the layer's input; replays its RNG on recomputation.
-                hidden = checkpoint(layer, hidden, use_reentrant=False)
-            else:
-                hidden = layer(hidden)
-        return hidden
+        return run_layers(self.layers, args[0] if len(args) == 1 else args, self.layer_indices, self.recompute_every)
 
 
 def find_layers(module: nn.Module, attr: str) -> nn.Module:
@@ -191,3 +242,18 @@ def _retie(module: nn.Module, tied: Sequence[TiedParameter]) -> None:
                 owners.append((owner, leaf))
         for owner, leaf in owners[1:]:
             owner._parameters[leaf] = owners[0][0]._parameters[owners[0][1]]
+
+
+def warn_batch_norm(layers: nn.Module, attr: str, microbatches: int) -> None:
+    """Once per module, on rank 0 (every layer is still there): BatchNorm sees micro-batches, not the batch."""
+    found = [f"{attr}.{i}{'.' + name if name else ''} ({type(sub).__name__})"
+             for i, layer in enumerate(layers) for name, sub in layer.named_modules()
+             if isinstance(sub, _compat.BatchNormBase)]
+    if found and microbatches > 1:
+        warnings.warn(
+            f"PipelineStrategy with microbatches={microbatches}: BatchNorm normalises each micro-batch with its own "
+            "statistics and updates its running statistics once per micro-batch, so training is correct but not "
+            "bit-comparable with one device on the whole batch (like dropout; data-parallel replicas normalise "
+            f"separately too, as under DDP without SyncBatchNorm). BatchNorm layers: {', '.join(found[:8])}"
+            f"{' ...' if len(found) > 8 else ''}. For exact parity use microbatches=1 (gpipe), or a per-sample "
+            "normalisation (LayerNorm, GroupNorm).", UserWarning, stacklevel=4)

@@ -140,3 +140,135 @@ class SameOrderAsDistributedSampler(Sampler):
 def reference_train_loader(dataset: TensorDataset, batch_size: int) -> DataLoader:
     return DataLoader(dataset, batch_size=batch_size, sampler=SameOrderAsDistributedSampler(len(dataset)),
                       drop_last=True)
+
+
+# ------------------------------------------------------------------------------------------------ issue 14 (hardening)
+class SkipIn(nn.Module):
+    """First layer of :class:`SkipRegressor`: takes split_batch's two inputs as positional arguments."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc, self.aux = nn.Linear(4, width), nn.Linear(4, width)
+
+    def forward(self, x: torch.Tensor, aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.fc(x), self.aux(aux)
+
+
+class SkipBlock(nn.Module):
+    """``forward(h, skip) -> (h, skip)``: a residual block that carries a skip tensor along."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor, skip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return h + torch.tanh(self.fc(h)), skip + 0.1 * h
+
+
+class SkipOut(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, 4)
+
+    def forward(self, h: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        return self.fc(h + skip)
+
+
+class SkipRegressor(ToyRegressor):
+    """Layers pass ``(h, skip)`` tuples (the next layer's positional arguments); the inputs are a pair too."""
+
+    def __init__(self, n_layers: int = 8, width: int = WIDTH, **kwargs: Any) -> None:
+        super().__init__(n_layers=n_layers, width=width, **kwargs)
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(SkipIn(width), *(SkipBlock(width) for _ in range(n_layers - 2)), SkipOut(width))
+
+    def split_batch(self, batch: Any) -> tuple[Any, Any]:
+        x, y = batch
+        return (x, x.flip(-1)), y
+
+
+class DictOut(nn.Module):
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"h": x}
+
+
+class DictOutRegressor(ToyRegressor):
+    """Layer 2 returns a dict: refused, naming the layer."""
+
+    def __init__(self, n_layers: int = 8, **kwargs: Any) -> None:
+        super().__init__(n_layers=n_layers, **kwargs)
+        self.layers[2] = DictOut()
+
+
+class DictInputsRegressor(ToyRegressor):
+    """split_batch returns its inputs as a dict: refused on every rank before any waits."""
+
+    def split_batch(self, batch: Any) -> tuple[Any, Any]:
+        return {"x": batch[0]}, batch[1]
+
+
+class BNRegressor(ToyRegressor):
+    """BatchNorm in both halves; the second half starts with one (fed stand-in inputs by torch's shape inference)."""
+
+    def __init__(self, n_layers: int = 8, width: int = WIDTH, **kwargs: Any) -> None:
+        super().__init__(n_layers=n_layers, width=width, **kwargs)
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(nn.Linear(4, width), nn.BatchNorm1d(width), nn.ReLU(), nn.Linear(width, width),
+                                    nn.BatchNorm1d(width), nn.Tanh(), nn.Linear(width, width), nn.Linear(width, 4))
+
+
+class CausalMix(nn.Module):
+    """A per-token MLP plus the running mean over earlier positions: causal, so right padding changes nothing."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc, self.mix = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        steps = torch.arange(1, h.shape[1] + 1, device=h.device, dtype=h.dtype).view(1, -1, 1)
+        return h + torch.tanh(self.fc(h) + self.mix(h.cumsum(1) / steps))
+
+
+class TinyLM(ToyRegressor):
+    """Token model for variable sequence lengths; ``loss="sum_count"`` is token-weighted (labels -100 ignored)."""
+
+    def __init__(self, n_layers: int = 6, vocab: int = 32, width: int = 16, loss: str = "mean", **kwargs: Any) -> None:
+        super().__init__(n_layers=n_layers, width=width, **kwargs)
+        torch.manual_seed(0)
+        self.vocab, self.loss_kind = vocab, loss
+        self.layers = nn.Sequential(nn.Embedding(vocab, width), *(CausalMix(width) for _ in range(n_layers - 2)),
+                                    nn.Linear(width, vocab))
+
+    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> Any:
+        flat_logits, flat_labels = logits.reshape(-1, self.vocab), labels.reshape(-1)
+        if self.loss_kind == "sum_count":
+            return F.cross_entropy(flat_logits, flat_labels, reduction="sum"), (flat_labels != -100).sum()
+        return F.cross_entropy(flat_logits, flat_labels)
+
+
+def varlen_tokens(n: int, vocab: int = 32, seed: int = 1, min_len: int = 3, max_len: int = 12,
+                  mask_prob: float = 0.0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` (tokens, labels) sequences of random lengths; ``mask_prob`` of the labels set to -100 (masked LM)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(min_len, max_len + 1, (), generator=g))
+        seq = torch.randint(0, vocab, (length + 1,), generator=g)
+        labels = seq[1:].clone()
+        labels[torch.rand(length, generator=g) < mask_prob] = -100
+        out.append((seq[:-1], labels))
+    return out
+
+
+def pad_collate(pad_label: int) -> Any:
+    """Pad each batch to its own longest sequence: tokens with 0, labels with ``pad_label``."""
+
+    def collate(items: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        length = max(x.shape[0] for x, _ in items)
+        x = torch.zeros(len(items), length, dtype=torch.long)
+        y = torch.full((len(items), length), pad_label, dtype=torch.long)
+        for i, (tokens, labels) in enumerate(items):
+            x[i, :tokens.shape[0]], y[i, :labels.shape[0]] = tokens, labels
+        return x, y
+
+    return collate

@@ -3,10 +3,17 @@
 A pipeline can only split a model it can see as a chain. :class:`PipelineModule` asks for exactly that:
 
 * ``self.layers`` — an ordered ``nn.Sequential`` / ``nn.ModuleList``; the output of layer ``i`` is the input of
-  layer ``i + 1`` (a tuple output is passed on as one tuple). Embedding and head are layers too.
-* :meth:`loss_fn` — ``loss_fn(last_layer_output, target) -> scalar``, a *mean* over the samples of the batch (the
-  default reduction of torch's losses), so that the average of the micro-batch losses is the batch loss.
-* :meth:`split_batch` — ``batch -> (inputs, target)``; the default takes ``(x, y)`` pairs and bare tensors.
+  layer ``i + 1``. Every layer returns a tensor or a tuple of tensors, and a tuple is the next layer's *positional
+  arguments* — on one device, inside a stage and across stages alike (``forward(self, h, skip)`` takes the
+  ``(h, skip)`` its predecessor returned). Dicts, ``None`` and other objects cannot cross a stage boundary and are
+  refused wherever they appear, naming the layer. Embedding and head are layers too.
+* :meth:`loss_fn` — ``loss_fn(last_layer_output, target)`` returns either a scalar tensor, the *mean* over the
+  samples of the batch (the default reduction of torch's losses: the average of equal micro-batches' means is the
+  batch mean), or a pair ``(sum, count)`` — the summed loss and the number of items it sums over (e.g. tokens whose
+  label is not -100); the batch loss is then the global sum over the global count across micro-batches and
+  data-parallel replicas, as on one device (``sum / max(count, 1)``).
+* :meth:`split_batch` — ``batch -> (inputs, target)``; ``inputs`` is a tensor or a tuple of tensors (the first
+  layer's positional arguments), each with the batch in dim 0; the default takes ``(x, y)`` pairs and bare tensors.
 
 ``training_step`` stays the place where the user logs. It gets its loss from :meth:`compute_loss`, which runs the
 layers and the loss on one device, and the whole pipeline schedule (forward *and* backward) under
@@ -20,6 +27,7 @@ from typing import Any, Protocol
 import lightning.pytorch as pl
 from torch import Tensor
 
+from lightning_pipe.batches import loss_parts
 from lightning_pipe.stages import run_layers
 
 def default_split_batch(batch: Any) -> tuple[Any, Any]:
@@ -72,10 +80,12 @@ class PipelineModule(pl.LightningModule):
     _pipeline_engine: PipelineEngineHandle | None = None
 
     # ---------------------------------------------------------------- contract
-    def loss_fn(self, output: Any, target: Any) -> Tensor:
+    def loss_fn(self, output: Any, target: Any) -> Tensor | tuple[Tensor, Tensor | int]:
+        """The loss of the last layer's output against the target: a scalar mean over the batch's samples, or a
+        ``(sum, count)`` pair for a loss weighted by items (tokens), see the module docstring."""
         raise NotImplementedError(
             f"{type(self).__name__} must implement `loss_fn(self, output, target)`: the loss of the last layer's "
-            "output against the target, averaged over the samples of the batch."
+            "output against the target, averaged over the samples of the batch (or a (sum, count) pair)."
         )
 
     def split_batch(self, batch: Any) -> tuple[Any, Any]:
@@ -84,11 +94,13 @@ class PipelineModule(pl.LightningModule):
 
     # ---------------------------------------------------------------- running
     def forward(self, inputs: Any) -> Any:
+        """Run the layer list as a chain; a tuple of ``inputs`` is the first layer's positional arguments."""
         return run_layers(self.layers, inputs)
 
     def compute_loss(self, batch: Any) -> Tensor:
-        """The batch loss. Under the pipeline strategy during training this runs the whole schedule (forward and
-        backward of every micro-batch) and returns the detached micro-batch average, identical on every rank."""
+        """The batch loss (a mean, or ``sum / max(count, 1)``). Under the pipeline strategy during training this runs
+        the whole schedule (forward and backward of every micro-batch) and returns this replica's batch loss,
+        detached, identical on every rank of the pipeline."""
         engine = self._pipeline_engine
         if engine is not None:
             return engine.loss(self, batch)
@@ -98,7 +110,7 @@ class PipelineModule(pl.LightningModule):
                 "compute_loss needs a target, but split_batch returned None for it; "
                 "return `(inputs, target)` from split_batch for training/validation batches."
             )
-        return self.loss_fn(self(inputs), target)
+        return loss_parts(self.loss_fn(self(inputs), target), type(self).__name__).reduced()
 
     def compute_output(self, batch: Any) -> Any:
         """The last layer's output for the batch's inputs (on every rank of the pipeline)."""

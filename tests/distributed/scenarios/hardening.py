@@ -1,0 +1,152 @@
+"""Issue 14's silent-wrong-number cases, written once for both sides (pipeline ranks and the one-device reference):
+variable sequence lengths, BatchNorm under shape inference, the layer I/O contract, token-weighted losses.
+
+``run_pipeline(case)`` runs inside a launched rank; ``run_reference(case)`` trains the same module from the same seed
+on one process over the global batch (per-replica batch x data-parallel size), in the order the replicas see it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader
+
+from lightning_pipe import PipelineStrategy
+from tests.models import (
+    BNRegressor,
+    DictInputsRegressor,
+    DictOutRegressor,
+    SameOrderAsDistributedSampler,
+    SkipRegressor,
+    TinyLM,
+    pad_collate,
+    regression_data,
+    varlen_tokens,
+)
+
+
+@dataclass(frozen=True)
+class HardeningCase:
+    model: str = "skip"  # a key of MODELS
+    schedule: str = "1f1b"
+    microbatches: int = 4
+    dp: int = 1
+    stages_per_rank: int | None = None
+    steps: int = 3  # optimizer steps
+    acc: int = 1
+    batch: int = 8  # per replica
+    n_data: int = 96
+    optimizer: str = "sgd"
+    # TinyLM only: the loss ("mean" or "sum_count"), the label of padded positions (0: counted, -100: ignored) and
+    # the fraction of labels masked to -100 inside the sequences
+    loss: str = "mean"
+    pad_label: int = -100
+    mask_prob: float = 0.0
+    validate: bool = False  # validation during fit (every 2 batches) and trainer.validate
+    predict: bool = False  # trainer.predict over 22 sequences / samples (short last batch)
+    expect_error: bool = False
+
+
+MODELS: dict[str, Callable[[HardeningCase], L.LightningModule]] = {
+    "skip": lambda c: SkipRegressor(optimizer=c.optimizer),
+    "bn": lambda c: BNRegressor(optimizer=c.optimizer),
+    "dict_out": lambda c: DictOutRegressor(),
+    "dict_inputs": lambda c: DictInputsRegressor(),
+    "lm": lambda c: TinyLM(loss=c.loss, optimizer=c.optimizer, lr=0.1 if c.optimizer == "sgd" else 0.02),
+}
+
+
+def _is_lm(case: HardeningCase) -> bool:
+    return case.model == "lm"
+
+
+def _data(case: HardeningCase, n: int, seed: int = 1) -> Any:
+    return varlen_tokens(n, seed=seed, mask_prob=case.mask_prob) if _is_lm(case) else regression_data(n, seed=seed)
+
+
+def _loader(case: HardeningCase, data: Any, batch: int, reference_train: bool = False, drop_last: bool = True
+            ) -> DataLoader:
+    collate = pad_collate(case.pad_label) if _is_lm(case) else None
+    if reference_train:  # the order Lightning's DistributedSampler gives the replicas, whole global batches
+        return DataLoader(data, batch_size=batch, sampler=SameOrderAsDistributedSampler(len(data)), drop_last=True,
+                          collate_fn=collate)
+    return DataLoader(data, batch_size=batch, shuffle=False, drop_last=drop_last, collate_fn=collate)
+
+
+class Recorder(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.val_losses: list[float] = []
+        self.step_seconds: list[float] = []
+        self.inferences: list[int] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.step_seconds.append(time.perf_counter() - self._start)
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        engine = getattr(trainer.strategy, "engine", None)
+        self.inferences.append(engine.shape_inferences if engine is not None else 0)
+
+    def on_validation_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.state.fn == "fit":
+            self.val_losses.append(float(trainer.callback_metrics["val_loss"]))
+
+
+def _trainer(case: HardeningCase, pipeline: bool, recorder: Callback) -> L.Trainer:
+    strategy: Any = "auto"
+    devices = 1
+    if pipeline:
+        strategy = PipelineStrategy(schedule=case.schedule, microbatches=case.microbatches,
+                                    data_parallel_size=case.dp, stages_per_rank=case.stages_per_rank)
+        devices = int(os.environ["TEST_WORLD_SIZE"])  # Lightning deletes WORLD_SIZE at teardown
+    return L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=case.steps,
+                     accumulate_grad_batches=case.acc, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                     limit_val_batches=3, val_check_interval=2, check_val_every_n_epoch=None, callbacks=[recorder])
+
+
+def _run(case: HardeningCase, pipeline: bool) -> dict[str, Any]:
+    torch.manual_seed(1234)
+    model = MODELS[case.model](case)
+    data = _data(case, case.n_data)
+    batch = case.batch * (1 if pipeline else case.dp)
+    recorder = Recorder()
+    trainer = _trainer(case, pipeline, recorder)
+    val = _loader(case, _data(case, 40, seed=3), batch, drop_last=False) if case.validate else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, _loader(case, data, batch, reference_train=not pipeline), val)
+    out: dict[str, Any] = {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
+        "losses": recorder.losses, "fit_val_losses": recorder.val_losses,
+        "step_seconds": recorder.step_seconds, "inferences": recorder.inferences,
+        "warnings": [str(w.message) for w in caught if "BatchNorm" in str(w.message)],
+    }
+    if case.validate:
+        out["val_loss"] = trainer.validate(model, val, verbose=False)[0]["val_loss"]
+    if case.predict:
+        preds = trainer.predict(model, _loader(case, _data(case, 22, seed=7), case.batch, drop_last=False))
+        out["predictions"] = preds if preds and preds[0] is not None else None
+    if pipeline:
+        out["topology"] = (trainer.strategy.topology.dp_rank, trainer.strategy.topology.pp_rank)
+    return out
+
+
+def run_pipeline(case: HardeningCase) -> dict[str, Any]:
+    return _run(case, pipeline=True)
+
+
+def run_reference(case: HardeningCase) -> dict[str, Any]:
+    return _run(case, pipeline=False)
