@@ -50,6 +50,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     _strategy("layers_attr", "strategy.layers_attr"),
     _strategy("recompute", "strategy.recompute"),
     _strategy("start_method", "strategy.start_method"),
+    _strategy("timeout", "strategy.timeout"),
+    _strategy("plan", "strategy.plan"),
+    _strategy("memory_budget", "schedule.options.memory_budget"),  # schedule=auto
     Setting("devices", "Trainer(devices=..., num_nodes=...)", ("trainer.devices", "trainer.num_nodes")),
     Setting("precision", "Trainer(precision=...)", ("trainer.precision",)),
     Setting("batch_size", "DataLoader(batch_size=...)", ("data.batch_size",)),

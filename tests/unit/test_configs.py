@@ -169,6 +169,9 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "strategy.layers_attr": (["strategy.layers_attr=blocks"], "blocks"),
     "strategy.recompute": (["strategy.recompute=all"], "all"),
     "strategy.start_method": (["strategy.start_method=spawn"], "spawn"),
+    "strategy.timeout": (["strategy.timeout=30"], 30),
+    "strategy.plan": (["strategy.plan=my_plan.json"], "my_plan.json"),
+    "schedule.options.memory_budget": (["schedule=auto", "schedule.options.memory_budget=20GiB"], "20GiB"),
     "trainer.devices": (["trainer.devices=4"], 4),
     "trainer.num_nodes": (["trainer.num_nodes=2"], 2),
     "trainer.precision": (["trainer.precision=bf16-mixed"], "bf16-mixed"),
@@ -191,11 +194,12 @@ def test_every_hydra_path_of_the_settings_table_composes(path: str, tmp_path: Pa
     if isinstance(value, DictConfig):
         value = {k: v for k, v in OmegaConf.to_container(value).items() if v is not None}
     assert value == (list(expected) if isinstance(expected, tuple) else expected), (path, value)
-    if path.startswith(("schedule", "strategy")):
+    if path.startswith(("schedule", "strategy")) and path != "strategy.plan":  # (a plan needs a real file)
         # ... and the strategy built from that config carries it.
         strategy = build_strategy(cfg.strategy)
-        name = {"schedule=<name>": "schedule", "schedule.options": "schedule_options"}.get(path) or path.split(".")[1]
-        got = strategy._start_method if name == "start_method" else getattr(strategy.pipeline_config, name)
+        name = {"schedule=<name>": "schedule", "schedule.options": "schedule_options"}.get(path) or path.split(".")[-1]
+        got = (getattr(strategy, f"_{name}") if name in ("start_method", "memory_budget")
+               else strategy._timeout.total_seconds() if name == "timeout" else getattr(strategy.pipeline_config, name))
         assert got == expected, (path, got)
 
 
