@@ -223,24 +223,24 @@ def profile_model(module: nn.Module, batch: Any, micro_batch_sizes: Sequence[int
     device = torch.device(device)
     layers = list(getattr(module, layers_attr))
     inputs_all, target_all = module.split_batch(batch)  # type: ignore[operator]
-    profile: dict[int, list[LayerCost]] = {}
+    sizes = [int(n) for n in micro_batch_sizes]
+    profile: dict[int, list[LayerCost]] = {n: [] for n in sizes}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        for size in micro_batch_sizes:
-            hidden = _rows(inputs_all, size, device)
-            target = _rows(target_all, size, device)
-            costs = []
-            for index, original in enumerate(layers):
-                # A copy, so the model is untouched: parameter objects (and the ties between layers that share
-                # one) stay, buffers keep their values, meta layers stay on meta. One layer is resident at a time.
-                layer = copy.deepcopy(original)
-                _materialize(module, index, layer, device)
-                last = index == len(layers) - 1
-                loss = (lambda out, target=target: module.loss_fn(out, target)) if last else None  # type: ignore
-                cost, hidden = profile_layer(layer, hidden, loss, repeats)
-                costs.append(cost)
-                del layer
-            profile[int(size)] = costs
+        hidden = {n: _rows(inputs_all, n, device) for n in sizes}
+        targets = {n: _rows(target_all, n, device) for n in sizes}
+        for index, original in enumerate(layers):
+            # A copy, so the model is untouched: parameter objects (and the ties between layers that share one)
+            # stay, buffers keep their values, meta layers stay on meta. One layer is resident at a time, and all
+            # sizes are timed while it is, so a burst of contention on a shared machine skews no size alone.
+            layer = copy.deepcopy(original)
+            _materialize(module, index, layer, device)
+            last = index == len(layers) - 1
+            for n in sizes:
+                loss = (lambda out, target=targets[n]: module.loss_fn(out, target)) if last else None  # type: ignore
+                cost, hidden[n] = profile_layer(layer, hidden[n], loss, repeats)
+                profile[n].append(cost)
+            del layer
     return ModelProfile(profile, meta={"micro_batch_sizes": list(micro_batch_sizes), "device": str(device)})
 
 
@@ -288,8 +288,10 @@ def measure_link(src: int = 0, dst: int = 1, sizes: Sequence[int] = (1 << 10, 1 
     return float(holder[0][0]), float(holder[0][1])
 
 
-def rank_speeds(profiles: Sequence[ModelProfile], micro_batch: int) -> list[float]:
-    """Relative slowness of each rank (1.0 = the fastest) from per-rank profiles of the same model."""
+def rank_speeds(profiles: Sequence[ModelProfile], micro_batch: int, tolerance: float = 0.1) -> list[float]:
+    """Relative slowness of each rank (1.0 = the fastest) from per-rank profiles of the same model. Differences
+    within ``tolerance`` read as equal: timing noise must not move layers between identical devices."""
     totals = [sum(c.forward + c.backward for c in p.at(micro_batch)) for p in profiles]
     fastest = min(totals)
-    return [t / fastest if fastest > 0 else 1.0 for t in totals]
+    speeds = [t / fastest if fastest > 0 else 1.0 for t in totals]
+    return [s if s > 1.0 + tolerance else 1.0 for s in speeds]
