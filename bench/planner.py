@@ -90,12 +90,12 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
+    from lightning_pipe.config import PipelineConfig
     from lightning_pipe.planner import ModelProfile, measure_link, profile_model, rank_speeds, search
     from lightning_pipe.planner.model import CostModel, predict
     from lightning_pipe.planner.search import slowness_per_pipeline_rank
-    from lightning_pipe.schedules.simulate import compile_order
-    from lightning_pipe.config import PipelineConfig
     from lightning_pipe.schedules import compute_order, plan_schedule
+    from lightning_pipe.schedules.simulate import compile_order
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -257,7 +257,7 @@ class PipelineStrategy(ParallelStrategy):
         adopt the same plan; rank 0 logs it with the runners-up."""
         if trainer.state.fn != TrainerFn.FITTING:
             raise config_error("schedule='auto' plans from a training batch, so it needs trainer.fit first.",
-                               f"trainer.{trainer.state.fn.value}() with schedule='auto'", "schedule",
+                               f"trainer.{getattr(trainer.state.fn, 'value', None)}() with schedule='auto'", "schedule",
                                "pass plan=<a plan file> (python -m lightning_pipe.planner search) to evaluate")
         loader = _compat.train_dataloader(trainer)
         batch = next(iter(loader))

@@ -9,7 +9,8 @@ returns the same plan or raises the same error: nothing is left waiting.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,7 +52,7 @@ def plan_on_ranks(module: nn.Module, batch: Any, data_parallel_size: int = 1,
     mine: tuple[dict[str, Any] | None, str | None]
     try:
         mine = (profile_model(module, batch, sizes, layers_attr, device, repeats).to_json(), None)
-    except Exception as err:  # noqa: BLE001 - reported by rank 0 to every rank below, never left hanging
+    except Exception as err:
         mine = (None, f"rank {rank}: {type(err).__name__}: {err}")
     latency, bandwidth = measure_link(0, 1, device=device) if world > 1 else (0.0, float("inf"))
     gathered: list[Any] = [None] * world

@@ -11,8 +11,8 @@ optimizer state of its layers, plus the activations its schedule holds at once
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from lightning_pipe.planner.profile import LayerCost, ModelProfile
 from lightning_pipe.schedules.simulate import CompiledOrder, peak_activations, replay

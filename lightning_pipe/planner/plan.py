@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from lightning_pipe.config import PipelineConfig, PipelineConfigError, config_error
 from lightning_pipe.planner.model import Candidate, Prediction, bounds_of
@@ -70,7 +72,7 @@ def save_plan(plan: Mapping[str, Any], path: str | Path) -> None:
     Path(path).write_text(json.dumps(plan, indent=2) + "\n")
 
 
-def load_plan(plan: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+def load_plan(plan: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(plan, Mapping):
         data = dict(plan)
     else:
@@ -87,7 +89,7 @@ def load_plan(plan: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     return data
 
 
-def apply_plan(plan: str | Path | Mapping[str, Any], world_size: int | None = None,
+def apply_plan(plan: str | os.PathLike[str] | Mapping[str, Any], world_size: int | None = None,
                num_layers: int | None = None) -> dict[str, Any]:
     """The ``PipelineStrategy`` settings that replay a saved plan: schedule, micro-batches, stages per rank,
     replicas and the explicit per-stage layer counts. Checks the plan against the world and the model when given."""

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -117,11 +118,11 @@ def _detached(value: Any) -> Any:
     return value
 
 
-def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+def _timed(device: torch.device, fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
-    out = fn()
+    out = fn(*args)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - start, out
@@ -145,21 +146,21 @@ def profile_layer(layer: nn.Module, inputs: Any, loss: Callable[[Any], torch.Ten
         for split in (False, True):
             meter.reset()
             with meter.measure():
-                t_f, out = _timed(lambda: layer(x), device)
+                t_f, out = _timed(device, layer, x)
                 saved = max(saved, meter.live_bytes)
                 roots = [loss(out)] if loss is not None else [t for t in _tensors(out) if t.requires_grad]
             grads = None if loss is not None else [torch.randn_like(t) for t in roots]
             if not (roots and roots[0].requires_grad):
                 t_b = t_i = t_w = 0.0  # nothing to differentiate (e.g. a frozen layer)
             elif not split:
-                t_b, _ = _timed(lambda: torch.autograd.backward(roots, grads), device)
+                t_b, _ = _timed(device, torch.autograd.backward, roots, grads)
             else:
                 if x_grad:  # the runtime skips I on stage 0 (no input gradient): its W is the whole backward
-                    t_i, (_, groups) = _timed(lambda: _compat.stage_backward_input(roots, grads, x_grad,
-                                                                                    iter(params)), device)
-                    t_w, _ = _timed(lambda: _compat.stage_backward_weight(iter(params), groups), device)
+                    t_i, (_, groups) = _timed(device, _compat.stage_backward_input, roots, grads, x_grad,
+                                              iter(params))
+                    t_w, _ = _timed(device, _compat.stage_backward_weight, iter(params), groups)
                 else:
-                    t_i, (t_w, _) = 0.0, _timed(lambda: torch.autograd.backward(roots, grads), device)
+                    t_i, (t_w, _) = 0.0, _timed(device, torch.autograd.backward, roots, grads)
             if rep:
                 runs["F"].append(t_f)
                 runs["B" if not split else "I"].append(t_b if not split else t_i)
@@ -167,10 +168,8 @@ def profile_layer(layer: nn.Module, inputs: Any, loss: Callable[[Any], torch.Ten
                     runs["W"].append(t_w)
             for p in params:
                 p.grad = None
-        if rep == 0:
-            out = out.detach() if isinstance(out, torch.Tensor) else out
-    med = {k: min(v) if v else 0.0 for k, v in runs.items()}
-    cost = LayerCost(med["F"], med["B"], med["I"], med["W"], int(saved), _nbytes(out),
+    best = {k: min(v) if v else 0.0 for k, v in runs.items()}
+    cost = LayerCost(best["F"], best["B"], best["I"], best["W"], int(saved), _nbytes(out),
                      sum(p.nelement() * p.element_size() for p in layer.parameters()), _optimizer_time(params, repeats))
     return cost, _detach_all(out)
 
@@ -185,7 +184,7 @@ def _optimizer_time(params: list[nn.Parameter], repeats: int) -> float:
     opt = torch.optim.AdamW(copies, lr=1e-3)
     times = []
     for rep in range(repeats + 1):
-        t, _ = _timed(opt.step, copies[0].device)
+        t, _ = _timed(copies[0].device, opt.step)
         if rep:
             times.append(t)
     return min(times)
@@ -210,8 +209,9 @@ def _materialize(module: nn.Module, index: int, layer: nn.Module, device: torch.
         reset_layer(index, layer)
     else:
         for sub in layer.modules():
-            if callable(getattr(sub, "reset_parameters", None)):
-                sub.reset_parameters()
+            reset = getattr(sub, "reset_parameters", None)
+            if callable(reset):
+                reset()
     return True
 
 

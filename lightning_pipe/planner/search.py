@@ -13,14 +13,20 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 from lightning_pipe.config import PipelineConfig, PipelineConfigError, config_error
 from lightning_pipe.partition import balanced_counts, uniform_counts
 from lightning_pipe.planner.model import Candidate, CostModel, Prediction, action_counts, bounds_of, predict
 from lightning_pipe.planner.profile import ModelProfile
-from lightning_pipe.schedules import available_schedules, compute_order, get_schedule_spec, plan_schedule
+from lightning_pipe.schedules import (
+    SchedulePlan,
+    available_schedules,
+    compute_order,
+    get_schedule_spec,
+    plan_schedule,
+)
 from lightning_pipe.schedules.simulate import CompiledOrder, compile_order, peak_activations
 
 SEARCHABLE = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zbv", "dualpipev")
@@ -77,7 +83,8 @@ def compositions(n: int, parts: int) -> Iterable[tuple[int, ...]]:
 
 def combinations(world_size: int, batch_size: int, num_layers: int, schedules: Sequence[str] | None = None,
                  stages_per_rank: Sequence[int] = (1, 2), microbatches: Sequence[int] | None = None,
-                 pipeline_sizes: Sequence[int] | None = None, max_microbatches: int = 32):
+                 pipeline_sizes: Sequence[int] | None = None, max_microbatches: int = 32
+                 ) -> Iterator[tuple[int, int, SchedulePlan]]:
     """Yield (pp, dp, plan) for every layout the registry accepts. ``batch_size`` is the global batch of a step:
     each replica gets ``batch_size / dp`` samples, cut into m micro-batches of equal size."""
     for pp in pipeline_sizes or [d for d in divisors(world_size) if d >= 2]:
@@ -217,7 +224,9 @@ def search(profile: ModelProfile, world_size: int, batch_size: int, memory_budge
     Raises :class:`~lightning_pipe.config.PipelineConfigError` when no layout fits the budget or none is valid."""
     budget = parse_bytes(memory_budget)
     n = profile.num_layers
-    ranked, refused, replayed = [], [], 0
+    ranked: list[tuple[Candidate, Prediction]] = []
+    refused: list[Refused] = []
+    replayed = 0
     for pp, dp, plan in combinations(world_size, batch_size, n, schedules, stages_per_rank, microbatches,
                                      pipeline_sizes):
         compiled = compile_order(compute_order(plan), plan.num_stages)

@@ -6,8 +6,9 @@ Used by the ``custom`` schedule's checks, the tests (orders as data), the benchm
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 
 def flatten(action: Any) -> tuple[Any, ...]:
@@ -88,7 +89,7 @@ def simulate(order: dict[int, list[Any]], num_stages: int, f: float = 1.0, b: fl
                     if any(r is None for r in ready):
                         blocked = True
                         break
-                    t = max([t, *ready]) + cost[a.computation_type.value]
+                    t = max([t, *(r for r in ready if r is not None)]) + cost[a.computation_type.value]
                     key = (a.stage_index, a.computation_type.value, a.microbatch_index)
                     local[key] = t
                     finished.append((key, cost[a.computation_type.value]))
@@ -182,7 +183,8 @@ def replay(compiled: CompiledOrder, cost: Mapping[tuple[int, str], float],
         progressed = False
         for rank, queue in enumerate(queues):
             while pos[rank] < len(queue):
-                t, spent, undo = free[rank], 0.0, []
+                t, spent, blocked = free[rank], 0.0, False
+                undo: list[tuple[dict[tuple[int, int], float], tuple[int, int], float | None]] = []
                 for stage, kind, mb in queue[pos[rank]]:
                     key = (stage, mb)
                     if kind == "F":
@@ -194,6 +196,7 @@ def replay(compiled: CompiledOrder, cost: Mapping[tuple[int, str], float],
                         own = fwd.get(key)
                         ready = None if ready is None or own is None else max(ready, own - link[stage])
                     if ready is None:
+                        blocked = True
                         break
                     c = cost[(stage, kind)]
                     t = max(t, ready) + c
@@ -203,9 +206,7 @@ def replay(compiled: CompiledOrder, cost: Mapping[tuple[int, str], float],
                     for table, value in writes:
                         undo.append((table, key, table.get(key)))
                         table[key] = value
-                else:
-                    undo = None
-                if undo is not None:  # a part of an OVERLAP_F_B is not ready: forget its earlier parts, retry later
+                if blocked:  # a part of an OVERLAP_F_B is not ready: forget its earlier parts, retry later
                     for table, key, old in reversed(undo):
                         if old is None:
                             del table[key]
