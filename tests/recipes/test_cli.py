@@ -26,6 +26,7 @@ def load_example():
     return module
 
 
+@pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended")  # pytest's own argv is there
 @pytest.mark.parametrize(("overrides", "schedule", "microbatches"), [
     ([], "1f1b", 4),  # the YAML's class_path + init_args
     (["--trainer.strategy.schedule=zbv", "--trainer.strategy.stages_per_rank=2"], "zbv", 4),  # + shell override
