@@ -91,8 +91,8 @@ class PipelineEngine:
         self.device = device
         self.stage_modules = stage_modules
         self.stages = [
-            _compat.GuardedPipelineStage(sm, s, plan.num_stages, device, group=groups.pp,
-                                         inference_guard=self._inference_guard)
+            (plan.spec.stage_class or _compat.GuardedPipelineStage)(
+                sm, s, plan.num_stages, device, group=groups.pp, inference_guard=self._inference_guard)
             for sm, s in zip(stage_modules, local_stage_ids)
         ]
         self.has_first = any(st.is_first for st in self.stages)
@@ -265,6 +265,14 @@ class PipelineEngine:
             else:
                 p.grad.add_(fresh)
         self._pending_grads = None
+
+    def before_optimizer_step(self) -> None:
+        """Called by the strategy after the gradient sync, right before the optimizer updates the weights: stages
+        that keep weight versions stash the current ones ([Note: weight versions in a stage] in versioned.py)."""
+        for stage in self.stages:
+            stash_live = getattr(stage, "stash_live", None)
+            if stash_live is not None:
+                stash_live()
 
     # ------------------------------------------------------------------ forward only
     def _forward_only(self, args: tuple[Tensor, ...]) -> Any:

@@ -334,6 +334,7 @@ class PipelineStrategy(ParallelStrategy):
             result = closure()
             if engine is not None:
                 engine.grads.sync()
+                engine.before_optimizer_step()  # weight versions (PipeDream-2BW) keep W(b) before the update
             return result
 
         return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)

@@ -4,6 +4,7 @@ A new schedule is one file here plus a Hydra config: a :class:`ScheduleSpec` reg
 """
 
 from lightning_pipe.schedules.custom import CUSTOM
+from lightning_pipe.schedules.pipedream import PIPEDREAM_2BW
 from lightning_pipe.schedules.plan import (
     SchedulePlan,
     ScheduleSpec,
@@ -18,6 +19,7 @@ from lightning_pipe.schedules.plan import (
 from lightning_pipe.schedules.simulate import ScheduleDeadlock, SimulatedStep, simulate
 
 register_schedule(CUSTOM)
+register_schedule(PIPEDREAM_2BW)
 
 __all__ = [
     "ScheduleDeadlock",

@@ -53,6 +53,9 @@ class ScheduleSpec:
     :func:`compute_order`). ``None``: read torch's IR."""
     options: tuple[str, ...] = ()
     """The ``schedule_options`` keys this schedule reads; any other key is refused (it would be ignored)."""
+    stage_class: type | None = None
+    """The ``PipelineStage`` subclass the engine builds this schedule's stages with (same constructor as
+    ``_compat.GuardedPipelineStage``); ``None``: that class. Weight versions: ``lightning_pipe/versioned.py``."""
 
 
 def _bubble_flush(p: int, v: int, m: int) -> float:

@@ -30,7 +30,8 @@ def rows(name: str, p: int = 2, v: int | None = None, m: int = 4) -> dict[int, s
 
 
 def test_every_schedule_is_registered() -> None:
-    assert sorted(NAMED + ["custom"]) == available_schedules()
+    # the seed schedules (pipedream_2bw, ...) are tested in test_seed_schedules.py
+    assert sorted(NAMED + ["custom", "pipedream_2bw"]) == available_schedules()
 
 
 # ------------------------------------------------------------------------------------------ orders, p=2, v=2, m=4
