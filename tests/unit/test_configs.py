@@ -84,7 +84,12 @@ def instantiate_parts(cfg: DictConfig, tmp_path: Path) -> None:
     # Models on the meta device: checks the arguments without allocating GPT-2's 124M parameters.
     with torch.device("meta"):
         model = instantiate(cfg.model)
-    assert model.layers[-1].head.weight is model.layers[0].wte.weight
+        model.configure_model()  # the Llama recipe builds its layers here (a no-op for the GPT)
+    embedding, head = model.layers[0], model.layers[-1]
+    if hasattr(head, "head"):  # the GPT: head tied to the token embedding
+        assert head.head.weight is embedding.wte.weight
+    else:  # the Llama recipe: tied only on request
+        assert (head.output.weight is embedding.tok_embeddings.weight) == cfg.model.tie_embeddings
     datamodule = instantiate(cfg.data)
     assert datamodule.block_size == cfg.model.block_size
     build_all(cfg.get("callbacks"))
