@@ -17,9 +17,10 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader
 
-from lightning_pipe import PipelineStrategy
+from lightning_pipe import PipelinePrecision, PipelineStrategy
 from tests.models import (
     BNRegressor,
     DictInputsRegressor,
@@ -50,6 +51,7 @@ class HardeningCase:
     loss: str = "mean"
     pad_label: int = -100
     mask_prob: float = 0.0
+    precision: str = "32-true"  # "16-mixed": fp16 AMP on CPU with a loss scaler (plugins passed explicitly)
     validate: bool = False  # validation during fit (every 2 batches) and trainer.validate
     predict: bool = False  # trainer.predict over 22 sequences / samples (short last batch)
     expect_error: bool = False
@@ -87,6 +89,7 @@ class Recorder(Callback):
         self.val_losses: list[float] = []
         self.step_seconds: list[float] = []
         self.inferences: list[int] = []
+        self.scales: list[float] = []
         self._start = 0.0
 
     def on_train_batch_start(self, *args: Any) -> None:
@@ -97,6 +100,9 @@ class Recorder(Callback):
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
         engine = getattr(trainer.strategy, "engine", None)
         self.inferences.append(engine.shape_inferences if engine is not None else 0)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None:
+            self.scales.append(float(scaler.get_scale()))
 
     def on_validation_end(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.state.fn == "fit":
@@ -110,7 +116,11 @@ def _trainer(case: HardeningCase, pipeline: bool, recorder: Callback) -> L.Train
         strategy = PipelineStrategy(schedule=case.schedule, microbatches=case.microbatches,
                                     data_parallel_size=case.dp, stages_per_rank=case.stages_per_rank)
         devices = int(os.environ["TEST_WORLD_SIZE"])  # Lightning deletes WORLD_SIZE at teardown
-    return L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=case.steps,
+    precision: dict[str, Any] = {"precision": case.precision}
+    if case.precision == "16-mixed":  # Lightning would turn "16-mixed" into bf16 on CPU
+        precision = {"plugins": [PipelinePrecision("16-mixed", device="cpu") if pipeline else
+                                 MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]}
+    return L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=case.steps, **precision,
                      accumulate_grad_batches=case.acc, logger=False, enable_checkpointing=False,
                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                      limit_val_batches=3, val_check_interval=2, check_val_every_n_epoch=None, callbacks=[recorder])
@@ -131,7 +141,7 @@ def _run(case: HardeningCase, pipeline: bool) -> dict[str, Any]:
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},
         "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
         "losses": recorder.losses, "fit_val_losses": recorder.val_losses,
-        "step_seconds": recorder.step_seconds, "inferences": recorder.inferences,
+        "step_seconds": recorder.step_seconds, "inferences": recorder.inferences, "scales": recorder.scales,
         "warnings": [str(w.message) for w in caught if "BatchNorm" in str(w.message)],
     }
     if case.validate:
