@@ -8,9 +8,9 @@ built from the model's own modules (so weights are the same objects, and a tied 
 ``nn.Parameter`` used by the first and the last layer — the pipeline detects and syncs it).
 
 [Note: layer I/O]
-Only tensors cross stage boundaries, all with the batch in dim 0. Each layer takes its inputs either as positional
-tensors or as one tuple of them (a layer list run in one process passes a tuple output on as one argument; torch's
-pipeline unpacks it into positional arguments at a stage boundary), and returns:
+Only tensors cross stage boundaries, all with the batch in dim 0. Each layer takes its inputs as positional tensors
+(the library's layer I/O contract: a tuple output is the next layer's positional arguments, on one device, inside a
+stage and across stages) or, for hand-written loops, as one tuple of them, and returns:
 
 =================  =================================================  =============================================
 layer              input                                              output

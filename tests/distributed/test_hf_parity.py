@@ -45,7 +45,8 @@ def test_hf_models_match_transformers_on_one_device(tmp_path) -> None:
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(pretrained)
     cases = [HFCase(family=f, schedule=s, stages_per_rank=2 if s == "zbv" else None)
              for f in FAMILIES for s in ("1f1b", "zbv")]
-    cases.append(HFCase(pretrained=str(pretrained)))
+    cases.append(HFCase(family="gpt2", from_model=True))  # HFCausalLM(model): built whole, then split
+    cases.append(HFCase(pretrained=str(pretrained)))  # last: the keys-read checks below
     # the padding is uneven across micro-batches (a mean of micro-batch means would not be the batch loss)
     first = next(iter(DataLoader(padded_data(32), batch_size=8, sampler=SameOrderAsDistributedSampler(32))))
     counts = (first["labels"][:, 1:] != -100).sum(1).view(4, 2).sum(1)

@@ -49,6 +49,7 @@ class HFCase:
     stages_per_rank: int | None = None
     microbatches: int = 4
     pretrained: str | None = None  # a save_pretrained directory: HFCausalLM(pretrained=...) instead of config=
+    from_model: bool = False  # HFCausalLM(model): an instantiated model, whole on every rank until setup
     steps: int = 3
     batch: int = 8
     n_data: int = 32
@@ -101,6 +102,13 @@ class _Losses(Callback):
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
 
 
+def _model(case: HFCase) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(SEED)
+    return AutoModelForCausalLM.from_config(make_config(case.family), attn_implementation="sdpa")
+
+
 def _module(case: HFCase) -> Any:
     from lightning_pipe import HFCausalLM
 
@@ -109,6 +117,8 @@ def _module(case: HFCase) -> Any:
 
     if case.pretrained is not None:
         return HFCausalLM(pretrained=case.pretrained, attn_implementation="sdpa", optimizer=sgd)
+    if case.from_model:
+        return HFCausalLM(_model(case), optimizer=sgd)
     return HFCausalLM(config=make_config(case.family), seed=SEED, attn_implementation="sdpa", optimizer=sgd)
 
 
@@ -139,6 +149,8 @@ def run_reference(case: HFCase) -> tuple[HFResult, dict[str, torch.Tensor]]:
 
     if case.pretrained is not None:
         model = AutoModelForCausalLM.from_pretrained(case.pretrained, attn_implementation="sdpa")
+    elif case.from_model:
+        model = _model(case)
     else:
         config = make_config(case.family)
         start = _module(case)
