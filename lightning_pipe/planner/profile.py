@@ -12,6 +12,7 @@ shared machine contention only ever adds time, so the least-disturbed repetition
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -198,6 +199,13 @@ def _detach_all(value: Any) -> Any:
     return value
 
 
+def _fastest(a: LayerCost, b: LayerCost) -> LayerCost:
+    return dataclasses.replace(a, forward=min(a.forward, b.forward), backward=min(a.backward, b.backward),
+                               input_grad=min(a.input_grad, b.input_grad),
+                               weight_grad=min(a.weight_grad, b.weight_grad),
+                               optimizer_step=min(a.optimizer_step, b.optimizer_step))
+
+
 def _materialize(module: nn.Module, index: int, layer: nn.Module, device: torch.device) -> bool:
     """Put a (copied) layer on ``device``; one built on meta is allocated and initialised as the strategy does."""
     if not any(t.is_meta for t in list(layer.parameters()) + list(layer.buffers())):
@@ -216,31 +224,37 @@ def _materialize(module: nn.Module, index: int, layer: nn.Module, device: torch.
 
 
 def profile_model(module: nn.Module, batch: Any, micro_batch_sizes: Sequence[int], layers_attr: str = "layers",
-                  device: torch.device | str = "cpu", repeats: int = 3) -> ModelProfile:
+                  device: torch.device | str = "cpu", repeats: int = 3, passes: int = 2) -> ModelProfile:
     """Profile every layer of a layer-list module (the pipeline's module contract: ``split_batch``, ``loss_fn``)
     at each micro-batch size, taking the first rows of ``batch``. Each layer is profiled as a copy on ``device``
-    (a layer on the meta device is allocated and initialised there first), so the module itself never changes."""
+    (a layer on the meta device is allocated and initialised there first), so the module itself never changes.
+
+    ``passes`` sweeps over the whole model, keeping each time the fastest: a burst of contention on a shared
+    machine lasts longer than one layer's repetitions, but rarely hits the same layer in two sweeps."""
     device = torch.device(device)
     layers = list(getattr(module, layers_attr))
     inputs_all, target_all = module.split_batch(batch)  # type: ignore[operator]
     sizes = [int(n) for n in micro_batch_sizes]
-    profile: dict[int, list[LayerCost]] = {n: [] for n in sizes}
+    profile: dict[int, list[LayerCost]] = {}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        hidden = {n: _rows(inputs_all, n, device) for n in sizes}
-        targets = {n: _rows(target_all, n, device) for n in sizes}
-        for index, original in enumerate(layers):
-            # A copy, so the model is untouched: parameter objects (and the ties between layers that share one)
-            # stay, buffers keep their values, meta layers stay on meta. One layer is resident at a time, and all
-            # sizes are timed while it is, so a burst of contention on a shared machine skews no size alone.
-            layer = copy.deepcopy(original)
-            _materialize(module, index, layer, device)
-            last = index == len(layers) - 1
-            for n in sizes:
-                loss = (lambda out, target=targets[n]: module.loss_fn(out, target)) if last else None  # type: ignore
-                cost, hidden[n] = profile_layer(layer, hidden[n], loss, repeats)
-                profile[n].append(cost)
-            del layer
+        for _ in range(max(1, passes)):
+            hidden = {n: _rows(inputs_all, n, device) for n in sizes}
+            targets = {n: _rows(target_all, n, device) for n in sizes}
+            sweep: dict[int, list[LayerCost]] = {n: [] for n in sizes}
+            for index, original in enumerate(layers):
+                # A copy, so the model is untouched: parameter objects (and the ties between layers that share one)
+                # stay, buffers keep their values, meta layers stay on meta. One layer is resident at a time.
+                layer = copy.deepcopy(original)
+                _materialize(module, index, layer, device)
+                last = index == len(layers) - 1
+                for n in sizes:
+                    loss = (lambda out, t=targets[n]: module.loss_fn(out, t)) if last else None  # type: ignore
+                    cost, hidden[n] = profile_layer(layer, hidden[n], loss, repeats)
+                    sweep[n].append(cost)
+                del layer
+            profile = {n: [_fastest(a, b) for a, b in zip(profile[n], sweep[n])] if profile else sweep[n]
+                       for n in sizes}
     return ModelProfile(profile, meta={"micro_batch_sizes": list(micro_batch_sizes), "device": str(device)})
 
 
