@@ -44,12 +44,6 @@ class VersionedPipelineStage(_compat.GuardedPipelineStage):  # type: ignore[misc
         # A tie inside the stage keeps both names on one stashed tensor (functional_call's tie_weights checks it).
         self._slots = [(name, slot[id(p)]) for name, p in named]
         self._stash: list[Tensor] | None = None
-        self.stash_updates = 0  # how many times stash_live copied the live weights (tests, traces)
-
-    @property
-    def stash(self) -> list[Tensor] | None:
-        """The version training forwards run on (``None`` before the first training forward)."""
-        return self._stash
 
     def _version(self) -> dict[str, Tensor]:
         if self._stash is None:  # W(-1) = W(0)
@@ -63,7 +57,6 @@ class VersionedPipelineStage(_compat.GuardedPipelineStage):  # type: ignore[misc
         with torch.no_grad():
             for stashed, live in zip(self._stash, self._live):
                 stashed.copy_(live)
-        self.stash_updates += 1
 
     def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
