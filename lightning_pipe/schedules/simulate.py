@@ -219,9 +219,14 @@ def replay(compiled: CompiledOrder, cost: Mapping[tuple[int, str], float],
                 remaining -= 1
                 progressed = True
         if not progressed:
-            stuck = {r: (pos[r], q[pos[r]], q[pos[r]][0]) for r, q in enumerate(queues) if pos[r] < len(q)}
-            raise ScheduleDeadlock({r: (step, "+".join(f"{s}{k}{m}" for s, k, m in parts), w)
-                                    for r, (step, parts, w) in stuck.items()})
+            stuck = {}
+            for r, q in enumerate(queues):
+                if pos[r] < len(q):
+                    stage, kind, mb = q[pos[r]][0]
+                    wanted = (stage - 1, "F", mb) if kind == "F" else (stage, "I", mb) if kind == "W" else \
+                        (stage, "F", mb) if (stage, mb) not in fwd or stage == n - 1 else (stage + 1, "B", mb)
+                    stuck[r] = (pos[r], "+".join(f"{s}{k}{m}" for s, k, m in q[pos[r]]), wanted)
+            raise ScheduleDeadlock(stuck)
     return Replay(max(free) if free else 0.0, tuple(busy))
 
 

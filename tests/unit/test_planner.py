@@ -175,3 +175,13 @@ def test_the_strategy_replays_a_plan_file(tmp_path) -> None:
     assert list(getattr(config, "partition", None) or config.split) == list(best.counts)
     with pytest.raises(PipelineConfigError, match="plan"):
         PipelineStrategy(plan=str(tmp_path / "missing.json"))
+
+
+def test_replay_refuses_a_deadlocked_order() -> None:
+    from lightning_pipe._compat.torch import parse_action
+    from lightning_pipe.schedules import ScheduleDeadlock
+
+    # rank 0 wants the backward of micro-batch 0 before sending its forward: nobody can move
+    order = {0: [parse_action(a) for a in ("0B0", "0F0")], 1: [parse_action(a) for a in ("1F0", "1B0")]}
+    with pytest.raises(ScheduleDeadlock, match="rank 0, step 0: .0B0. waits for .0F0."):
+        replay(compile_order(order, 2), unit_costs(2))
