@@ -9,6 +9,7 @@ ones. The same loop with no delay is synchronous training: a 1F1B run must match
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ from torch.func import functional_call
 from tests.distributed.launcher import launch
 from tests.distributed.scenarios import TrainingCase
 from tests.distributed.scenarios.training import DATA, MODELS
-from tests.models import reference_train_loader, regression_data
+from tests.models import loader, reference_train_loader, regression_data
 
 pytestmark = [pytest.mark.parity, pytest.mark.distributed]
 
@@ -53,6 +54,24 @@ def delayed_reference(case: TrainingCase, delay: int) -> dict[str, torch.Tensor]
     return {name: p.detach().clone() for name, p in model.named_parameters(remove_duplicate=False)}
 
 
+def stashed_weights(case: TrainingCase) -> dict[str, torch.Tensor]:
+    """W(steps - 1): the weights the last batch trained on (``delayed_reference`` one step shorter)."""
+    return delayed_reference(TrainingCase(**{**case.__dict__, "steps": case.steps - 1}), delay=1)
+
+
+def validation_loss(case: TrainingCase, params: dict[str, torch.Tensor]) -> float:
+    """What trainer.validate logs for these weights: the mean loss of the first 3 validation batches (equal sizes)."""
+    torch.manual_seed(1234)
+    model = MODELS[case.model](case)
+    model.load_state_dict(params, strict=False)
+    losses = []
+    with torch.no_grad():
+        for batch in itertools.islice(loader(regression_data(case.n_data), case.batch), 3):
+            x, y = model.split_batch(batch)
+            losses.append(float(model.loss_fn(model(x), y)))
+    return sum(losses) / len(losses)
+
+
 def max_difference(rank_params: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
     return max(float((value - reference[name]).abs().max()) for name, value in rank_params.items())
 
@@ -77,7 +96,8 @@ def test_pipedream_2bw_matches_its_one_process_reference(tmp_path) -> None:
     accumulated batches per step (the stash is refreshed once per optimizer step); tied weights; the recipe's GPT.
     1F1B against the same loop with no delay checks the reference itself."""
     cases = [
-        TrainingCase(schedule="pipedream_2bw", steps=3, validate=False),
+        # validation during fit (after batch 2) and after it: evaluation runs on the live weights
+        TrainingCase(schedule="pipedream_2bw", steps=3),
         TrainingCase(schedule="pipedream_2bw", steps=3, acc=2, clip=0.05, optimizer="adamw", validate=False),
         TrainingCase(schedule="1f1b", steps=3, validate=False),
         # a weight tied across the first and the last stage (two stashes, gradients summed before the step)
@@ -89,6 +109,11 @@ def test_pipedream_2bw_matches_its_one_process_reference(tmp_path) -> None:
     results = launch("training", 2, cases, tmp_path, timeout=360)
     for index, case in enumerate(cases):
         check(results, index, case, delay=0 if case.schedule == "1f1b" else 1)
+    expected = validation_loss(cases[0], delayed_reference(cases[0], delay=1))
+    stale = validation_loss(cases[0], stashed_weights(cases[0]))
+    for rank_results in results:
+        assert rank_results[0]["val_loss"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+        assert abs(rank_results[0]["val_loss"] - stale) > 1e-4  # not the version the last batch trained on
 
 
 @pytest.mark.timeout(420)
