@@ -1,12 +1,12 @@
 # Two commands on a fresh machine:
 #   make train   set up .venv if missing, install, train the tiny GPT with 2 pipeline stages on CPU
-#   make test    set up .venv if missing, install, run the test suite
+#   make test    set up .venv if missing, install, lint (ruff, mypy), run the test suite
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup train test test-fast bench clean
+.PHONY: setup train lint test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,7 +20,11 @@ setup: $(STAMP)
 train: setup
 	OMP_NUM_THREADS=1 $(BIN)/python recipes/gpt/train.py experiment=tiny_cpu_1f1b $(ARGS)
 
-test: setup
+lint: setup
+	$(BIN)/python -m ruff check lightning_pipe recipes bench tests examples
+	$(BIN)/python -m mypy
+
+test: lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(ARGS)
 
 test-fast: setup

@@ -77,8 +77,7 @@ def _fit(args: argparse.Namespace, schedule: str, m: int, steps: int, timeline: 
     from lightning.pytorch.callbacks import Callback
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_pipe import PipelineStrategy
-    from lightning_pipe import PipelineTimeline
+    from lightning_pipe import PipelineStrategy, PipelineTimeline
 
     class IterClock(Callback):
         def __init__(self) -> None:

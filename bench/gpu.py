@@ -282,7 +282,7 @@ def run_case(args: argparse.Namespace) -> None:
                    tflops=fpt * tokens / seconds / 1e12)
         if device.type == "cuda":
             out["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-    except BaseException as err:  # noqa: BLE001 - every failure is a result here
+    except BaseException as err:
         out.pop("flops", None)
         out["error"] = f"{type(err).__name__}: {err}"
         out["traceback"] = traceback.format_exc()
@@ -329,13 +329,13 @@ def _environment() -> dict[str, Any]:
         import torch
 
         info.update(torch=torch.__version__, cuda=torch.version.cuda, cuda_available=torch.cuda.is_available())
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         info["torch_error"] = repr(err)
     try:
         import lightning
 
         info["lightning"] = lightning.__version__
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         info["lightning_error"] = repr(err)
     try:  # what lightning_pipe's torch/Lightning compatibility layer says about this install
         import importlib
@@ -350,7 +350,7 @@ def _environment() -> dict[str, Any]:
                                                     if v is None]
         if hasattr(compat, "missing_trace_api"):
             info["compat_missing_trace_api"] = compat.missing_trace_api()
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         info["compat_error"] = f"{type(err).__name__}: {err}"
     return info
 

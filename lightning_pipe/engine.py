@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -80,10 +81,16 @@ class PipelineLayout:
     plan: SchedulePlan
 
 
+PipelineModel = Any
+"""The user's module as the core sees it: an ``nn.Module`` with the layer-list contract of
+:class:`~lightning_pipe.PipelineModule` (``loss_fn``, ``split_batch``, the layer list). The core cannot name the
+Lightning class, and ``nn.Module``'s ``__getattr__`` would type the contract's methods as tensors."""
+
+
 class PipelineEngine:
     """Owns this rank's stages and schedule; answers :class:`~lightning_pipe.PipelineModule`'s requests."""
 
-    def __init__(self, module: nn.Module, stage_modules: list[StageModule], local_stage_ids: list[int],
+    def __init__(self, module: PipelineModel, stage_modules: list[StageModule], local_stage_ids: list[int],
                  plan: SchedulePlan, groups: ProcessGroups, device: torch.device) -> None:
         self.module = module
         self.plan = plan
@@ -163,7 +170,7 @@ class PipelineEngine:
                 torch.cuda.set_rng_state(cuda_rng, self.device)
 
     # ------------------------------------------------------------------ requests from PipelineModule
-    def loss(self, module: nn.Module, batch: Any) -> Tensor:
+    def loss(self, module: PipelineModel, batch: Any) -> Tensor:
         if self.phase == "train":
             return self._train_step(module, batch)
         if self.phase in ("validate", "test", "predict"):
@@ -173,7 +180,7 @@ class PipelineEngine:
             "Under PipelineStrategy the model is split across ranks, so every rank must run the same step."
         )
 
-    def output(self, module: nn.Module, batch: Any) -> Any:
+    def output(self, module: PipelineModel, batch: Any) -> Any:
         if self.phase == "train":
             raise RuntimeError("compute_output runs forward only; in training_step use compute_loss(batch).")
         inputs, _ = module.split_batch(batch)
@@ -198,7 +205,7 @@ class PipelineEngine:
                 _compat.reset_schedule_shapes(self.schedule)
             self._signature = sig
 
-    def _train_step(self, module: nn.Module, batch: Any) -> Tensor:
+    def _train_step(self, module: PipelineModel, batch: Any) -> Tensor:
         inputs, target = module.split_batch(batch)
         args = input_args(inputs, self._owner)
         mb_rows = self._check_rows(args[0].shape[0], "training")
@@ -291,7 +298,7 @@ class PipelineEngine:
             out = self.schedule.eval(*step_args, target=dummy_target)
         return trim_rows(out, rows) if self.has_last else None
 
-    def _eval_loss(self, module: nn.Module, batch: Any) -> Tensor:
+    def _eval_loss(self, module: PipelineModel, batch: Any) -> Tensor:
         inputs, target = module.split_batch(batch)
         if target is None:
             raise ValueError(f"compute_loss needs a target, but {self._owner}.split_batch returned None for it.")
@@ -324,7 +331,7 @@ class PipelineEngine:
         return out.to(self.device) if isinstance(out, Tensor) else out
 
 
-def build_engine(module: nn.Module, config: PipelineConfig, plan: SchedulePlan, topology: Topology,
+def build_engine(module: PipelineModel, config: PipelineConfig, plan: SchedulePlan, topology: Topology,
                  device: torch.device, layout: PipelineLayout | None = None) -> tuple[PipelineEngine, PipelineLayout]:
     """Cut ``module``'s layer list for ``plan`` and build this rank's engine. Collective: every rank calls it.
 

@@ -7,8 +7,9 @@ and the initial broadcast that makes replicas and tied copies start identical.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -137,7 +138,8 @@ def all_reduce_coalesced(tensors: list[Tensor], group: Any, average: bool, bucke
     for same in by_dtype.values():
         start = 0
         while start < len(same):
-            bucket, size = [], 0
+            bucket: list[Tensor] = []
+            size = 0
             while start < len(same) and (not bucket or size < bucket_bytes):
                 bucket.append(same[start])
                 size += same[start].numel() * same[start].element_size()

@@ -9,7 +9,7 @@ the activation memory that step needed on this rank.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn

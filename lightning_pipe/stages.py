@@ -9,8 +9,9 @@ user's ``configure_optimizers`` all see the usual names, only fewer of them.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -122,7 +123,11 @@ class StageModule(nn.Module):
         return run_layers(self.layers, args[0] if len(args) == 1 else args, self.layer_indices, self.recompute_every)
 
 
-def find_layers(module: nn.Module, attr: str) -> nn.Module:
+LayerList = nn.Sequential | nn.ModuleList
+"""The ordered layer list the pipeline splits."""
+
+
+def find_layers(module: nn.Module, attr: str) -> LayerList:
     """The module's ordered layer list, or an error that says how to provide one."""
     key = "layers_attr"
     layers = getattr(module, attr, None)
@@ -192,7 +197,7 @@ def localize_layers(module: nn.Module, attr: str, ranges: Sequence[range], local
         if owner[i] not in local:
             # Writing _modules directly keeps the original indices ("7") as names; del/insert would renumber.
             layers._modules[key] = RemoteLayer(i, owner[i], stage_to_rank(owner[i]))
-    return [StageModule([layers._modules[keys[i]] for i in ranges[s]], ranges[s], recompute_every)
+    return [StageModule([layers[i] for i in ranges[s]], ranges[s], recompute_every)
             for s in local_stages]
 
 
@@ -210,15 +215,16 @@ def materialize(module: nn.Module, attr: str, stage_modules: Sequence[StageModul
     for sm in stage_modules:
         sm.to_empty(device=device)
     _retie(module, tied)  # to_empty gives every module its own new Parameter: tie the local copies again
-    reset_layer = getattr(module, "reset_layer", None)
+    reset_layer: Callable[[int, nn.Module], Any] | None = getattr(module, "reset_layer", None)
     for sm in stage_modules:
         for index, layer in zip(sm.layer_indices, sm.layers):
             if callable(reset_layer):
                 reset_layer(index, layer)
             else:
                 for sub in layer.modules():
-                    if callable(getattr(sub, "reset_parameters", None)):
-                        sub.reset_parameters()
+                    reset = getattr(sub, "reset_parameters", None)
+                    if callable(reset):
+                        reset()
     return True
 
 
@@ -244,7 +250,7 @@ def _retie(module: nn.Module, tied: Sequence[TiedParameter]) -> None:
             owner._parameters[leaf] = owners[0][0]._parameters[owners[0][1]]
 
 
-def warn_batch_norm(layers: nn.Module, attr: str, microbatches: int) -> None:
+def warn_batch_norm(layers: LayerList, attr: str, microbatches: int) -> None:
     """Once per module, on rank 0 (every layer is still there): BatchNorm sees micro-batches, not the batch."""
     found = [f"{attr}.{i}{'.' + name if name else ''} ({type(sub).__name__})"
              for i, layer in enumerate(layers) for name, sub in layer.named_modules()

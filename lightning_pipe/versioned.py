@@ -27,7 +27,7 @@ from torch import Tensor
 from lightning_pipe._compat import torch as _compat
 
 
-class VersionedPipelineStage(_compat.GuardedPipelineStage):  # type: ignore[misc, valid-type]
+class VersionedPipelineStage(_compat.GuardedPipelineStage):
     """A stage whose training forward/backward run on one stashed version of its parameters.
 
     The stash starts as a copy of the live parameters (on the first training forward) and is refreshed by

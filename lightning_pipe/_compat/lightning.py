@@ -57,6 +57,7 @@ PRIVATE_LIGHTNING_METHODS = (
     _method(_Precision, "_after_closure"),  # lightning/precision.py: fp16 optimizer_step
     _method(_Strategy, "_configure_launcher"),  # lightning/strategy.py
     _method(SignalConnector, "_sigterm_notifier_fn"),  # lightning/faults.py: replaced (no collective inside)
+    _method(SignalConnector, "_slurm_sigusr_handler_fn"),  # lightning/faults.py: deferred to a step boundary
     _method(_ModelCheckpoint, "_save_last_checkpoint"),  # lightning/faults.py: "last" on SIGTERM
     _method(_ModelCheckpoint, "_monitor_candidates"),  # lightning/faults.py
 )

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch.distributed.pipelining import schedules as _torch_schedules
@@ -132,7 +133,7 @@ def torch_check_actions(actions: dict[int, list[Any]], pipeline_size: int, num_s
     Raises what torch raises (``AssertionError``/``ValueError``); callers turn that into a config error.
     """
     _validate_schedule(actions, pipeline_size, num_stages, microbatches)
-    stage_rank = {}
+    stage_rank: dict[int, int] = {}
     for rank, acts in actions.items():
         for action in acts:
             for part in (action.sub_actions or (action,)) if action is not None else ():
@@ -186,7 +187,7 @@ _FORWARD_TYPES = ("F", "SEND_F", "RECV_F")
 
 
 def _forward_part(actions: list[Any]) -> list[Any]:
-    out = []
+    out: list[Any] = []
     for action in actions:
         if action is None:
             continue

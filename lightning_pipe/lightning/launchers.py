@@ -7,7 +7,7 @@ other stage. Here every rank of replica 0 contributes its stage's tensors and ra
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch.distributed as dist
 from typing_extensions import override
@@ -17,7 +17,7 @@ from lightning_pipe._compat.lightning import MultiProcessingLauncher
 
 class PipelineMultiProcessingLauncher(MultiProcessingLauncher):
     @override
-    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Optional[Any]:
+    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any | None:
         module = trainer.lightning_module
         topology = getattr(self._strategy, "topology", None)
         if dist.is_initialized() and topology is not None and topology.pipeline_size > 1:

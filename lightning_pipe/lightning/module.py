@@ -30,6 +30,7 @@ from torch import Tensor
 from lightning_pipe.batches import loss_parts
 from lightning_pipe.stages import run_layers
 
+
 def default_split_batch(batch: Any) -> tuple[Any, Any]:
     """``(x, y)`` / ``[x, y]`` -> ``(x, y)``; a bare tensor -> ``(tensor, None)``; a dict with ``input``/``target``."""
     if isinstance(batch, Tensor):
@@ -95,7 +96,7 @@ class PipelineModule(pl.LightningModule):
     # ---------------------------------------------------------------- running
     def forward(self, inputs: Any) -> Any:
         """Run the layer list as a chain; a tuple of ``inputs`` is the first layer's positional arguments."""
-        return run_layers(self.layers, inputs)
+        return run_layers(self.layers, inputs)  # type: ignore[arg-type]  # nn.Module.__getattr__ types it loosely
 
     def compute_loss(self, batch: Any) -> Tensor:
         """The batch loss (a mean, or ``sum / max(count, 1)``). Under the pipeline strategy during training this runs

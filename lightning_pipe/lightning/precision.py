@@ -16,7 +16,8 @@ identically. Ranks other than the last never call ``scale()`` on a loss, and a s
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable, Generator, Literal, Optional, Union
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -55,11 +56,11 @@ class PipelinePrecision(Precision):
         if precision not in SUPPORTED_PRECISION:
             raise config_error(f"PipelinePrecision supports {list(SUPPORTED_PRECISION)}.", f"precision={precision!r}",
                                "precision")
-        self.precision = precision  # type: ignore[assignment]
+        self.precision = precision
         self.device = device
         self.engine: PipelineEngine | None = None
         self._init_scale, self._growth_interval = init_scale, growth_interval
-        self.scaler: Optional[Any] = None  # created in `setup`, once the process group exists
+        self.scaler: Any | None = None  # created in `setup`, once the process group exists
 
     # ------------------------------------------------------------------ dtype handling
     @property
@@ -67,7 +68,7 @@ class PipelinePrecision(Precision):
         return self.precision.endswith("-mixed")
 
     @property
-    def half_dtype(self) -> Optional[torch.dtype]:
+    def half_dtype(self) -> torch.dtype | None:
         return _HALF.get(self.precision)
 
     @override
@@ -135,19 +136,21 @@ class PipelinePrecision(Precision):
         self.engine.apply_pending_grads()
 
     @override
-    def optimizer_step(self, optimizer: Steppable, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+    def optimizer_step(  # type: ignore[override]  # lightning.pytorch Precision's signature (narrows fabric's)
+        self, optimizer: Steppable, model: Any, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
         if self.scaler is None:
             return super().optimizer_step(optimizer, model, closure, **kwargs)
         # fp16: like Lightning's MixedPrecision, but the inf check inside unscale_ is agreed by every rank.
         closure_result = closure()
-        self.scaler.unscale_(optimizer)  # type: ignore[arg-type]
+        self.scaler.unscale_(optimizer)
         self._after_closure(model, optimizer)  # hooks + clipping, on unscaled gradients
-        step_output = self.scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]
+        step_output = self.scaler.step(optimizer, **kwargs)
         self.scaler.update()
         return closure_result if step_output is None else step_output
 
     @override
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         if self.engine is None:  # not set up / one process: torch's clipping is global already
             return super().clip_grad_by_norm(optimizer, clip_val)
         self.engine.grads.clip_grad_norm_(list(self.main_params(optimizer)), float(clip_val))
@@ -177,5 +180,5 @@ def convert_precision_plugin(plugin: Precision) -> PipelinePrecision:
                             "pipeline's scaler must agree on overflows across all ranks")
         return PipelinePrecision(plugin.precision, device=plugin.device)  # type: ignore[arg-type]
     if type(plugin) is HalfPrecision:
-        return PipelinePrecision(plugin.precision)  # type: ignore[arg-type]
+        return PipelinePrecision(plugin.precision)
     raise TypeError(f"{type(plugin).__name__} is not one of Lightning's plain, mixed or half precision plugins")

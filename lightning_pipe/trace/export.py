@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from lightning_pipe.trace.recorder import (
     COMM_KINDS,

@@ -84,7 +84,7 @@ def check(results: list[list[dict[str, Any]]], index: int, case: TrainingCase, d
         params = rank_results[index]["params"]
         seen |= set(params)
         for name, value in params.items():
-            torch.testing.assert_close(value, reference[name], rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(value, reference[name], rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
         # the other semantics is far away: the comparison above can fail
         assert max_difference(params, control) > 1e-4, f"case {index}: delay {delay} and {1 - delay} agree"
     assert seen == set(reference), f"case {index}: parameters held by no rank: {set(reference) - seen}"

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
-
-import json
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,7 +12,6 @@ import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from lightning_pipe._compat import torch as _compat
-from lightning_pipe.trace.export import main
 from lightning_pipe.trace import (
     Slice,
     StepRecord,
@@ -24,6 +22,7 @@ from lightning_pipe.trace import (
     plot_timeline,
     save_records,
 )
+from lightning_pipe.trace.export import main
 
 MS = 1_000_000
 
