@@ -107,14 +107,18 @@ class PipelineTimeline(Callback):
         self.last_bubble, self.last_bubbles_per_pp_rank = mean, per_pp
         if not self.log:
             return
-        kw = dict(on_step=True, on_epoch=False, batch_size=1, rank_zero_only=False, sync_dist=False)
-        pl_module.log("pipeline/bubble", mean, prog_bar=self.prog_bar, **kw)
+        def log(name: str, value: float, prog_bar: bool = False) -> None:
+            # Every rank measured the same step and holds the same gathered values: no sync, no rank-0-only.
+            pl_module.log(name, value, prog_bar=prog_bar, on_step=True, on_epoch=False, batch_size=1,
+                          rank_zero_only=False, sync_dist=False)
+
+        log("pipeline/bubble", mean, prog_bar=self.prog_bar)
         theory = self._meta.get("theoretical_bubble")
         if theory is not None:
-            pl_module.log("pipeline/bubble_theory", float(theory), **kw)
+            log("pipeline/bubble_theory", float(theory))
         for r, value in enumerate(per_pp):
-            pl_module.log(f"pipeline/bubble_pp{r}", value, **kw)
-        pl_module.log("pipeline/step_ms", step_ms, **kw)
+            log(f"pipeline/bubble_pp{r}", value)
+        log("pipeline/step_ms", step_ms)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.recorder is None:
