@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_pipe.trace.recorder import (
+from lightning_pipe.trace.records import (
     COMM_KINDS,
     COMPUTE_KINDS,
     KIND_NAMES,
