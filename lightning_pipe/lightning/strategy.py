@@ -26,7 +26,8 @@ from typing_extensions import override
 from lightning_pipe._compat import lightning as _compat
 from lightning_pipe.checkpoint import remove as remove_checkpoint_files
 from lightning_pipe.config import PartitionSpec, PipelineConfig, Topology, config_error
-from lightning_pipe.engine import PipelineEngine, PipelineLayout, build_engine
+from lightning_pipe.engine import PipelineEngine
+from lightning_pipe.layout import PipelineLayout, build_engine
 from lightning_pipe.lightning.faults import DEFAULT_TIMEOUT, PipelineFaults, resolve_timeout
 from lightning_pipe.lightning.launchers import PipelineMultiProcessingLauncher
 from lightning_pipe.planner.auto import plan_on_ranks

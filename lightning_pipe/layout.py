@@ -1,0 +1,71 @@
+"""Cut the user's module for a plan and assemble this rank's engine: the one entry point of the plain-torch core.
+
+The Lightning strategy calls :func:`build_engine` at setup (collectively, on every rank) and keeps the returned
+:class:`PipelineLayout` on the module, so a later Trainer in the same process reuses the cut.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lightning_pipe.config import PipelineConfig, Topology
+from lightning_pipe.engine import PipelineEngine, PipelineModel
+from lightning_pipe.grads import ProcessGroups
+from lightning_pipe.partition import layer_param_counts, partition_layers
+from lightning_pipe.schedules import SchedulePlan
+from lightning_pipe.stages import (
+    TiedParameter,
+    check_no_stray_parameters,
+    find_layers,
+    find_tied_parameters,
+    localize_layers,
+    materialize,
+    warn_batch_norm,
+)
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """How a module was cut: layer ranges per stage, the tied parameters, and the plan. Kept on the module so a
+    later Trainer in the same process (validate after fit) reuses it: the other ranks' layers are gone."""
+
+    ranges: tuple[range, ...]
+    tied: tuple[TiedParameter, ...]
+    plan: SchedulePlan
+
+
+def build_engine(module: PipelineModel, config: PipelineConfig, plan: SchedulePlan, topology: Topology,
+                 device: torch.device, layout: PipelineLayout | None = None) -> tuple[PipelineEngine, PipelineLayout]:
+    """Cut ``module``'s layer list for ``plan`` and build this rank's engine. Collective: every rank calls it.
+
+    Other ranks' layers are replaced by placeholders (names kept); layers built on the meta device are allocated
+    on ``device`` for this rank only; replicas and tied copies start identical. With ``layout`` (the module was
+    already cut in this process) the same cut is reused and nothing is broadcast again.
+    """
+    layers = find_layers(module, config.layers_attr)
+    fresh = layout is None
+    if layout is None:
+        check_no_stray_parameters(module, config.layers_attr)
+        ranges = partition_layers(len(layers), plan.num_stages, config.partition, layer_param_counts(layers))
+        layout = PipelineLayout(tuple(ranges), tuple(find_tied_parameters(module, config.layers_attr)), plan)
+        if topology.global_rank == 0:
+            warn_batch_norm(layers, config.layers_attr, plan.microbatches)
+    elif layout.plan != plan:
+        raise RuntimeError(
+            f"{type(module).__name__} was already split for another pipeline ({layout.plan}); its other layers are "
+            "gone from this rank. Build a new module (or load it from a checkpoint) to use a different layout."
+        )
+    local_ids = plan.stages_of_rank(topology.pp_rank)
+    groups = ProcessGroups(topology, layout.tied, layout.ranges, plan)
+    stage_modules = localize_layers(module, config.layers_attr, layout.ranges, local_ids, plan.stage_to_rank,
+                                    config.recompute_every)
+    # Layers built on the meta device (configure_model) are allocated now, on this rank only.
+    materialize(module, config.layers_attr, stage_modules, layout.tied, device)
+    module.to(device)
+    engine = PipelineEngine(module, stage_modules, local_ids, plan, groups, device)
+    if fresh:
+        engine.grads.broadcast_initial_state(
+            [t for sm in stage_modules for t in list(sm.parameters()) + list(sm.buffers())])
+    return engine, layout
