@@ -26,7 +26,8 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,12 +52,12 @@ def describe_failure(rank: int, error: BaseException) -> str:
     return f"rank {rank}: {text}"
 
 
-def any_rank(flag: bool, device: torch.device, group: Optional[Any] = None) -> bool:
-    """Whether ``flag`` is set on any rank of ``group`` (a MAX all-reduce; every rank must call it at the same
-    point of its program, like any collective)."""
-    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+def any_rank(flags: Sequence[bool], device: torch.device, group: Any | None = None) -> list[bool]:
+    """For each flag, whether it is set on any rank of ``group`` (one MAX all-reduce; every rank must call it at
+    the same point of its program, like any collective)."""
+    value = torch.tensor([1 if flag else 0 for flag in flags], dtype=torch.int32, device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-    return bool(value.item())
+    return [bool(v) for v in value.tolist()]
 
 
 class FailureWatch:
@@ -72,7 +73,7 @@ class FailureWatch:
     """
 
     def __init__(self, store: Any, rank: int, *, interval: float = 0.5, grace: float = 5.0,
-                 before_exit: Optional[Callable[[], None]] = None) -> None:
+                 before_exit: Callable[[], None] | None = None) -> None:
         self.store = store
         self.rank = rank
         self.interval = interval
@@ -80,12 +81,12 @@ class FailureWatch:
         self.before_exit = before_exit
         self.failed_here = False
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-        self._deadline: Optional[tuple[float, str, int]] = None
+        self._thread: threading.Thread | None = None
+        self._deadline: tuple[float, str, int] | None = None
         self._exit = os._exit  # replaced in unit tests
 
     # ------------------------------------------------------------------ control
-    def start(self) -> "FailureWatch":
+    def start(self) -> FailureWatch:
         self._thread = threading.Thread(target=self._run, name=f"lightning_pipe-watch-rank{self.rank}", daemon=True)
         self._thread.start()
         return self
@@ -101,7 +102,7 @@ class FailureWatch:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def report(self, error: BaseException | str) -> Optional[str]:
+    def report(self, error: BaseException | str) -> str | None:
         """Record this rank's failure for its peers (the first failure of the run is kept); returns the failure the
         store holds afterwards (this one, or an earlier one of another rank), or None when the store is gone."""
         self.failed_here = True  # from now on this rank is never stopped by its own thread
@@ -111,7 +112,7 @@ class FailureWatch:
         except Exception:  # the store's process ended: its peers learn from closed sockets instead
             return None
 
-    def first_failure(self) -> Optional[str]:
+    def first_failure(self) -> str | None:
         """The first failure any rank reported, or None."""
         try:
             if self.store.check([FAILURE_KEY]):
@@ -129,7 +130,7 @@ class FailureWatch:
 
     # ------------------------------------------------------------------ thread
     def _run(self) -> None:
-        peer_failed_at: Optional[float] = None
+        peer_failed_at: float | None = None
         store_gone = False
         while not self._stop.wait(self.interval):
             now = time.monotonic()

@@ -19,6 +19,9 @@ after the current batch. Because every rank is at the same point, checkpoint sav
 ``ModelCheckpoint(save_on_exception=True)`` and ``OnExceptionCheckpoint`` save as usual, and a
 ``ModelCheckpoint(save_last=True)`` also saves ``last`` then, so a preempted run resumes from where it stopped. If
 the ranks have not agreed within :data:`SIGTERM_DEADLINE_S` (a rank stuck outside any step), the process ends anyway.
+SLURM's requeue signal (SIGUSR1 with ``SLURMEnvironment(auto_requeue=True)``) has the same problem — Lightning saves
+a checkpoint inside its handler — and the same cure: recorded in the handler, agreed in the same all-reduce, and
+Lightning's requeue (checkpoint, ``scontrol requeue``) run by every rank at that step boundary.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from __future__ import annotations
 import signal
 import uuid
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch.distributed as dist
 from lightning.pytorch import Callback, Trainer
@@ -54,7 +57,7 @@ SIGTERM_DEADLINE_S = 30.0
 checkpoint (SLURM and Kubernetes follow SIGTERM with SIGKILL after 30 s by default)."""
 
 
-def resolve_timeout(timeout: Union[timedelta, float, int, None]) -> timedelta:
+def resolve_timeout(timeout: timedelta | float | int | None) -> timedelta:
     """``PipelineStrategy(timeout=...)``: a ``timedelta`` or seconds (Hydra passes numbers); None: the default."""
     if timeout is None:
         return DEFAULT_TIMEOUT
@@ -67,17 +70,26 @@ def resolve_timeout(timeout: Union[timedelta, float, int, None]) -> timedelta:
     return timedelta(seconds=float(seconds))
 
 
-class PipelineSignalConnector(_compat.SignalConnector):  # type: ignore[misc, valid-type]
+class PipelineSignalConnector(_compat.SignalConnector):
     """Lightning's signal connector whose SIGTERM handler only records the signal ([Note: SIGTERM at a step
     boundary]); everything else (SLURM requeue, handler restore at teardown) is Lightning's."""
 
-    def __init__(self, trainer: Trainer, faults: "PipelineFaults") -> None:
+    def __init__(self, trainer: Trainer, faults: PipelineFaults) -> None:
         super().__init__(trainer)
         self.faults = faults
 
     def _sigterm_notifier_fn(self, signum: Any, _: Any) -> None:
         # A signal handler: no collective, no I/O (printing here can raise "reentrant call" on a busy stream).
         self.faults.sigterm_received(signum)
+
+    def _slurm_sigusr_handler_fn(self, signum: Any, _: Any) -> None:
+        # SLURM auto-requeue: Lightning saves a checkpoint right in the handler (a collective here); every rank runs
+        # Lightning's handler later, at the same step boundary (PipelineFaults.after_step).
+        self.faults.requeue_pending = True
+
+    def run_requeue(self) -> None:
+        """Lightning's SLURM requeue (checkpoint, then ``scontrol requeue`` on rank 0), outside the signal handler."""
+        _compat.SignalConnector._slurm_sigusr_handler_fn(self, signal.SIGUSR1, None)
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
@@ -89,7 +101,7 @@ class _FailureReporter(Callback):
     """Reports a failure before the checkpoint callbacks' ``on_exception`` (Lightning runs checkpoint callbacks
     last): their save is collective and would otherwise wait on peers that do not know yet."""
 
-    def __init__(self, faults: "PipelineFaults") -> None:
+    def __init__(self, faults: PipelineFaults) -> None:
         self.faults = faults
 
     def on_exception(self, trainer: Trainer, pl_module: Any, exception: BaseException) -> None:
@@ -101,18 +113,21 @@ class PipelineFaults:
 
     def __init__(self, strategy: Any, trainer: Trainer, watch: FailureWatch) -> None:
         self.strategy = strategy
-        self.trainer = trainer
+        self.trainer: Any = trainer  # Lightning sets several of the attributes used here outside __init__
         self.watch = watch
         self.sigterm_pending = False
         self.stopping = False  # every rank agreed to stop on SIGTERM
+        self.requeue_pending = False  # SLURM's requeue signal (SIGUSR1), recorded by the handler
+        self._requeued = False
         self.failed = False
         self._reporter = _FailureReporter(self)
 
     @classmethod
-    def start(cls, strategy: Any, trainer: Trainer) -> Optional["PipelineFaults"]:
+    def start(cls, strategy: Any) -> PipelineFaults | None:
         """Start watching (after the process group exists; a collective: every rank calls it). None on one rank."""
-        if strategy.world_size < 2:
+        if strategy.world_size < 2 or strategy.lightning_module is None:
             return None
+        trainer: Any = strategy.lightning_module.trainer
         # Keys private to this run: a process that runs fit, then validate, reuses the store.
         token = strategy.broadcast(uuid.uuid4().hex[:12])
         store = dist.PrefixStore(f"lightning_pipe/faults/{token}/", _compat_torch.default_store())
@@ -150,10 +165,15 @@ class PipelineFaults:
             "the ranks did not reach a step boundary together (a rank is stuck outside a step); exiting now, "
             "without a checkpoint, with code 143.", 143)
 
-    def after_step(self, phase: str, batch_idx: Optional[int]) -> None:
+    def after_step(self, phase: str, batch_idx: int | None) -> None:
         """Every rank, after every step: agree on SIGTERM ([Note: SIGTERM at a step boundary])."""
         if not self.stopping:
-            if not any_rank(self.sigterm_pending, self.strategy.root_device):
+            sigterm, requeue = any_rank([self.sigterm_pending, self.requeue_pending and not self._requeued],
+                                        self.strategy.root_device)
+            if requeue:
+                self._requeued = True  # once per run: ranks may get the signal a step apart
+                self.trainer._signal_connector.run_requeue()
+            if not sigterm:
                 return
             self.stopping = True
             self.watch.clear_deadline()
@@ -182,7 +202,7 @@ class PipelineFaults:
         self.watch.stop()
 
 
-def _save_last_on_preemption(trainer: Trainer) -> None:
+def _save_last_on_preemption(trainer: Any) -> None:
     """Every ``ModelCheckpoint(save_last=...)`` writes ``last`` now, unless it already saved at this step (or saves
     on exception by itself)."""
     if trainer.sanity_checking or trainer.fast_dev_run or trainer.state.fn != TrainerFn.FITTING:

@@ -208,7 +208,7 @@ class PipelineStrategy(ParallelStrategy):
             # process ("terminate called without an active exception") after a perfectly good run.
             atexit.register(_destroy_process_group)
         # Failures on one rank stop the others; SIGTERM stops all ranks at a step boundary (lightning/faults.py).
-        self._faults = PipelineFaults.start(self, self.lightning_module.trainer)
+        self._faults = PipelineFaults.start(self)
 
     # ------------------------------------------------------------------ precision
     @property  # type: ignore[override]

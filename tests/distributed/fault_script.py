@@ -5,7 +5,8 @@ Kubernetes signals. Each rank writes ``pid<rank>`` at start and ``step<rank>`` (
 Modes:
 
 * ``train``: train until stopped (SIGTERM tests), with ``ModelCheckpoint(save_last=True)`` when ``ckpt`` is set;
-  ``resume`` continues from ``last.ckpt`` for two more steps and writes ``resumed<rank>`` (the steps seen);
+  ``resume`` continues from ``ckpt_path="last"`` up to ``max_steps`` and writes ``start<rank>`` / ``resumed<rank>``
+  (the global step at the start and at the end);
 * ``fail``: the layer of rank ``fail_rank`` raises at its forward call ``fail_at``; the script *catches* the error and
   sleeps 90 s, as a notebook or a script that handles errors would keep the process alive.
 
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve()
@@ -41,14 +42,15 @@ def main(out: Path, mode: str, opts: dict[str, Any]) -> None:
 
     if opts.get("without_faults"):  # the behaviour before lightning_pipe.lightning.faults, for comparison
         from lightning_pipe.lightning.faults import PipelineFaults
-        PipelineFaults.start = classmethod(lambda cls, strategy, trainer: None)  # type: ignore[method-assign]
+        PipelineFaults.start = classmethod(lambda cls, strategy: None)  # type: ignore[method-assign]
     rank = int(os.environ.get("LOCAL_RANK", "0"))
+    busy = bool(opts.get("busy"))
     (out / f"pid{rank}").write_text(str(os.getpid()))
 
     class SlowLayer(nn.Module):
         """A layer that takes ``delay`` seconds per micro-batch (so a signal lands inside a step) and can fail."""
 
-        def __init__(self, delay: float, fail_at: Optional[int]) -> None:
+        def __init__(self, delay: float, fail_at: int | None) -> None:
             super().__init__()
             self.fc = nn.Linear(16, 16)
             self.delay, self.fail_at, self.calls = delay, fail_at, 0
@@ -58,7 +60,12 @@ def main(out: Path, mode: str, opts: dict[str, Any]) -> None:
                 self.calls += 1
                 if self.fail_at is not None and self.calls == self.fail_at:
                     raise RuntimeError(f"injected failure in a layer's forward (call {self.calls})")
-            time.sleep(self.delay)
+            if busy:  # compute-bound like a real layer (time.sleep would let signal handlers run at once)
+                end, w = time.perf_counter() + self.delay, torch.randn(64, 64)
+                while time.perf_counter() < end:
+                    w = torch.tanh(w @ w)
+            else:
+                time.sleep(self.delay)
             return torch.tanh(self.fc(x))
 
     class Model(PipelineModule):
@@ -103,7 +110,7 @@ def main(out: Path, mode: str, opts: dict[str, Any]) -> None:
                         val_check_interval=opts.get("val_every", 7), limit_val_batches=3, num_sanity_val_steps=0)
     model = Model()
     if mode == "resume":
-        trainer.fit(model, loader, loader, ckpt_path=str(out / "ckpt" / "last.ckpt"))
+        trainer.fit(model, loader, loader, ckpt_path="last")  # Lightning finds ckpt/last.ckpt (a directory here)
         (out / f"resumed{rank}").write_text(str(trainer.global_step))
         return
     try:
@@ -129,7 +136,7 @@ def start(out: Path, mode: str, **opts: Any) -> subprocess.Popen:
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def read_int(path: Path) -> Optional[int]:
+def read_int(path: Path) -> int | None:
     try:
         return int(path.read_text())
     except (OSError, ValueError):
@@ -143,6 +150,14 @@ def wait_for_step(out: Path, proc: subprocess.Popen, step: int, timeout: float =
         if proc.poll() is not None or time.monotonic() > deadline:
             raise AssertionError(f"the script did not reach step {step} (exit {proc.poll()}):\n{log_tail(out)}")
         time.sleep(0.02)
+
+
+def last_checkpoint_step(out: Path) -> int | None:
+    """The global step stored in ``ckpt/last.ckpt`` (a sharded directory; present only once complete)."""
+    import torch
+
+    meta = out / "ckpt" / "last.ckpt" / "meta.pt"
+    return int(torch.load(meta, weights_only=False)["global_step"]) if meta.exists() else None
 
 
 def alive(pid: int) -> bool:

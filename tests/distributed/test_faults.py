@@ -48,7 +48,7 @@ def test_sigterm_mid_step_stops_every_rank_together_and_last_checkpoint_resumes(
     stopped = []
     for trial in range(2):
         out = tmp_path / f"trial{trial}"
-        proc = fs.start(out, "train", ckpt=True)
+        proc = fs.start(out, "train", ckpt=True, busy=True)  # compute-bound steps, as real ones
         try:
             fs.wait_for_step(out, proc, 3 + 2 * trial, timeout=STARTUP_S)
             time.sleep(rng.uniform(0.0, 0.4))  # somewhere inside a step (about 0.2-0.4 s here)
@@ -63,6 +63,7 @@ def test_sigterm_mid_step_stops_every_rank_together_and_last_checkpoint_resumes(
         step = fs.read_int(out / "step0")
         assert step is not None and step == fs.read_int(out / "step1"), log  # the same step on both ranks
         assert f"saved {out / 'ckpt' / 'last.ckpt'} at global step {step} after SIGTERM" in log, log
+        assert fs.last_checkpoint_step(out) == step, log
         stopped.append(step)
 
     # The last complete checkpoint loads and training continues from it.
@@ -79,8 +80,10 @@ def test_sigterm_mid_step_stops_every_rank_together_and_last_checkpoint_resumes(
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("victim", [0, 1])
-def test_kill_9_of_a_rank_still_ends_every_process(tmp_path: Path, victim: int) -> None:
+def test_kill_9_of_the_main_process_still_ends_every_process(tmp_path: Path) -> None:
+    """Rank 0 also hosts the store: rank 1 still ends (its transfers fail on closed sockets); its watch takes the
+    lost store quietly, neither hanging nor reporting a failure of its own."""
+    victim = 0
     proc = fs.start(tmp_path, "train")
     try:
         fs.wait_for_step(tmp_path, proc, 3, timeout=STARTUP_S)

@@ -32,13 +32,15 @@ def test_a_bad_timeout_names_the_setting(bad: Any) -> None:
 class RecordingFaults:
     def __init__(self) -> None:
         self.signals: list[int] = []
+        self.requeue_pending = False
 
     def sigterm_received(self, signum: int) -> None:
         self.signals.append(signum)
 
 
-def test_sigterm_handler_only_records(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Lightning's handler broadcasts inside the handler (the 11-of-13 hang); ours must not touch the network."""
+def test_signal_handlers_only_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning's SIGTERM handler broadcasts inside the handler (the 11-of-13 hang) and its SLURM requeue handler
+    saves a checkpoint there; ours must not touch the network."""
     def no_collective(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a collective ran inside the SIGTERM handler")
 
@@ -49,6 +51,9 @@ def test_sigterm_handler_only_records(monkeypatch: pytest.MonkeyPatch) -> None:
     connector = PipelineSignalConnector(trainer, faults)  # type: ignore[arg-type]
     connector._sigterm_notifier_fn(signal.SIGTERM, None)
     assert faults.signals == [signal.SIGTERM] and not connector.received_sigterm  # Lightning's stop comes later
+    monkeypatch.setattr(trainer, "save_checkpoint", no_collective)
+    connector._slurm_sigusr_handler_fn(signal.SIGUSR1, None)  # Lightning's saves a checkpoint right here
+    assert faults.requeue_pending
     assert connector.__getstate__()["faults"] is None  # picklable for spawned ranks
 
 
@@ -58,3 +63,35 @@ def test_private_lightning_attributes_exist() -> None:
     assert hasattr(trainer, "_signal_connector") and hasattr(trainer._signal_connector, "received_sigterm")
     assert isinstance(trainer.callbacks, list)
     assert hasattr(ModelCheckpoint(save_last=True), "_last_global_step_saved")
+
+
+def test_sigterm_and_requeue_are_acted_on_after_a_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One rank (the all-reduce returns the flags as they are): requeue once per run, SIGTERM at the step that
+    closes the accumulation window in training, at once in evaluation."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from lightning_pipe.lightning import faults as faults_module
+
+    calls: list[str] = []
+    monkeypatch.setattr(faults_module, "any_rank", lambda flags, device: list(flags))
+    connector = SimpleNamespace(run_requeue=lambda: calls.append("requeue"), received_sigterm=False)
+    trainer = SimpleNamespace(_signal_connector=connector, accumulate_grad_batches=2, global_step=3)
+    strategy = SimpleNamespace(root_device="cpu", global_rank=0, launcher=None)
+    watch = SimpleNamespace(clear_deadline=lambda: calls.append("clear"),
+                            set_deadline=lambda *args: calls.append("deadline"))
+    faults = faults_module.PipelineFaults(strategy, trainer, watch)  # type: ignore[arg-type]
+
+    faults.requeue_pending = True
+    faults.after_step("train", 0)
+    faults.after_step("train", 1)  # the same signal seen a step later on another rank: no second requeue
+    assert calls == ["requeue"]
+    faults.sigterm_received(signal.SIGTERM)
+    assert calls == ["requeue", "deadline"]
+    faults.after_step("train", 2)  # batch 2 of windows of 2: the optimizer has not stepped yet
+    assert faults.stopping and calls[-1] == "clear" and not connector.received_sigterm
+    faults.after_step("train", 3)
+    assert connector.received_sigterm  # Lightning raises SIGTERMException after this batch's optimizer step
+    with pytest.raises(SIGTERMException):
+        faults.after_step("validate", 0)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any
 
 import torch.distributed as dist
 
@@ -121,5 +121,5 @@ def test_describe_failure_names_the_innermost_cause_first() -> None:
     assert text == ("rank 1: ValueError: injected failure (raised inside RuntimeError: [Stage 1] failed to run "
                     "forward: args: ...)")
     assert describe_failure(0, KeyboardInterrupt()) == "rank 0: KeyboardInterrupt: (no message)"
-    long: Optional[str] = describe_failure(0, ValueError("x" * 5000))
+    long: str | None = describe_failure(0, ValueError("x" * 5000))
     assert long is not None and len(long) < 2100 and long.endswith(" ...")
