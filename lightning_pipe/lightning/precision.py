@@ -182,3 +182,19 @@ def convert_precision_plugin(plugin: Precision) -> PipelinePrecision:
     if type(plugin) is HalfPrecision:
         return PipelinePrecision(plugin.precision)
     raise TypeError(f"{type(plugin).__name__} is not one of Lightning's plain, mixed or half precision plugins")
+
+
+def to_pipeline_precision(plugin: Precision) -> PipelinePrecision:
+    """:func:`convert_precision_plugin`, or an error that keeps its reason (e.g. a custom GradScaler under
+    "16-mixed" is refused for the scaler, not for the precision)."""
+    try:
+        return convert_precision_plugin(plugin)
+    except TypeError as err:
+        raise config_error(
+            f"PipelineStrategy supports precision {list(SUPPORTED_PRECISION)} through PipelinePrecision: "
+            "clipping and fp16 overflow checks must agree across stages, which other plugins cannot do.",
+            f"precision plugin {type(plugin).__name__} (precision={getattr(plugin, 'precision', '?')!r}), "
+            f"refused because: {err}", "precision",
+            "use Lightning's own plugin, or Trainer(plugins=[PipelinePrecision(...)]) for scaler settings"
+        ) from None
+

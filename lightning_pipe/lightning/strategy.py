@@ -1,14 +1,15 @@
-"""PipelineStrategy: Lightning's hooks, delegating to config / partition / stages / schedules / engine."""
+"""PipelineStrategy: Lightning's hooks, delegating to the plain-torch core (layout, engine, grads, checkpoint) and
+to the adapter's helpers (preflight, checkpointing, faults, precision)."""
 
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import os
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Generator, Literal, Optional, Union
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -18,24 +19,23 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_pipe._compat import lightning as _compat
 from lightning_pipe.checkpoint import remove as remove_checkpoint_files
-from lightning_pipe.config import PartitionSpec, PipelineConfig, Topology, config_error
+from lightning_pipe.config import PartitionSpec, Topology
 from lightning_pipe.engine import PipelineEngine
 from lightning_pipe.layout import PipelineLayout, build_engine
+from lightning_pipe.lightning.checkpointing import RankGroup, ShardedCheckpointer
 from lightning_pipe.lightning.faults import DEFAULT_TIMEOUT, PipelineFaults, resolve_timeout
 from lightning_pipe.lightning.launchers import PipelineMultiProcessingLauncher
-from lightning_pipe.planner.auto import plan_on_ranks
-from lightning_pipe.planner.plan import apply_plan, explain
-from lightning_pipe.lightning.precision import SUPPORTED_PRECISION, PipelinePrecision, convert_precision_plugin
-from lightning_pipe.schedules import SchedulePlan, check_schedule_settings, plan_schedule
-from lightning_pipe.lightning.checkpointing import RankGroup, ShardedCheckpointer
-
+from lightning_pipe.lightning.precision import PipelinePrecision, to_pipeline_precision
+from lightning_pipe.lightning.preflight import check_module, log_layout, plan_automatically, resolve_settings
+from lightning_pipe.planner.plan import apply_plan
+from lightning_pipe.schedules import SchedulePlan, plan_schedule
 
 
 def _destroy_process_group() -> None:
@@ -51,21 +51,13 @@ class PipelineStrategy(ParallelStrategy):
     torch.distributed.pipelining runs the schedule. Settings are those of :class:`~lightning_pipe.PipelineConfig`.
 
     Args:
-        schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``looped_bfs``, ``zb_h1``, ``zbv``, ``dualpipev``,
-            ``custom`` (per-rank action lists in ``schedule_options``: ``actions`` inline or a ``csv`` path).
-        microbatches: micro-batches per batch (default: 2 x number of stages). The batch size must divide by it.
-        data_parallel_size: replicas of the pipeline; gradients are averaged across replicas of each stage.
-        partition: how layers go to stages: ``"uniform"``, ``"parameters"`` or explicit per-stage layer counts.
-        stages_per_rank: stages per rank for virtual-stage schedules (default: what the schedule needs).
-        layers_attr: attribute holding the ordered layer list.
-        recompute: activation recomputation per stage: ``"none"``, ``"all"`` (every layer) or ``k`` (every k-th
-            layer of each stage): activations inside a recomputed layer are rebuilt in backward instead of kept.
-        schedule_options: schedule-specific options (see ``schedule``).
+        schedule, microbatches, data_parallel_size, partition, stages_per_rank, layers_attr, recompute,
+            schedule_options: the layout settings, documented once on :class:`~lightning_pipe.PipelineConfig`
+            (and in the README's settings table with their Hydra paths). ``schedule="auto"`` lets the planner
+            choose at setup (README: "Let it plan").
         plan: a plan file (or its dict) from ``python -m lightning_pipe.planner search``: its schedule,
-            micro-batches, stages per rank, replicas and partition replace those arguments (README: "Let it plan").
-        memory_budget: per-device limit for ``schedule="auto"`` (bytes or e.g. ``"20GiB"``; also accepted as
-            ``schedule_options={"memory_budget": ...}``). ``schedule="auto"`` profiles the model at setup on every
-            rank and picks schedule, micro-batches, stages per rank and partition (``data_parallel_size`` is kept).
+            micro-batches, stages per rank, replicas and partition replace those arguments.
+        memory_budget: per-device limit for ``schedule="auto"`` (bytes or e.g. ``"20GiB"``).
         start_method: ``"popen"`` re-runs the script per rank (like ``ddp``); ``"spawn"`` for notebooks.
         timeout: how long a rank waits on another in one transfer before failing (a ``timedelta`` or seconds;
             default 10 minutes). A rank that fails stops its peers within seconds regardless (README:
@@ -77,57 +69,41 @@ class PipelineStrategy(ParallelStrategy):
     def __init__(
         self,
         schedule: str = "1f1b",
-        microbatches: Optional[int] = None,
+        microbatches: int | None = None,
         data_parallel_size: int = 1,
         partition: PartitionSpec = "uniform",
-        stages_per_rank: Optional[int] = None,
+        stages_per_rank: int | None = None,
         layers_attr: str = "layers",
-        recompute: Union[str, int] = "none",
-        schedule_options: Optional[dict[str, Any]] = None,
-        plan: Union[str, os.PathLike, dict[str, Any], None] = None,
-        memory_budget: Union[int, str, None] = None,
+        recompute: str | int = "none",
+        schedule_options: dict[str, Any] | None = None,
+        plan: str | os.PathLike | dict[str, Any] | None = None,
+        memory_budget: int | str | None = None,
         accelerator: Any = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | float | None = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
-        if plan is not None:
-            # A saved plan (python -m lightning_pipe.planner search) replaces the layout settings; its world size
-            # is checked in set_world_ranks, once the world is known.
-            planned = apply_plan(plan)
-            schedule, microbatches, stages_per_rank = (planned["schedule"], planned["microbatches"],
-                                                       planned["stages_per_rank"])
-            data_parallel_size, partition = planned["data_parallel_size"], planned["partition"]
+        resolved = resolve_settings(schedule, microbatches, data_parallel_size, partition, stages_per_rank,
+                                    layers_attr, recompute, schedule_options, plan, memory_budget)
+        self.pipeline_config = resolved.config
         self._plan_source = plan
-        # schedule="auto": the planner picks at setup (_plan_automatically); until then a placeholder checks the world
-        options = dict(schedule_options or {})
-        self._auto = str(schedule).lower() == "auto"
-        self._memory_budget = memory_budget if memory_budget is not None else options.pop("memory_budget", None)
-        self.auto_plan: Optional[dict[str, Any]] = None
-        if self._auto:
-            schedule, microbatches, stages_per_rank, partition, schedule_options = "1f1b", None, None, "uniform", {}
-        self.pipeline_config = PipelineConfig(
-            schedule=schedule, microbatches=microbatches, data_parallel_size=data_parallel_size,
-            partition=partition,
-            stages_per_rank=stages_per_rank, layers_attr=layers_attr, recompute=recompute,
-            schedule_options=schedule_options or {})
-        # Unknown schedule names and options the schedule does not take fail here, not on the ranks after launch.
-        check_schedule_settings(self.pipeline_config)
+        self._auto, self._memory_budget = resolved.auto, resolved.memory_budget
+        self.auto_plan: dict[str, Any] | None = None
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = resolve_timeout(timeout)
-        self._faults: Optional[PipelineFaults] = None
+        self._faults: PipelineFaults | None = None
         self._start_method = start_method
-        self.engine: Optional[PipelineEngine] = None
-        self.plan: Optional[SchedulePlan] = None
-        self.topology: Optional[Topology] = None
+        self.engine: PipelineEngine | None = None
+        self.plan: SchedulePlan | None = None
+        self.topology: Topology | None = None
 
     # ------------------------------------------------------------------ world
     @property
@@ -161,7 +137,7 @@ class PipelineStrategy(ParallelStrategy):
         return {"num_replicas": topo.data_parallel_size, "rank": topo.dp_rank}
 
     @property
-    def process_group_backend(self) -> Optional[str]:
+    def process_group_backend(self) -> str | None:
         return self._process_group_backend
 
     def _topology(self) -> Topology:
@@ -185,7 +161,7 @@ class PipelineStrategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         self.topology = None
         if self._plan_source is not None:
             apply_plan(self._plan_source, world_size=self.world_size)  # a plan is made for one world size
@@ -211,28 +187,18 @@ class PipelineStrategy(ParallelStrategy):
         self._faults = PipelineFaults.start(self)
 
     # ------------------------------------------------------------------ precision
-    @property  # type: ignore[override]
+    @property
     def precision_plugin(self) -> PipelinePrecision:
         if self._precision_plugin is None:
             self._precision_plugin = PipelinePrecision("32-true")
         return self._precision_plugin  # type: ignore[return-value]
 
     @precision_plugin.setter
-    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+    def precision_plugin(self, plugin: Precision | None) -> None:
         if plugin is None:
             self._precision_plugin = None
             return
-        try:
-            self._precision_plugin = convert_precision_plugin(plugin)
-        except TypeError as err:
-            # Keep the converter's reason: "16-mixed" with a custom GradScaler is refused for the scaler.
-            raise config_error(
-                f"PipelineStrategy supports precision {list(SUPPORTED_PRECISION)} through PipelinePrecision: "
-                "clipping and fp16 overflow checks must agree across stages, which other plugins cannot do.",
-                f"precision plugin {type(plugin).__name__} (precision={getattr(plugin, 'precision', '?')!r}), "
-                f"refused because: {err}", "precision",
-                "use Lightning's own plugin, or Trainer(plugins=[PipelinePrecision(...)]) for scaler settings"
-            ) from None
+        self._precision_plugin = to_pipeline_precision(plugin)
 
     # ------------------------------------------------------------------ setup
     @override
@@ -241,9 +207,11 @@ class PipelineStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
-        self._check_module(module)
+        check_module(module)
         if self._auto and self.auto_plan is None:
-            self._plan_automatically(trainer, module)
+            self.auto_plan, self.pipeline_config = plan_automatically(
+                trainer, module, self.pipeline_config, self._memory_budget, self.world_size, self.root_device)
+            self.plan = plan_schedule(self.pipeline_config, self._topology().pipeline_size)
         self.precision_plugin.convert_module(module)
         self.engine = self._build_engine(module)  # moves this rank's layers to the device
         self.precision_plugin.setup(self.engine, self.root_device)
@@ -253,62 +221,17 @@ class PipelineStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _compat.optimizers_to_device(self.optimizers, self.root_device)
 
-    def _plan_automatically(self, trainer: Trainer, module: LightningModule) -> None:
-        """``schedule="auto"``: every rank profiles the layers on one training batch, rank 0 searches (planner), all
-        adopt the same plan; rank 0 logs it with the runners-up."""
-        if trainer.state.fn != TrainerFn.FITTING:
-            raise config_error("schedule='auto' plans from a training batch, so it needs trainer.fit first.",
-                               f"trainer.{getattr(trainer.state.fn, 'value', None)}() with schedule='auto'", "schedule",
-                               "pass plan=<a plan file> (python -m lightning_pipe.planner search) to evaluate")
-        loader = _compat.train_dataloader(trainer)
-        batch = next(iter(loader))
-        config = self.pipeline_config
-        self.auto_plan = plan_on_ranks(module, batch, config.data_parallel_size, self._memory_budget,
-                                       config.layers_attr, self.root_device)
-        kwargs = apply_plan(self.auto_plan, world_size=self.world_size)
-        self.pipeline_config = dataclasses.replace(config, **kwargs)
-        self.plan = plan_schedule(self.pipeline_config, self._topology().pipeline_size)
-        rank_zero_info("PipelineStrategy(schedule='auto') chose, from measured costs:\n" + explain(self.auto_plan))
-
-    def _check_module(self, module: LightningModule) -> None:
-        missing = [name for name in ("loss_fn", "split_batch", "compute_loss") if not hasattr(module, name)]
-        if missing:
-            raise TypeError(
-                f"PipelineStrategy needs a layer-list module: {type(module).__name__} lacks {missing}. Derive it "
-                "from `lightning_pipe.PipelineModule` (it provides split_batch/compute_loss) and implement "
-                "`loss_fn(output, target)`; see the README's module contract."
-            )
-        if not module.automatic_optimization:
-            raise TypeError(
-                "PipelineStrategy supports automatic optimization only: the schedule runs forward and backward "
-                "inside training_step and the strategy averages and clips gradients across stages before the "
-                f"optimizer step. Set `self.automatic_optimization = True` in {type(module).__name__}."
-            )
-
     def _build_engine(self, module: LightningModule) -> PipelineEngine:
         assert self.plan is not None, "set_world_ranks resolves the plan before setup"
         layout: PipelineLayout | None = getattr(module, "_pipeline_layout", None)
         engine, layout = build_engine(module, self.pipeline_config, self.plan, self._topology(), self.root_device,
                                       layout)
-        module._pipeline_layout = layout  # type: ignore[attr-defined]
-        module._pipeline_engine = engine  # type: ignore[attr-defined]
-        self._log_layout(self.plan, list(layout.ranges), engine.plan.stages_of_rank(self._topology().pp_rank),
-                         sum(p.numel() for p in engine.parameters))
+        module._pipeline_layout = layout  # type: ignore[assignment]  # (nn.Module types attributes as tensors)
+        module._pipeline_engine = engine  # type: ignore[assignment]
+        topology = self._topology()
+        log_layout(self.plan, topology, list(layout.ranges), self.plan.stages_of_rank(topology.pp_rank),
+                   sum(p.numel() for p in engine.parameters))
         return engine
-
-    def _log_layout(self, plan: SchedulePlan, ranges: list[range], local_ids: list[int], n_params: int) -> None:
-        """One table on rank 0: which layers and how many parameters each stage holds (Lightning's model summary
-        only sees rank 0's stage)."""
-        topo = self._topology()
-        rows: list[Any] = [None] * self.world_size
-        dist.all_gather_object(rows, (topo.dp_rank, topo.pp_rank, local_ids, n_params))
-        lines = [f"PipelineStrategy: schedule={plan.spec.name}, microbatches={plan.microbatches}, "
-                 f"{plan.num_stages} stages on {topo.pipeline_size} ranks x {topo.data_parallel_size} replica(s)"]
-        for dp_rank, pp_rank, stages, count in rows:
-            if dp_rank == 0:
-                spans = ", ".join(f"stage {s}: layers {ranges[s].start}-{ranges[s].stop - 1}" for s in stages)
-                lines.append(f"  pipeline rank {pp_rank}: {spans} ({count:,} parameters)")
-        rank_zero_info("\n".join(lines))
 
     @contextmanager
     @override
@@ -341,7 +264,7 @@ class PipelineStrategy(ParallelStrategy):
         return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
 
     def _run(self, phase: str, parent: Any, *args: Any, **kwargs: Any) -> Any:
-        assert self.engine is not None
+        assert self.engine is not None and self.lightning_module is not None
         trainer = self.lightning_module.trainer
         self.engine.accumulate_grad_batches = trainer.accumulate_grad_batches
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
@@ -385,6 +308,7 @@ class PipelineStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
         return self.lightning_module.state_dict()  # this rank's layers under their original names
 
     @override
@@ -396,7 +320,7 @@ class PipelineStrategy(ParallelStrategy):
         pass  # done in load_checkpoint, where each rank reads only its own layers
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         self._checkpointer().save(checkpoint, filepath, storage_options)
 
     @override
@@ -405,10 +329,11 @@ class PipelineStrategy(ParallelStrategy):
             remove_checkpoint_files(Path(filepath))
 
     @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         return self._checkpointer().load(checkpoint_path)
 
     def _checkpointer(self) -> ShardedCheckpointer:
+        assert self.lightning_module is not None
         ranks = RankGroup(self.global_rank, self.world_size, self.broadcast, self.barrier)
         return ShardedCheckpointer(ranks, self.lightning_module, self.optimizers, self.pipeline_config,
                                    self._topology())
@@ -432,8 +357,8 @@ class PipelineStrategy(ParallelStrategy):
         return holder[0]
 
     @override
-    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
-               reduce_op: Optional[Union[Any, str]] = "mean") -> Union[Tensor, Any]:
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None,
+               reduce_op: Any | str | None = "mean") -> Tensor | Any:
         if isinstance(tensor, Tensor):
             return _compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
@@ -449,7 +374,7 @@ class PipelineStrategy(ParallelStrategy):
         if faults is not None:
             faults.stop()
         if self.lightning_module is not None:
-            self.lightning_module._pipeline_engine = None  # type: ignore[attr-defined]
+            self.lightning_module._pipeline_engine = None  # type: ignore[assignment]
         if isinstance(self._precision_plugin, PipelinePrecision):
             self._precision_plugin.engine = None
         self.engine = None

@@ -87,19 +87,19 @@ def test_localize_keeps_original_names_and_drops_remote_parameters():
 
 
 def test_manual_optimization_is_refused_with_the_reason():
-    from lightning_pipe import PipelineStrategy
+    from lightning_pipe.lightning.preflight import check_module
 
     model = ToyRegressor()
     model.automatic_optimization = False
     with pytest.raises(TypeError, match=r"automatic optimization only.*automatic_optimization = True"):
-        PipelineStrategy()._check_module(model)
+        check_module(model)
 
 
 def test_module_without_the_contract_is_refused():
-    from lightning_pipe import PipelineStrategy
+    from lightning_pipe.lightning.preflight import check_module
 
     class Plain(L.LightningModule):
         pass
 
     with pytest.raises(TypeError, match=r"lacks \['loss_fn', 'split_batch', 'compute_loss'\].*PipelineModule"):
-        PipelineStrategy()._check_module(Plain())
+        check_module(Plain())

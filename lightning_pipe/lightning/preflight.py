@@ -1,0 +1,103 @@
+"""What the strategy decides and checks before any engine exists: the settings a plan file or ``schedule="auto"``
+resolves to, the module contract, and the layout report on rank 0."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_pipe._compat import lightning as _compat
+from lightning_pipe.config import PartitionSpec, PipelineConfig, Topology, config_error
+from lightning_pipe.planner.auto import plan_on_ranks
+from lightning_pipe.planner.plan import apply_plan, explain
+from lightning_pipe.schedules import SchedulePlan, check_schedule_settings
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedSettings:
+    """The strategy's arguments after a plan file / ``schedule="auto"`` had its say."""
+
+    config: PipelineConfig
+    auto: bool
+    """``schedule="auto"``: the planner replaces ``config``'s layout at setup (a 1F1B placeholder until then)."""
+    memory_budget: int | str | None
+
+
+def resolve_settings(schedule: str, microbatches: int | None, data_parallel_size: int, partition: PartitionSpec,
+                     stages_per_rank: int | None, layers_attr: str, recompute: str | int,
+                     schedule_options: dict[str, Any] | None, plan: str | os.PathLike | dict[str, Any] | None,
+                     memory_budget: int | str | None) -> ResolvedSettings:
+    """Fold a saved plan and ``schedule="auto"`` into one :class:`PipelineConfig`; checked before any rank starts."""
+    if plan is not None:
+        # A saved plan (python -m lightning_pipe.planner search) replaces the layout settings; its world size is
+        # checked in set_world_ranks, once the world is known.
+        planned = apply_plan(plan)
+        schedule, microbatches, stages_per_rank = (planned["schedule"], planned["microbatches"],
+                                                   planned["stages_per_rank"])
+        data_parallel_size, partition = planned["data_parallel_size"], planned["partition"]
+    options = dict(schedule_options or {})
+    auto = str(schedule).lower() == "auto"
+    budget = memory_budget if memory_budget is not None else options.pop("memory_budget", None)
+    if auto:
+        schedule, microbatches, stages_per_rank, partition, options = "1f1b", None, None, "uniform", {}
+    config = PipelineConfig(schedule=schedule, microbatches=microbatches, data_parallel_size=data_parallel_size,
+                            partition=partition, stages_per_rank=stages_per_rank, layers_attr=layers_attr,
+                            recompute=recompute, schedule_options=options)
+    # Unknown schedule names and options the schedule does not take fail here, not on the ranks after launch.
+    check_schedule_settings(config)
+    return ResolvedSettings(config, auto, budget)
+
+
+def plan_automatically(trainer: Trainer, module: LightningModule, config: PipelineConfig,
+                       memory_budget: int | str | None, world_size: int,
+                       device: torch.device) -> tuple[dict[str, Any], PipelineConfig]:
+    """``schedule="auto"``: every rank profiles the layers on one training batch, rank 0 searches (planner), all
+    adopt the same plan; rank 0 logs it with the runners-up. Collective."""
+    if trainer.state.fn != TrainerFn.FITTING:
+        raise config_error("schedule='auto' plans from a training batch, so it needs trainer.fit first.",
+                           f"trainer.{getattr(trainer.state.fn, 'value', None)}() with schedule='auto'", "schedule",
+                           "pass plan=<a plan file> (python -m lightning_pipe.planner search) to evaluate")
+    batch = next(iter(_compat.train_dataloader(trainer)))
+    auto_plan = plan_on_ranks(module, batch, config.data_parallel_size, memory_budget, config.layers_attr, device)
+    config = dataclasses.replace(config, **apply_plan(auto_plan, world_size=world_size))
+    rank_zero_info("PipelineStrategy(schedule='auto') chose, from measured costs:\n" + explain(auto_plan))
+    return auto_plan, config
+
+
+def check_module(module: LightningModule) -> None:
+    """The layer-list contract and automatic optimization, before anything is split."""
+    missing = [name for name in ("loss_fn", "split_batch", "compute_loss") if not hasattr(module, name)]
+    if missing:
+        raise TypeError(
+            f"PipelineStrategy needs a layer-list module: {type(module).__name__} lacks {missing}. Derive it "
+            "from `lightning_pipe.PipelineModule` (it provides split_batch/compute_loss) and implement "
+            "`loss_fn(output, target)`; see the README's module contract."
+        )
+    if not module.automatic_optimization:
+        raise TypeError(
+            "PipelineStrategy supports automatic optimization only: the schedule runs forward and backward "
+            "inside training_step and the strategy averages and clips gradients across stages before the "
+            f"optimizer step. Set `self.automatic_optimization = True` in {type(module).__name__}."
+        )
+
+
+def log_layout(plan: SchedulePlan, topology: Topology, ranges: list[range], local_ids: list[int],
+               n_params: int) -> None:
+    """One table on rank 0: which layers and how many parameters each stage holds (Lightning's model summary only
+    sees rank 0's stage). Collective."""
+    rows: list[Any] = [None] * topology.world_size
+    dist.all_gather_object(rows, (topology.dp_rank, topology.pp_rank, local_ids, n_params))
+    lines = [f"PipelineStrategy: schedule={plan.spec.name}, microbatches={plan.microbatches}, "
+             f"{plan.num_stages} stages on {topology.pipeline_size} ranks x {topology.data_parallel_size} replica(s)"]
+    for dp_rank, pp_rank, stages, count in rows:
+        if dp_rank == 0:
+            spans = ", ".join(f"stage {s}: layers {ranges[s].start}-{ranges[s].stop - 1}" for s in stages)
+            lines.append(f"  pipeline rank {pp_rank}: {spans} ({count:,} parameters)")
+    rank_zero_info("\n".join(lines))
