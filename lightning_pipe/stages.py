@@ -215,17 +215,23 @@ def materialize(module: nn.Module, attr: str, stage_modules: Sequence[StageModul
     for sm in stage_modules:
         sm.to_empty(device=device)
     _retie(module, tied)  # to_empty gives every module its own new Parameter: tie the local copies again
-    reset_layer: Callable[[int, nn.Module], Any] | None = getattr(module, "reset_layer", None)
     for sm in stage_modules:
         for index, layer in zip(sm.layer_indices, sm.layers):
-            if callable(reset_layer):
-                reset_layer(index, layer)
-            else:
-                for sub in layer.modules():
-                    reset = getattr(sub, "reset_parameters", None)
-                    if callable(reset):
-                        reset()
+            init_layer(module, index, layer)
     return True
+
+
+def init_layer(module: nn.Module, index: int, layer: nn.Module) -> None:
+    """Initialise a freshly allocated layer: ``module.reset_layer(index, layer)`` when the module defines it, else
+    each submodule's ``reset_parameters()`` (what one device did when it built the layer)."""
+    reset_layer: Callable[[int, nn.Module], Any] | None = getattr(module, "reset_layer", None)
+    if callable(reset_layer):
+        reset_layer(index, layer)
+        return
+    for sub in layer.modules():
+        reset = getattr(sub, "reset_parameters", None)
+        if callable(reset):
+            reset()
 
 
 def _local_submodule(module: nn.Module, path: str) -> nn.Module | None:

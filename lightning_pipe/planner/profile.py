@@ -24,6 +24,7 @@ from torch import nn
 
 from lightning_pipe._compat import torch as _compat
 from lightning_pipe.memory import ActivationMeter
+from lightning_pipe.stages import init_layer
 
 
 @dataclass(frozen=True)
@@ -212,14 +213,7 @@ def _materialize(module: nn.Module, index: int, layer: nn.Module, device: torch.
         layer.to(device)
         return False
     layer.to_empty(device=device)
-    reset_layer = getattr(module, "reset_layer", None)
-    if callable(reset_layer):
-        reset_layer(index, layer)
-    else:
-        for sub in layer.modules():
-            reset = getattr(sub, "reset_parameters", None)
-            if callable(reset):
-                reset()
+    init_layer(module, index, layer)
     return True
 
 

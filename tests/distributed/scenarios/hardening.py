@@ -21,6 +21,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader
 
 from lightning_pipe import PipelinePrecision, PipelineStrategy
+from tests.distributed.scenarios.training import LossRecorder
 from tests.models import (
     BNRegressor,
     DictInputsRegressor,
@@ -83,13 +84,13 @@ def _loader(case: HardeningCase, data: Any, batch: int, reference_train: bool = 
     return DataLoader(data, batch_size=batch, shuffle=False, drop_last=drop_last, collate_fn=collate)
 
 
-class Recorder(Callback):
+class Recorder(LossRecorder):
+    """The training scenarios' recorder, plus step times and the engine's shape-inference count."""
+
     def __init__(self) -> None:
-        self.losses: list[float] = []
-        self.val_losses: list[float] = []
+        super().__init__()
         self.step_seconds: list[float] = []
         self.inferences: list[int] = []
-        self.scales: list[float] = []
         self._start = 0.0
 
     def on_train_batch_start(self, *args: Any) -> None:
@@ -97,16 +98,9 @@ class Recorder(Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.step_seconds.append(time.perf_counter() - self._start)
-        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        super().on_train_batch_end(trainer, *args)
         engine = getattr(trainer.strategy, "engine", None)
         self.inferences.append(engine.shape_inferences if engine is not None else 0)
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        if scaler is not None:
-            self.scales.append(float(scaler.get_scale()))
-
-    def on_validation_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.state.fn == "fit":
-            self.val_losses.append(float(trainer.callback_metrics["val_loss"]))
 
 
 def _trainer(case: HardeningCase, pipeline: bool, recorder: Callback) -> L.Trainer:
