@@ -22,6 +22,10 @@ LM = dict(model="lm", microbatches=4, batch=8)
 VARLEN = dict(LM, loss="mean", pad_label=0, steps=4, validate=True, predict=True)  # every position counted
 MASKED = dict(LM, loss="sum_count", pad_label=-100, mask_prob=0.3)  # -100 labels, uneven per micro-batch/replica
 
+# schedule="custom": 1F1B written out as per-rank action lists (p = 2, m = 4)
+ONE_F_ONE_B = (("0F0", "0F1", "0B0", "0F2", "0B1", "0F3", "0B2", "0B3"),
+               ("1F0", "1B0", "1F1", "1B1", "1F2", "1B2", "1F3", "1B3"))
+
 PP2_CASES = [
     # 1. variable sequence lengths: training, validation during fit, validate, predict (short last batch)
     HardeningCase(**VARLEN, schedule="1f1b"),
@@ -36,7 +40,8 @@ PP2_CASES = [
     HardeningCase(model="bn", schedule="gpipe", microbatches=2, steps=1),
     # 3. (h, skip) tuples between layers and across stages, a pair of inputs into the first layer
     *(HardeningCase(model="skip", schedule=s, validate=s == "interleaved_1f1b", predict=s == "zbv")
-      for s in ("gpipe", "1f1b", "interleaved_1f1b", "zbv")),
+      for s in ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zbv", "dualpipev")),
+    HardeningCase(model="skip", schedule="custom", microbatches=4, actions=ONE_F_ONE_B),
     # split_batch returning a dict: refused on every rank before any waits
     HardeningCase(model="dict_inputs", steps=1, expect_error=True),
 ]

@@ -42,6 +42,7 @@ class HardeningCase:
     microbatches: int = 4
     dp: int = 1
     stages_per_rank: int | None = None
+    actions: tuple[tuple[str, ...], ...] | None = None  # schedule="custom": per-rank compute actions
     steps: int = 3  # optimizer steps
     acc: int = 1
     batch: int = 8  # per replica
@@ -107,8 +108,10 @@ def _trainer(case: HardeningCase, pipeline: bool, recorder: Callback) -> L.Train
     strategy: Any = "auto"
     devices = 1
     if pipeline:
+        options = {"actions": [list(row) for row in case.actions]} if case.actions is not None else None
         strategy = PipelineStrategy(schedule=case.schedule, microbatches=case.microbatches,
-                                    data_parallel_size=case.dp, stages_per_rank=case.stages_per_rank)
+                                    data_parallel_size=case.dp, stages_per_rank=case.stages_per_rank,
+                                    schedule_options=options)
         devices = int(os.environ["TEST_WORLD_SIZE"])  # Lightning deletes WORLD_SIZE at teardown
     precision: dict[str, Any] = {"precision": case.precision}
     if case.precision == "16-mixed":  # Lightning would turn "16-mixed" into bf16 on CPU
