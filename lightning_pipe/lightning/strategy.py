@@ -3,7 +3,6 @@ to the adapter's helpers (preflight, checkpointing, faults, precision)."""
 
 from __future__ import annotations
 
-import atexit
 import os
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
@@ -12,7 +11,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule, Trainer
@@ -29,6 +27,7 @@ from lightning_pipe.checkpoint import remove as remove_checkpoint_files
 from lightning_pipe.config import PartitionSpec, Topology
 from lightning_pipe.engine import PipelineEngine
 from lightning_pipe.layout import PipelineLayout, build_engine
+from lightning_pipe.lightning import world
 from lightning_pipe.lightning.checkpointing import RankGroup, ShardedCheckpointer
 from lightning_pipe.lightning.faults import DEFAULT_TIMEOUT, PipelineFaults, resolve_timeout
 from lightning_pipe.lightning.launchers import PipelineMultiProcessingLauncher
@@ -36,11 +35,6 @@ from lightning_pipe.lightning.precision import PipelinePrecision, to_pipeline_pr
 from lightning_pipe.lightning.preflight import check_module, log_layout, plan_automatically, resolve_settings
 from lightning_pipe.planner.plan import apply_plan
 from lightning_pipe.schedules import SchedulePlan, plan_schedule
-
-
-def _destroy_process_group() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 class PipelineStrategy(ParallelStrategy):
@@ -173,16 +167,8 @@ class PipelineStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        backend = self._process_group_backend or _compat.default_backend_for_device(self.root_device)
-        self._process_group_backend = backend
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        if not dist.is_initialized():
-            _compat.init_dist_connection(self.cluster_environment, backend, **kwargs)
-            # Lightning only does this for NCCL; gloo process groups alive at interpreter exit can abort the
-            # process ("terminate called without an active exception") after a perfectly good run.
-            atexit.register(_destroy_process_group)
+        self._process_group_backend = world.init_process_group(self.cluster_environment, self.root_device,
+                                                               self._process_group_backend, self._timeout)
         # Failures on one rank stop the others; SIGTERM stops all ranks at a step boundary (lightning/faults.py).
         self._faults = PipelineFaults.start(self)
 
@@ -341,27 +327,15 @@ class PipelineStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ collectives
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not _compat.distributed_is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        world.barrier(self.root_device)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _compat.distributed_is_initialized():
-            return obj
-        holder = [obj]
-        dist.broadcast_object_list(holder, src, group=dist.group.WORLD)
-        return holder[0]
+        return world.broadcast(obj, src)
 
     @override
-    def reduce(self, tensor: Tensor | Any, group: Any | None = None,
-               reduce_op: Any | str | None = "mean") -> Tensor | Any:
-        if isinstance(tensor, Tensor):
-            return _compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | str | None = "mean") -> Any:
+        return world.reduce(tensor, group, reduce_op)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

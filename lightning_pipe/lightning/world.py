@@ -1,0 +1,58 @@
+"""The strategy's process-group plumbing: start the default group, and the world-wide collectives Lightning asks for
+(barrier, object broadcast, tensor reduce). Pipeline and data-parallel groups live in :mod:`lightning_pipe.grads`."""
+
+from __future__ import annotations
+
+import atexit
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import ClusterEnvironment
+from torch import Tensor
+
+from lightning_pipe._compat import lightning as _compat
+
+
+def init_process_group(cluster_environment: ClusterEnvironment | None, device: torch.device, backend: str | None,
+                       timeout: timedelta) -> str:
+    """Start the default process group (once per process); returns the backend (NCCL on CUDA, gloo on CPU)."""
+    backend = backend or _compat.default_backend_for_device(device)
+    if not dist.is_initialized():
+        kwargs: dict[str, Any] = {"timeout": timeout}
+        if device.type != "cpu":
+            kwargs["device_id"] = device
+        _compat.init_dist_connection(cluster_environment, backend, **kwargs)
+        # Lightning only does this for NCCL; gloo process groups alive at interpreter exit can abort the process
+        # ("terminate called without an active exception") after a perfectly good run.
+        atexit.register(_destroy_process_group)
+    return backend
+
+
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(device: torch.device) -> None:
+    if not _compat.distributed_is_initialized():
+        return
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()
+
+
+def broadcast(obj: Any, src: int) -> Any:
+    if not _compat.distributed_is_initialized():
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src, group=dist.group.WORLD)
+    return holder[0]
+
+
+def reduce(tensor: Tensor | Any, group: Any | None, reduce_op: Any | str | None) -> Tensor | Any:
+    if isinstance(tensor, Tensor):
+        return _compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+    return tensor
