@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_pipe._compat import lightning as _compat
 from lightning_pipe.config import PartitionSpec, PipelineConfig, Topology, config_error
 from lightning_pipe.planner.auto import plan_on_ranks
-from lightning_pipe.planner.plan import apply_plan, explain
+from lightning_pipe.planner.plan import apply_plan, explain, load_plan
 from lightning_pipe.schedules import SchedulePlan, check_schedule_settings
 
 
@@ -28,6 +28,8 @@ class ResolvedSettings:
     auto: bool
     """``schedule="auto"``: the planner replaces ``config``'s layout at setup (a 1F1B placeholder until then)."""
     memory_budget: int | str | None
+    plan: dict[str, Any] | None
+    """The saved plan, read once (its world size is checked when the world is known)."""
 
 
 def resolve_settings(schedule: str, microbatches: int | None, data_parallel_size: int, partition: PartitionSpec,
@@ -35,10 +37,11 @@ def resolve_settings(schedule: str, microbatches: int | None, data_parallel_size
                      schedule_options: dict[str, Any] | None, plan: str | os.PathLike | dict[str, Any] | None,
                      memory_budget: int | str | None) -> ResolvedSettings:
     """Fold a saved plan and ``schedule="auto"`` into one :class:`PipelineConfig`; checked before any rank starts."""
-    if plan is not None:
+    plan_data = None if plan is None else load_plan(plan)
+    if plan_data is not None:
         # A saved plan (python -m lightning_pipe.planner search) replaces the layout settings; its world size is
         # checked in set_world_ranks, once the world is known.
-        planned = apply_plan(plan)
+        planned = apply_plan(plan_data)
         schedule, microbatches, stages_per_rank = (planned["schedule"], planned["microbatches"],
                                                    planned["stages_per_rank"])
         data_parallel_size, partition = planned["data_parallel_size"], planned["partition"]
@@ -52,7 +55,7 @@ def resolve_settings(schedule: str, microbatches: int | None, data_parallel_size
                             recompute=recompute, schedule_options=options)
     # Unknown schedule names and options the schedule does not take fail here, not on the ranks after launch.
     check_schedule_settings(config)
-    return ResolvedSettings(config, auto, budget)
+    return ResolvedSettings(config, auto, budget, plan_data)
 
 
 def plan_automatically(trainer: Trainer, module: LightningModule, config: PipelineConfig,

@@ -87,7 +87,7 @@ class PipelineStrategy(ParallelStrategy):
         resolved = resolve_settings(schedule, microbatches, data_parallel_size, partition, stages_per_rank,
                                     layers_attr, recompute, schedule_options, plan, memory_budget)
         self.pipeline_config = resolved.config
-        self._plan_source = plan
+        self._plan_source = resolved.plan
         self._auto, self._memory_budget = resolved.auto, resolved.memory_budget
         self.auto_plan: dict[str, Any] | None = None
         self._num_nodes = 1

@@ -3,7 +3,6 @@ layout, the prediction and the runners-up), and what ``PipelineStrategy(plan=...
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -104,12 +103,9 @@ def apply_plan(plan: str | os.PathLike[str] | Mapping[str, Any], world_size: int
         raise config_error("A plan's partition must cover the model's layers exactly.",
                            f"partition {counts} (sum {sum(counts)}) for {num_layers} layers", "plan",
                            "search a new plan for this model")
-    fields = {f.name for f in dataclasses.fields(PipelineConfig)}
-    key = "partition" if "partition" in fields else "split"  # the setting's name in this version of the config
     kwargs = {"schedule": data["schedule"], "microbatches": int(data["microbatches"]),
-              "stages_per_rank": int(data["stages_per_rank"]), "data_parallel_size": dp, key: counts}
+              "stages_per_rank": int(data["stages_per_rank"]), "data_parallel_size": dp, "partition": counts}
     try:
-        PipelineConfig(**kwargs)
         plan_schedule(PipelineConfig(**kwargs), pp)
     except PipelineConfigError as err:
         raise config_error("A plan must be a layout the strategy accepts.", f"{err}", "plan") from None
