@@ -187,10 +187,8 @@ class _Clock:
 
 
 def _timeline_class():
-    try:
-        from lightning_pipe import PipelineTimeline
-    except ImportError:  # the package is being reorganised; the callback lived here before
-        from lightning_pipe.callbacks import PipelineTimeline
+    from lightning_pipe import PipelineTimeline
+
     return PipelineTimeline
 
 
@@ -337,19 +335,14 @@ def _environment() -> dict[str, Any]:
         info["lightning"] = lightning.__version__
     except Exception as err:
         info["lightning_error"] = repr(err)
-    try:  # what lightning_pipe's torch/Lightning compatibility layer says about this install
-        import importlib
+    try:  # lightning_pipe resolves every private torch / Lightning name at import: a missing one is named here
+        from lightning_pipe._compat import lightning as compat_lightning
+        from lightning_pipe._compat import torch as compat_torch
 
-        compat = importlib.import_module("lightning_pipe._compat")
-        if not hasattr(compat, "versions_checked"):  # a package now: the torch half
-            compat = importlib.import_module("lightning_pipe._compat.torch")
-        info["compat_versions_checked"] = compat.versions_checked()
-        info["compat_checked_on"] = {"torch": list(getattr(compat, "CHECKED_TORCH", ())),
-                                     "lightning": list(getattr(compat, "CHECKED_LIGHTNING", ()))}
-        info["compat_missing_private_torch_api"] = [k for k, v in getattr(compat, "PRIVATE_TORCH_API", {}).items()
-                                                    if v is None]
-        if hasattr(compat, "missing_trace_api"):
-            info["compat_missing_trace_api"] = compat.missing_trace_api()
+        info["compat_versions_checked"] = {"torch": compat_torch.versions_checked(),
+                                           "lightning": compat_lightning.versions_checked()}
+        info["compat_checked_on"] = {"torch": list(compat_torch.CHECKED_TORCH),
+                                     "lightning": list(compat_lightning.CHECKED_LIGHTNING)}
     except Exception as err:
         info["compat_error"] = f"{type(err).__name__}: {err}"
     return info
