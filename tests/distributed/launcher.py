@@ -15,8 +15,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, is_dataclass
+from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ class RanksFailed(AssertionError):
     pass
 
 
-Run = tuple[str, Case | Mapping[str, Any]]  # (scenario name, case); a Mapping is checked by the worker
+Run = tuple[str, Case]  # (scenario name, case)
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -48,7 +48,7 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def launch(scenario: str, world_size: int, cases: Sequence[Case | Mapping[str, Any]], out_dir: Path,
+def launch(scenario: str, world_size: int, cases: Sequence[Case], out_dir: Path,
            timeout: float = 240.0) -> list[list[dict[str, Any]]]:
     """Run ``scenario`` for every case on ``world_size`` ranks; return each rank's results (rank order)."""
     return launch_runs(world_size, [(scenario, case) for case in cases], out_dir, timeout)
@@ -59,8 +59,7 @@ def launch_runs(world_size: int, runs: Sequence[Run], out_dir: Path, timeout: fl
     """Run each (scenario, case) in order, in the same ``world_size`` processes: a later case may read what an
     earlier one wrote. Per rank, one entry per run: the scenario's result plus ``ok: True``, or a ``Failure``."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    payload = [{"scenario": name, "case": asdict(case) if is_dataclass(case) else dict(case)}
-               for name, case in runs]
+    payload = [{"scenario": name, "case": asdict(case)} for name, case in runs]
     (out_dir / "runs.json").write_text(json.dumps(payload))
     scenario = ",".join(dict.fromkeys(name for name, _ in runs))  # for messages
     port = _free_port()

@@ -15,7 +15,7 @@ from tests.distributed.scenarios.checkpoint import CheckpointCase
 from tests.distributed.scenarios.trace import TraceCase
 from tests.distributed.scenarios.training import TrainingCase
 
-Case = TrainingCase | CheckpointCase | TraceCase
+Case = (TrainingCase | CheckpointCase | TraceCase | hardening.HardeningCase | planner.SlowRankCase | hf.HFCase)
 
 
 class Scenario(NamedTuple):
