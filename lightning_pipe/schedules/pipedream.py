@@ -1,4 +1,6 @@
-"""PipeDream-2BW (Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel DNN Training"): double-buffered weights.
+"""PipeDream-2BW (Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel DNN Training"): double-buffered weights;
+and PipeDream (Narayanan et al. 2019): weight stashing, one update per micro-batch ([Note: PipeDream weight
+stashing] in ``lightning_pipe/stashing.py``; the Lightning side: ``lightning/stashing.py``).
 
 [Note: PipeDream-2BW semantics]
 ``W(b+1) = W(b) - update(mean_j grad f_{b,j}(W(b-1)))`` with ``W(-1) = W(0)``: every micro-batch j of batch b runs
@@ -28,6 +30,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from lightning_pipe.config import PipelineConfig, config_error
 from lightning_pipe.schedules.plan import SchedulePlan, ScheduleSpec, _bubble_flush, _order_1f1b
+from lightning_pipe.stashing import StashingPipelineStage
 from lightning_pipe.versioned import VersionedPipelineStage
 
 
@@ -57,3 +60,10 @@ PIPEDREAM_2BW = ScheduleSpec(
     "PipeDream-2BW: 1F1B on the previous batch's weights (two versions per stage), one update per batch",
     theory_bubble=_bubble_flush, resolve=resolve_versioned, order=_order_1f1b,
     stage_class=VersionedPipelineStage)
+
+
+PIPEDREAM = ScheduleSpec(
+    "pipedream", torch_schedules.Schedule1F1B,
+    "PipeDream: 1F1B with weight stashing, one optimizer update per micro-batch per stage",
+    theory_bubble=_bubble_flush, resolve=resolve_versioned, order=_order_1f1b,
+    stage_class=StashingPipelineStage)
