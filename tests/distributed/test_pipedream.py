@@ -127,3 +127,10 @@ def test_pipedream_matches_its_one_process_reference(tmp_path) -> None:
                                              ("precision='16-mixed'", "trainer.precision", "bf16-mixed")]):
             for word in words:
                 assert word in refusal["error"], refusal["error"]
+
+
+@pytest.mark.timeout(420)
+def test_pipedream_with_data_parallel_matches_its_reference(tmp_path) -> None:
+    """2 replicas x 2 stages: every update averages micro-batch j's gradient over the replicas (AdamW, clipping)."""
+    cases = [TrainingCase(schedule="pipedream", dp=2, steps=2, clip=0.05, optimizer="adamw", validate=False)]
+    check(launch("pipedream", 4, cases, tmp_path, timeout=360), 0, cases[0])
