@@ -73,8 +73,8 @@ class StashingPipelineStage(_compat.GuardedPipelineStage):
     """A stage that stashes one weight version per in-flight micro-batch and updates after every backward.
 
     ``updater`` (a :class:`MicrobatchUpdate`, set by the engine) updates the live parameters from their ``.grad``;
-    until it is set a due update is refused. ``versions_used`` lists ``(micro-batch, version)`` per training forward since the last
-    :meth:`take_versions`.
+    until it is set a due update is refused. ``versions_used`` lists ``(micro-batch, version)`` per training
+    forward since the last :meth:`take_versions`; ``version`` counts the updates applied.
     """
 
     updates_per_microbatch = True
@@ -154,12 +154,6 @@ class StashingPipelineStage(_compat.GuardedPipelineStage):
         self.updater.finish()
         self.version += 1
 
-    def clear_stashes(self) -> None:
-        """Drop what a failed step left (nothing stays in flight across ``step()`` calls)."""
-        self._stashes.clear()
-        self._chunk_version.clear()
-        self._due = False
-
 
 class MicrobatchUpdate:
     """One stage's update after one micro-batch: gradient sync, per-stage clipping, the user's optimizer, zero_grad.
@@ -178,7 +172,6 @@ class MicrobatchUpdate:
         self.dp_group = dp_group
         self.ties = list(ties)
         self.clip = clip
-        self.steps = 0
         self._works: list[Any] = []
 
     def start(self) -> None:
@@ -200,7 +193,6 @@ class MicrobatchUpdate:
                 torch.nn.utils.clip_grad_norm_(self.params, value)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.steps += 1
 
 
 def _mean_over(tensors: list[Tensor], group: Any) -> None:
