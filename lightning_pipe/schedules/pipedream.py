@@ -35,7 +35,8 @@ from lightning_pipe.versioned import VersionedPipelineStage
 
 
 def resolve_versioned(spec: ScheduleSpec, config: PipelineConfig, pipeline_size: int) -> SchedulePlan:
-    """One stage per rank, m >= p (torch's 1F1B), full backward on stashed weights: no recomputation."""
+    """One stage per rank, m >= p (torch's 1F1B), full backward on stashed weights: no recomputation. Shared by
+    PipeDream-2BW and PipeDream (both run torch's 1F1B on weight versions)."""
     if config.stages_per_rank not in (None, 1):
         raise config_error(f"Schedule '{spec.name}' runs one stage per rank (a 1F1B order on weight versions).",
                            f"stages_per_rank={config.stages_per_rank}", "stages_per_rank", "leave it unset or 1")
@@ -48,9 +49,11 @@ def resolve_versioned(spec: ScheduleSpec, config: PipelineConfig, pipeline_size:
             also=("schedule",))
     m = config.microbatches if config.microbatches is not None else 2 * pipeline_size
     if m < pipeline_size:
+        paper = (", which covers the 2BW paper's m >= p - 1 under which two weight versions per stage suffice"
+                 if spec.name == "pipedream_2bw" else "")
         raise config_error(
-            f"Schedule '{spec.name}' needs at least as many micro-batches as pipeline ranks (torch's 1F1B order; "
-            "it also gives the 2BW paper's m >= p - 1, under which two weight versions per stage suffice).",
+            f"Schedule '{spec.name}' needs at least as many micro-batches as pipeline ranks (torch's 1F1B order"
+            f"{paper}).",
             f"microbatches={m}, pipeline size={pipeline_size}", "microbatches")
     return SchedulePlan(spec, pipeline_size, 1, m)
 
