@@ -34,8 +34,8 @@ backwards, each followed by its update, and after all ``m`` updates of each earl
 
 In steady state this is the paper's rule: the first stage trains micro-batch j on the weights before the last
 ``p - 1`` updates (staleness p - 1 - s at stage s, none on the last stage). Unlike the paper, torch's runtime flushes
-the pipeline at every ``step()`` (nothing in flight across batches), so the first ``w - 1`` micro-batches of a batch
-see the batch's starting version (staleness smaller than p - 1 - s there). Stashes alive at once on stage s: one per
+the pipeline at every ``step()`` (nothing in flight across batches), so the first ``w`` micro-batches of a batch
+all run on the batch's starting version (micro-batch j is ``min(j, w - 1)`` updates stale). Stashes alive at once on stage s: one per
 distinct version in flight, ``min(w, m - w + 1)`` (:func:`pipedream_max_stashes`; at most p - s), plus the live
 weights.
 
