@@ -120,6 +120,11 @@ def test_pipedream_matches_its_one_process_reference(tmp_path) -> None:
     expected = validation_loss(cases[0], pipedream_reference(cases[0]))
     for rank_results in results:
         assert rank_results[0]["val_loss"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+        # Lightning's hooks around its (skipped) optimizer step: zero_grad and backward once per batch, no
+        # on_before_optimizer_step ([Note: PipeDream in Lightning's loop])
+        calls = rank_results[0]["calls"]
+        assert (calls.get("on_before_zero_grad"), calls.get("on_after_backward")) == (3, 3), calls
+        assert "on_before_optimizer_step" not in calls, calls
         refusals = [rank_results[i] for i in (3, 4, 5)]
         assert all(not r["ok"] for r in refusals), refusals
         for refusal, words in zip(refusals, [("accumulate_grad_batches=2", "`accumulate_grad_batches`"),

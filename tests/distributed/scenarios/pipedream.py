@@ -39,7 +39,8 @@ def run_pipedream(case: TrainingCase) -> dict[str, Any]:
     out: dict[str, Any] = {
         "params": {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)},
         "losses": recorder.losses, "versions": recorder.versions, "lrs": recorder.lrs,
-        "max_stashes": recorder.max_stashes, "global_step": trainer.global_step, "pp_rank": recorder.pp_rank}
+        "max_stashes": recorder.max_stashes, "global_step": trainer.global_step, "pp_rank": recorder.pp_rank,
+        "calls": dict(getattr(model, "calls", {}))}
     if case.validate:
         out["val_loss"] = trainer.validate(model, loader(data, case.batch), verbose=False)[0]["val_loss"]
     return out
