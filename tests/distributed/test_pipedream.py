@@ -20,9 +20,10 @@ from torch.func import functional_call
 from lightning_pipe.partition import partition_layers
 from lightning_pipe.stages import layer_args
 from lightning_pipe.stashing import pipedream_max_stashes, pipedream_version
-from tests.distributed.launcher import launch
-from tests.distributed.scenarios import TrainingCase
+from tests.distributed.launcher import launch, launch_runs
+from tests.distributed.scenarios import CheckpointCase, TrainingCase
 from tests.distributed.scenarios.training import DATA, MODELS
+from tests.distributed.test_checkpoint import STEP4
 from tests.distributed.test_seed_schedules import delayed_reference, max_difference, validation_loss
 from tests.models import reference_train_loader, regression_data
 
@@ -102,7 +103,8 @@ def check(results: list[list[dict[str, Any]]], index: int, case: TrainingCase) -
 def test_pipedream_matches_its_one_process_reference(tmp_path) -> None:
     """2 stages, 3 batches of 4 micro-batches: SGD with momentum (validation during and after fit sees the live
     weights); AdamW with a per-batch scheduler and per-stage clipping; the recipe's GPT (embedding tied to the head
-    across the stages). Then every setting the schedule refuses, with its message, on every rank."""
+    across the stages). Then every setting the schedule refuses, with its message, on every rank; and an exact
+    resume from a checkpoint written mid-run."""
     cases = [
         TrainingCase(schedule="pipedream", steps=3),
         TrainingCase(schedule="pipedream", steps=3, clip=0.05, optimizer="adamw", validate=False),
@@ -112,12 +114,20 @@ def test_pipedream_matches_its_one_process_reference(tmp_path) -> None:
         TrainingCase(schedule="pipedream", steps=1, tied=True, clip=1.0, validate=False, expect_error=True),
         TrainingCase(schedule="pipedream", steps=1, precision="16-mixed", validate=False, expect_error=True),
     ]
-    results = launch("pipedream", P, cases, tmp_path, timeout=360)
+    # then, in the same processes: 8 batches with a checkpoint after 4, and a run resumed from it
+    resume = CheckpointCase(schedule="pipedream", dir=str(tmp_path / "ckpt"), resume_from=str(tmp_path / "ckpt" / STEP4))
+    results = launch_runs(P, [*(("pipedream", case) for case in cases), ("ckpt_train", resume)], tmp_path / "out",
+                          timeout=360)
     for index in range(3):
         check(results, index, cases[index])
     lrs = [rank_results[1]["lrs"] for rank_results in results]
     assert lrs[0] == lrs[1] and len(set(lrs[0])) == 3  # AdamW's StepLR: once per batch, not per update
     expected = validation_loss(cases[0], pipedream_reference(cases[0]))
+    for rank_results in results:  # resumed == uninterrupted: between batches a stage holds no stash
+        full, resumed = rank_results[len(cases)]["full"], rank_results[len(cases)]["resumed"]
+        assert resumed["global_step"] == 8
+        for name, value in resumed["params"].items():
+            torch.testing.assert_close(value, full["params"][name], rtol=0, atol=1e-6)
     for rank_results in results:
         assert rank_results[0]["val_loss"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
         # Lightning's hooks around its (skipped) optimizer step: zero_grad and backward once per batch, no
