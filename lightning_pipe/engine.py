@@ -80,6 +80,8 @@ class PipelineEngine:
                 sm, s, plan.num_stages, device, group=groups.pp, inference_guard=self._inference_guard)
             for sm, s in zip(stage_modules, local_stage_ids)
         ]
+        # PipeDream: the optimizer steps inside the schedule, per micro-batch ([Note: PipeDream weight stashing])
+        self.per_microbatch_updates = any(getattr(st, "updates_per_microbatch", False) for st in self.stages)
         self.has_first = any(st.is_first for st in self.stages)
         self.has_last = any(st.is_last for st in self.stages)
         self.schedule = build_torch_schedule(plan, self.stages, self._schedule_loss)
@@ -123,8 +125,10 @@ class PipelineEngine:
         parts = loss_parts(self.module.loss_fn(output, target), self._owner)
         if not self._inferring:  # torch's shape inference calls the loss too: not one of the step's micro-batches
             self._records.append(parts.detached())
-        # [Note: loss scaling]; a (sum, count) pair: [Note: token-weighted loss]
-        scaled = parts.value * (self._loss_scale if parts.count is None else self._sum_scale)
+        if self.per_microbatch_updates:  # each update takes its own micro-batch's mean loss (stashing.py)
+            scaled = parts.value if parts.count is None else parts.value / parts.count.clamp_min(1)
+        else:  # [Note: loss scaling]; a (sum, count) pair: [Note: token-weighted loss]
+            scaled = parts.value * (self._loss_scale if parts.count is None else self._sum_scale)
         return self.loss_scaler(scaled) if self.loss_scaler is not None else scaled
 
     @contextlib.contextmanager
@@ -200,6 +204,9 @@ class PipelineEngine:
             for make_context in self.step_contexts:  # measurement (memory meter, trace recorder), off by default
                 stack.enter_context(make_context())
             self.schedule.step(*(args if self.has_first else ()), target=target if self.has_last else None)
+            for stage in self.stages:  # PipeDream: the last backward's update ([Note: PipeDream weight stashing])
+                if getattr(stage, "updates_per_microbatch", False):
+                    stage.flush_update()
         self._pending_grads = [p.grad for p in self.parameters]
         for p, g in zip(self.parameters, saved):
             p.grad = g
@@ -250,6 +257,11 @@ class PipelineEngine:
             else:
                 p.grad.add_(fresh)
         self._pending_grads = None
+
+    def set_microbatch_update(self, updater: Any) -> None:
+        """PipeDream: each stage's update after every micro-batch's backward (``stashing.MicrobatchUpdate``)."""
+        for stage in self.stages:
+            stage.updater = updater
 
     def before_optimizer_step(self) -> None:
         """Called by the strategy after the gradient sync, right before the optimizer updates the weights: stages

@@ -33,6 +33,7 @@ from lightning_pipe.lightning.faults import DEFAULT_TIMEOUT, PipelineFaults, res
 from lightning_pipe.lightning.launchers import PipelineMultiProcessingLauncher
 from lightning_pipe.lightning.precision import PipelinePrecision, to_pipeline_precision
 from lightning_pipe.lightning.preflight import check_module, log_layout, plan_automatically, resolve_settings
+from lightning_pipe.lightning.stashing import attach_microbatch_updates
 from lightning_pipe.planner.plan import apply_plan
 from lightning_pipe.schedules import SchedulePlan, plan_schedule
 
@@ -206,6 +207,8 @@ class PipelineStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _compat.optimizers_to_device(self.optimizers, self.root_device)
+            if self.engine.per_microbatch_updates:  # schedule=pipedream ([Note: PipeDream in Lightning's loop])
+                attach_microbatch_updates(self, trainer)
 
     def _build_engine(self, module: LightningModule) -> PipelineEngine:
         assert self.plan is not None, "set_world_ranks resolves the plan before setup"
@@ -237,6 +240,8 @@ class PipelineStrategy(ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         engine = self.engine
+        if engine is not None and engine.per_microbatch_updates:
+            return closure()  # the optimizer already stepped per micro-batch ([Note: PipeDream in Lightning's loop])
 
         def closure_then_sync() -> Any:
             # After every accumulated backward, before on_before_optimizer_step and clipping see the gradients:

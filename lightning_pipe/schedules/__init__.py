@@ -4,7 +4,7 @@ A new schedule is one file here plus a Hydra config: a :class:`ScheduleSpec` reg
 """
 
 from lightning_pipe.schedules.custom import CUSTOM
-from lightning_pipe.schedules.pipedream import PIPEDREAM_2BW
+from lightning_pipe.schedules.pipedream import PIPEDREAM, PIPEDREAM_2BW
 from lightning_pipe.schedules.plan import (
     SchedulePlan,
     ScheduleSpec,
@@ -20,6 +20,7 @@ from lightning_pipe.schedules.simulate import ScheduleDeadlock, SimulatedStep, s
 
 register_schedule(CUSTOM)
 register_schedule(PIPEDREAM_2BW)
+register_schedule(PIPEDREAM)
 
 __all__ = [
     "ScheduleDeadlock",

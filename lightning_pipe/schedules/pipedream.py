@@ -1,4 +1,6 @@
-"""PipeDream-2BW (Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel DNN Training"): double-buffered weights.
+"""PipeDream-2BW (Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel DNN Training"): double-buffered weights;
+and PipeDream (Narayanan et al. 2019): weight stashing, one update per micro-batch ([Note: PipeDream weight
+stashing] in ``lightning_pipe/stashing.py``; the Lightning side: ``lightning/stashing.py``).
 
 [Note: PipeDream-2BW semantics]
 ``W(b+1) = W(b) - update(mean_j grad f_{b,j}(W(b-1)))`` with ``W(-1) = W(0)``: every micro-batch j of batch b runs
@@ -28,11 +30,13 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from lightning_pipe.config import PipelineConfig, config_error
 from lightning_pipe.schedules.plan import SchedulePlan, ScheduleSpec, _bubble_flush, _order_1f1b
+from lightning_pipe.stashing import StashingPipelineStage
 from lightning_pipe.versioned import VersionedPipelineStage
 
 
 def resolve_versioned(spec: ScheduleSpec, config: PipelineConfig, pipeline_size: int) -> SchedulePlan:
-    """One stage per rank, m >= p (torch's 1F1B), full backward on stashed weights: no recomputation."""
+    """One stage per rank, m >= p (torch's 1F1B), full backward on stashed weights: no recomputation. Shared by
+    PipeDream-2BW and PipeDream (both run torch's 1F1B on weight versions)."""
     if config.stages_per_rank not in (None, 1):
         raise config_error(f"Schedule '{spec.name}' runs one stage per rank (a 1F1B order on weight versions).",
                            f"stages_per_rank={config.stages_per_rank}", "stages_per_rank", "leave it unset or 1")
@@ -45,9 +49,11 @@ def resolve_versioned(spec: ScheduleSpec, config: PipelineConfig, pipeline_size:
             also=("schedule",))
     m = config.microbatches if config.microbatches is not None else 2 * pipeline_size
     if m < pipeline_size:
+        paper = (", which covers the 2BW paper's m >= p - 1 under which two weight versions per stage suffice"
+                 if spec.name == "pipedream_2bw" else "")
         raise config_error(
-            f"Schedule '{spec.name}' needs at least as many micro-batches as pipeline ranks (torch's 1F1B order; "
-            "it also gives the 2BW paper's m >= p - 1, under which two weight versions per stage suffice).",
+            f"Schedule '{spec.name}' needs at least as many micro-batches as pipeline ranks (torch's 1F1B order"
+            f"{paper}).",
             f"microbatches={m}, pipeline size={pipeline_size}", "microbatches")
     return SchedulePlan(spec, pipeline_size, 1, m)
 
@@ -57,3 +63,10 @@ PIPEDREAM_2BW = ScheduleSpec(
     "PipeDream-2BW: 1F1B on the previous batch's weights (two versions per stage), one update per batch",
     theory_bubble=_bubble_flush, resolve=resolve_versioned, order=_order_1f1b,
     stage_class=VersionedPipelineStage)
+
+
+PIPEDREAM = ScheduleSpec(
+    "pipedream", torch_schedules.Schedule1F1B,
+    "PipeDream: 1F1B with weight stashing, one optimizer update per micro-batch per stage",
+    theory_bubble=_bubble_flush, resolve=resolve_versioned, order=_order_1f1b,
+    stage_class=StashingPipelineStage)

@@ -67,6 +67,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[list[dict[str, 
         TraceCase(schedule="zb_h1", stages_per_rank=2, microbatches=4, steps=2),
         TraceCase(schedule="1f1b", partition=[1, 15], **HEAVY),
         TraceCase(schedule="1f1b", partition=[8, 8], **HEAVY),
+        TraceCase(schedule="pipedream", microbatches=4, steps=2),  # issue 11: updates inside the step, same order
     ]
     return launch("trace", 2, cases, tmp / "run", timeout=300), tmp
 
@@ -88,7 +89,7 @@ def test_1f1b_trace_holds_exactly_what_each_rank_ran(runs: Any) -> None:
 @pytest.mark.timeout(360)
 def test_trace_order_matches_the_schedule_plan_for_gpipe_and_zero_bubble(runs: Any) -> None:
     results, _ = runs
-    for idx, (name, v) in ((1, ("gpipe", None)), (2, ("zb_h1", 2))):
+    for idx, (name, v) in ((1, ("gpipe", None)), (2, ("zb_h1", 2)), (5, ("pipedream", None))):
         plan = plan_schedule(PipelineConfig(schedule=name, microbatches=4, stages_per_rank=v), 2)
         order = compute_order(plan)
         for rank in (0, 1):

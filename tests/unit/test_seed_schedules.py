@@ -7,6 +7,7 @@ import pytest
 
 from lightning_pipe.config import PipelineConfig, PipelineConfigError
 from lightning_pipe.schedules import available_schedules, compute_order, get_schedule_spec, plan_schedule, simulate
+from lightning_pipe.stashing import StashingPipelineStage, pipedream_max_stashes, pipedream_version
 from lightning_pipe.versioned import VersionedPipelineStage
 
 
@@ -50,3 +51,56 @@ def test_pipedream_2bw_refuses_what_cannot_hold(settings: dict, names: list[str]
 def test_pipedream_2bw_takes_no_options() -> None:
     with pytest.raises(PipelineConfigError, match="takes no options"):
         plan_schedule(PipelineConfig(schedule="pipedream_2bw", schedule_options={"actions": [[]]}), 2)
+
+
+# ------------------------------------------------------------------------------------------------ PipeDream
+def versions_from_order(actions: list, m: int) -> tuple[list[int], int]:
+    """Replay one rank's executed order: the updates (one per backward) before each forward, and the most distinct
+    versions held by micro-batches in flight at once (the stashes)."""
+    updates, version, in_flight, most = 0, [0] * m, {}, 0
+    for action in actions:
+        kind, mb = str(action.computation_type), action.microbatch_index
+        if kind.endswith("FORWARD"):
+            version[mb] = in_flight[mb] = updates
+            most = max(most, len(set(in_flight.values())))
+        else:
+            del in_flight[mb]
+            updates += 1
+    return version, most
+
+
+def test_pipedream_is_registered_with_a_stashing_stage() -> None:
+    spec = get_schedule_spec("PipeDream")
+    assert spec.stage_class is StashingPipelineStage and spec.stage_class.updates_per_microbatch
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 4), (4, 8), (3, 5), (4, 6)])
+def test_pipedream_versions_follow_the_formula_of_its_executed_order(p: int, m: int) -> None:
+    """[Note: PipeDream version formula]: the updates before forward j on stage s in the executed 1F1B order,
+    and the stashes alive at once; the order and the bubble are 1F1B's."""
+    pipedream = plan("pipedream", p, m)
+    order = compute_order(pipedream)
+    assert order == compute_order(plan("1f1b", p, m))
+    assert pipedream.theoretical_bubble() == pytest.approx((p - 1) / (m + p - 1))
+    assert simulate(order, p).bubble == pytest.approx(pipedream.theoretical_bubble())
+    for s in range(p):
+        versions, stashes = versions_from_order(order[s], m)
+        assert versions == [pipedream_version(s, p, m, 0, j) for j in range(m)]
+        assert stashes == pipedream_max_stashes(s, p, m) <= p - s
+        # the next batch starts after all m updates of this one
+        assert pipedream_version(s, p, m, 1, 0) == m
+    # the paper's steady state: stage 0 trains micro-batch j on the weights before the last p - 1 updates
+    assert pipedream_version(0, p, m, 0, m - 1) == m - 1 - (p - 1)
+    assert pipedream_version(p - 1, p, m, 0, m - 1) == m - 1  # no staleness on the last stage
+
+
+@pytest.mark.parametrize(("settings", "names"), [
+    ({"microbatches": 2}, ["microbatches=2, pipeline size=4", "schedule.microbatches"]),
+    ({"stages_per_rank": 2}, ["stages_per_rank=2", "schedule.stages_per_rank"]),
+    ({"recompute": "all"}, ["recompute='all'", "strategy.recompute", "functional_call"]),
+])
+def test_pipedream_refuses_what_cannot_hold(settings: dict, names: list[str]) -> None:
+    with pytest.raises(PipelineConfigError) as err:
+        plan_schedule(PipelineConfig(schedule="pipedream", **{"microbatches": 8, **settings}), 4)
+    for name in names:
+        assert name in str(err.value)

@@ -1,0 +1,79 @@
+"""PipeDream (``schedule="pipedream"``) inside Lightning's one-optimizer-step-per-batch loop.
+
+[Note: PipeDream in Lightning's loop]
+PipeDream updates every stage once per micro-batch, inside the schedule (``lightning_pipe/stashing.py``). Lightning's
+automatic optimization steps once per batch: ``LightningModule.optimizer_step`` -> ``LightningOptimizer.step`` (which
+counts the step) -> ``Strategy.optimizer_step(closure)``. We keep that loop and move only the update:
+
+* At setup the strategy gives the engine a :class:`~lightning_pipe.stashing.MicrobatchUpdate` built on the user's
+  optimizer (one stage per rank, so the rank's optimizer holds exactly that stage's parameters). After each
+  micro-batch's backward it sums tied copies, averages over data-parallel replicas, clips this stage's gradients
+  with ``gradient_clip_val`` / ``gradient_clip_algorithm`` (per stage: the stages update at different times, so
+  a norm over all of them is undefined), calls ``optimizer.step()`` and ``zero_grad(set_to_none=True)``.
+* The strategy's ``optimizer_step`` runs Lightning's closure (``training_step`` with the schedule, the
+  ``zero_grad`` hooks, the backward hand-off) and *not* the optimizer again. ``LightningOptimizer`` still counts
+  one step per batch: ``global_step`` counts batches (each is ``m`` updates per stage); LR schedulers with
+  ``interval="step"`` step once per batch, so the learning rate is constant within a batch.
+* Each update uses the gradient of its own micro-batch's mean loss (PipeDream's per-micro-batch update), not
+  ``loss / m``: a learning rate tuned for batch-mean gradients applies ``m`` times per batch here.
+* ``on_before_optimizer_step`` and ``configure_gradient_clipping`` are not called (there is no single step for
+  them to precede); ``on_before_zero_grad`` / ``optimizer_zero_grad`` fire once per batch as usual.
+
+Refused, each naming its setting: ``accumulate_grad_batches > 1`` (an update per micro-batch leaves nothing to
+accumulate), ``16-mixed`` (its loss scaler skips or keeps whole optimizer steps, agreed once per batch), several
+optimizers or manual optimization (which optimizer would step per micro-batch?), and gradient clipping with a
+weight tied across stages (per-stage clipping would scale the tied copies differently and they would drift apart).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch import Trainer
+
+from lightning_pipe.config import config_error
+from lightning_pipe.stashing import MicrobatchUpdate
+
+
+def attach_microbatch_updates(strategy: Any, trainer: Trainer) -> None:
+    """Check that ``schedule="pipedream"`` can hold for this trainer, then give the engine its per-micro-batch
+    update. Every rank runs the same checks on the same settings, so all refuse together."""
+    engine, module = strategy.engine, strategy.lightning_module
+    rule = "Schedule 'pipedream' updates each stage once per micro-batch, inside the schedule"
+    if not module.automatic_optimization or len(strategy.optimizers) != 1:
+        raise config_error(
+            f"{rule}, with the one optimizer configure_optimizers returns (manual optimization cannot be driven "
+            "from inside the schedule).",
+            f"{len(strategy.optimizers)} optimizer(s), automatic_optimization={module.automatic_optimization}",
+            "schedule", fix="Return exactly one optimizer and use automatic optimization")
+    if trainer.accumulate_grad_batches != 1:
+        raise config_error(
+            f"{rule}: there is nothing left to accumulate across batches.",
+            f"accumulate_grad_batches={trainer.accumulate_grad_batches}", "accumulate_grad_batches",
+            "Trainer(accumulate_grad_batches=1), Hydra trainer.accumulate_grad_batches=1", also=("schedule",))
+    if getattr(strategy.precision_plugin, "scaler", None) is not None:
+        raise config_error(
+            f"{rule}; fp16 loss scaling decides once per batch whether the optimizer steps, which cannot hold for "
+            "updates made during the batch.", f"precision={strategy.precision_plugin.precision!r}", "precision",
+            "use 'bf16-mixed' or '32-true'", also=("schedule",))
+    clip_val = trainer.gradient_clip_val
+    clip = None
+    if clip_val:
+        algorithm = trainer.gradient_clip_algorithm
+        clip = (float(clip_val), "norm" if algorithm is None else str(algorithm.value))
+        layout, plan = module._pipeline_layout, strategy.plan
+        spanning = [tie.names for tie in layout.tied
+                    if len({plan.stage_to_rank(_stage_of(layout.ranges, i)) for i in tie.layer_indices}) > 1]
+        if spanning:
+            raise config_error(
+                f"{rule} and clips each stage's gradients by that stage's own norm; a weight tied across stages "
+                "would be clipped differently on each and its copies would drift apart.",
+                f"gradient_clip_val={clip_val} with tied weights {spanning}", "gradient_clip_val",
+                "Trainer(gradient_clip_val=None), Hydra trainer.gradient_clip_val=null", also=("schedule",))
+    ties = [(param, tie_group.group) for param, tie_group in engine.grads.ties]
+    engine.set_microbatch_update(MicrobatchUpdate(strategy.optimizers[0], engine.parameters, engine.groups.dp, ties,
+                                                  clip))
+
+
+def _stage_of(ranges: Any, layer: int) -> int:
+    return next(s for s, r in enumerate(ranges) if layer in r)

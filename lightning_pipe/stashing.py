@@ -1,0 +1,212 @@
+"""Weight stashing (PipeDream): one update per micro-batch per stage, each backward on the weights its forward used.
+
+[Note: PipeDream weight stashing]
+Narayanan et al. 2019 ("PipeDream: Generalized Pipeline Parallelism for DNN Training"): every stage applies an
+optimizer update after *each* micro-batch's backward, and the backward of micro-batch j runs on exactly the weight
+version its forward used (the stash), not on the live weights that have moved on since. We run it in torch's 1F1B
+order (one stage per rank); the stage here applies the updates inside ``schedule.step()``:
+
+* :meth:`StashingPipelineStage.forward_one_chunk` runs the stage through ``torch.func.functional_call`` on a stash
+  of the live parameters at their current version (detached copies, leaves of their own; micro-batches that see the
+  same version share one stash), and records ``(micro-batch, version)``;
+* ``backward_one_chunk`` differentiates that stash, moves its gradient onto the live parameters' ``.grad`` and
+  marks an update as due; the stash is freed once no micro-batch in flight uses it;
+* the due update runs at the start of the stage's next compute action (or after the step):
+  :class:`MicrobatchUpdate` (tied-copy sum, data-parallel mean, per-stage clipping, the user's optimizer,
+  zero_grad).
+
+[Note: PipeDream collectives]
+An update with collectives must not wait on a peer that waits on this rank. A weight tied across the first and the
+last stage (GPT's embedding and head) is the trap: the first stage's update j follows its backward j, which needs
+the last stage's backward j; if the last stage blocked in the tie's all-reduce before firing backward j's sends,
+or the first stage waited for backward j+1's gradient before joining update j, both would wait forever (they did,
+in a first version). So the tie all-reduce is *launched* (``async_op=True``) inside backward j, before anything
+waits, and waited for only at the stage's next compute action, when every holder has launched it. The
+data-parallel mean is a plain all-reduce at that point: replicas run the same program, so their stage s reaches
+update j without waiting on each other. Sum over tie holders and mean over replicas commute (both linear).
+
+[Note: PipeDream version formula]
+Version = number of updates the stage has applied. Torch's 1F1B runs ``w = min(m, p - s)`` warm-up forwards on
+stage s, then alternates B, F. So forward j (0-based, batch b) comes after ``max(0, j - w + 1)`` of this batch's
+backwards, each followed by its update, and after all ``m`` updates of each earlier batch::
+
+    version(s, b, j) = b * m + max(0, j - min(m, p - s) + 1)
+
+In steady state this is the paper's rule: the first stage trains micro-batch j on the weights before the last
+``p - 1`` updates (staleness p - 1 - s at stage s, none on the last stage). Unlike the paper, torch's runtime flushes
+the pipeline at every ``step()`` (nothing in flight across batches), so the first ``w`` micro-batches of a batch
+all run on the batch's starting version (micro-batch j is ``min(j, w - 1)`` updates stale). Stashes alive at once on stage s: one per
+distinct version in flight, ``min(w, m - w + 1)`` (:func:`pipedream_max_stashes`; at most p - s), plus the live
+weights.
+
+Full backward only (torch's I/W split differentiates ``submod.parameters()``); no recomputation (it would re-run the
+forward on the live weights): the schedule refuses both (``schedules/pipedream.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_pipe._compat import torch as _compat
+
+
+def pipedream_version(stage: int, pipeline_size: int, microbatches: int, batch: int, microbatch: int) -> int:
+    """The version (updates applied) micro-batch ``microbatch`` of batch ``batch`` uses on ``stage``:
+    [Note: PipeDream version formula]."""
+    warmup = min(microbatches, pipeline_size - stage)
+    return batch * microbatches + max(0, microbatch - warmup + 1)
+
+
+def pipedream_max_stashes(stage: int, pipeline_size: int, microbatches: int) -> int:
+    """The most weight stashes alive at once on ``stage``: one per distinct version among the ``w = min(m, p - s)``
+    micro-batches in flight, ``min(w, m - w + 1)`` (so at most ``p - s``; 1 when the warm-up covers the batch)."""
+    warmup = min(microbatches, pipeline_size - stage)
+    return min(warmup, microbatches - warmup + 1)
+
+
+class StashingPipelineStage(_compat.GuardedPipelineStage):
+    """A stage that stashes one weight version per in-flight micro-batch and updates after every backward.
+
+    ``updater`` (a :class:`MicrobatchUpdate`, set by the engine) updates the live parameters from their ``.grad``;
+    until it is set a due update is refused. ``versions_used`` lists ``(micro-batch, version)`` per training
+    forward since the last :meth:`take_versions`; ``version`` counts the updates applied.
+    """
+
+    updates_per_microbatch = True
+    """Read by the engine and the strategy: the optimizer steps inside the schedule, once per micro-batch."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        named = list(self.submod.named_parameters(remove_duplicate=False))
+        unique = {id(p): p for _, p in named}
+        self._live: list[Tensor] = list(unique.values())
+        slot = {key: i for i, key in enumerate(unique)}
+        self._slots = [(name, slot[id(p)]) for name, p in named]  # a tie inside the stage: one stashed tensor
+        self.version = 0
+        self._stashes: dict[int, list[Tensor]] = {}  # version -> stashed tensors
+        self._chunk_version: dict[int, int] = {}  # micro-batch in flight -> the version its forward used
+        self._chunk: int | None = None  # the micro-batch forward_one_chunk is running
+        self._due = False
+        self.updater: MicrobatchUpdate | None = None
+        self.versions_used: list[tuple[int, int]] = []
+        self.max_stashes = 0  # most stashes alive at once (memory: README)
+
+    def take_versions(self) -> list[tuple[int, int]]:
+        used, self.versions_used = self.versions_used, []
+        return used
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        self.flush_update()
+        self._chunk = fwd_chunk_id
+        try:
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        finally:
+            self._chunk = None
+
+    def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
+        if self._chunk is None or not torch.is_grad_enabled():  # evaluation: the live weights
+            return super().forward_maybe_with_nosync(*args, **kwargs)
+        stash = self._stashes.get(self.version)
+        if stash is None:
+            stash = [p.detach().clone().requires_grad_(p.requires_grad) for p in self._live]
+            self._stashes[self.version] = stash
+            self.max_stashes = max(self.max_stashes, len(self._stashes))
+        self._chunk_version[self._chunk] = self.version
+        self.versions_used.append((self._chunk, self.version))
+        return torch.func.functional_call(self.submod, {name: stash[i] for name, i in self._slots}, args, kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
+                           last_backward: bool = False) -> Any:
+        if not full_backward:
+            raise NotImplementedError(
+                "A weight-stashing stage needs full backward: torch's input/weight split differentiates the live "
+                "parameters, not the stash the forward ran on. Use a schedule without I/W actions.")
+        if not self.has_backward:  # torch's eval() walks the same loop; its backward is a no-op
+            return super().backward_one_chunk(bwd_chunk_id, loss=loss, last_backward=last_backward)
+        self.flush_update()
+        result = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=True, last_backward=last_backward)
+        version = self._chunk_version.pop(bwd_chunk_id)
+        stash = self._stashes[version]
+        for stashed, live in zip(stash, self._live):
+            if stashed.grad is not None:
+                live.grad = stashed.grad if live.grad is None else live.grad + stashed.grad
+                stashed.grad = None
+        if version not in self._chunk_version.values():
+            del self._stashes[version]
+        self._due = True
+        if self.updater is not None:
+            self.updater.start()
+        return result
+
+    def flush_update(self) -> None:
+        """Apply the due update (the last backward's gradient), if any: [Note: PipeDream weight stashing]."""
+        if not self._due:
+            return
+        if self.updater is None:
+            raise RuntimeError("A weight-stashing stage ran a backward but has no optimizer to update with: the "
+                               "strategy attaches it at setup (PipelineEngine.set_microbatch_update).")
+        self._due = False
+        self.updater.finish()
+        self.version += 1
+
+
+class MicrobatchUpdate:
+    """One stage's update after one micro-batch: gradient sync, per-stage clipping, the user's optimizer, zero_grad.
+
+    :meth:`start` runs right after the backward and only *launches* the tied-copy sums (asynchronous all-reduces
+    over each tie's group): [Note: PipeDream collectives]. :meth:`finish` runs at the stage's next compute action:
+    it waits for them, averages over data-parallel replicas (``dp_group``), clips this stage's own gradients with
+    ``clip = (value, "norm" | "value")`` (a global norm over stages is undefined here: the stages update at
+    different times, on different micro-batches), steps the optimizer and zeroes the gradients (``None``).
+    """
+
+    def __init__(self, optimizer: Any, params: Sequence[nn.Parameter], dp_group: Any = None,
+                 ties: Sequence[tuple[nn.Parameter, Any]] = (), clip: tuple[float, str] | None = None) -> None:
+        self.optimizer = optimizer
+        self.params = list(params)
+        self.dp_group = dp_group
+        self.ties = list(ties)
+        self.clip = clip
+        self._works: list[Any] = []
+
+    def start(self) -> None:
+        self._works = [dist.all_reduce(param.grad, group=group, async_op=True)
+                       for param, group in self.ties if param.grad is not None]
+
+    def finish(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._works = []
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if self.dp_group is not None and grads:
+            _mean_over(grads, self.dp_group)
+        if self.clip is not None:
+            value, algorithm = self.clip
+            if algorithm == "value":
+                torch.nn.utils.clip_grad_value_(self.params, value)
+            else:
+                torch.nn.utils.clip_grad_norm_(self.params, value)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def _mean_over(tensors: list[Tensor], group: Any) -> None:
+    """Average ``tensors`` in place over ``group``: one flat all-reduce per dtype (``grads.all_reduce_coalesced``
+    without buckets; importing grads here would close an import cycle through the schedule registry)."""
+    world = dist.get_world_size(group)
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.all_reduce(flat, group=group)
+        flat.div_(world)
+        offset = 0
+        for t in same:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()

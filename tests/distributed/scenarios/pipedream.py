@@ -1,0 +1,46 @@
+"""PipeDream (weight stashing) runs: the training scenario plus what only this schedule has to show — the weight
+version each micro-batch used on this rank's stage, the stashes alive at once, the update count."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tests.distributed.scenarios.training import DATA, MODELS, LossRecorder, TrainingCase, _trainer
+from tests.models import loader, regression_data
+
+
+class VersionRecorder(LossRecorder):
+    """Per batch: ``(micro-batch, version)`` of every training forward of this rank's stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.versions: list[list[tuple[int, int]]] = []
+        self.lrs: list[float] = []
+        self.max_stashes = 0
+        self.pp_rank = -1
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        super().on_train_batch_end(trainer, *args)
+        (stage,) = trainer.strategy.engine.stages
+        self.versions.append(stage.take_versions())
+        self.max_stashes, self.pp_rank = stage.max_stashes, trainer.strategy.topology.pp_rank
+        self.lrs.append(float(trainer.optimizers[0].param_groups[0]["lr"]))
+
+
+def run_pipedream(case: TrainingCase) -> dict[str, Any]:
+    torch.manual_seed(1234)
+    model = MODELS[case.model](case)
+    data = DATA.get(case.model, regression_data)(case.n_data)
+    recorder = VersionRecorder()
+    trainer = _trainer(case, True, recorder)
+    trainer.fit(model, loader(data, case.batch), loader(data, case.batch) if case.validate else None)
+    out: dict[str, Any] = {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)},
+        "losses": recorder.losses, "versions": recorder.versions, "lrs": recorder.lrs,
+        "max_stashes": recorder.max_stashes, "global_step": trainer.global_step, "pp_rank": recorder.pp_rank,
+        "calls": dict(getattr(model, "calls", {}))}
+    if case.validate:
+        out["val_loss"] = trainer.validate(model, loader(data, case.batch), verbose=False)[0]["val_loss"]
+    return out
