@@ -30,8 +30,9 @@ from lightning_pipe.rebalance.measure import LayerTimer
 from lightning_pipe.rebalance.move import move_layers, rebuild_engine
 from lightning_pipe.schedules import SchedulePlan
 
-MEASURED_STEPS = 3
-"""Optimizer steps timed before each decision (fewer when N is smaller; never the first batch after a rebuild)."""
+MEASURED_STEPS = 5
+"""Optimizer steps timed before each decision (fewer when N is smaller; never the first batch after a rebuild);
+each layer's time is the median over them."""
 
 
 def check_rebalance(config: PipelineConfig, plan: SchedulePlan) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -82,7 +83,7 @@ class LayerTimer:
                 self._handles.append(layer.register_forward_hook(self._post(index)))
         for stage in self.engine.stages:
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-                setattr(stage, name, self._timed(("stage", stage.stage_index), getattr(stage, name)))
+                setattr(stage, name, self._timed(stage.stage_index, getattr(stage, name)))
                 self._wrapped.append((stage, name))
         self.engine.step_contexts.append(self.step)
         return self
@@ -108,10 +109,10 @@ class LayerTimer:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             start = self._open.pop(index, None)
             if start is not None and self._counting():
-                self._marks.spans.append((("layer", index), start, self._marks.mark()))
+                self._marks.spans.append((("layer", self.batches, index), start, self._marks.mark()))
         return hook
 
-    def _timed(self, key: tuple[str, int], fn: Callable[..., Any]) -> Callable[..., Any]:
+    def _timed(self, stage_index: int, fn: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
             if not self._counting():
                 return fn(*args, **kwargs)
@@ -119,7 +120,7 @@ class LayerTimer:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self._marks.spans.append((key, start, self._marks.mark()))
+                self._marks.spans.append((("stage", self.batches, stage_index), start, self._marks.mark()))
         return run
 
     @contextlib.contextmanager
@@ -134,22 +135,24 @@ class LayerTimer:
             self._active = False
 
     def collect(self, pp_rank: int) -> list[LayerTime]:
-        """Seconds per batch of each local layer, over the batches measured since the last reset."""
-        forward: dict[int, float] = {}
-        stage_total: dict[int, float] = {}
-        for (what, key), seconds in self._marks.seconds():
+        """Seconds per batch of each local layer: the median over the batches measured since the last reset (one
+        batch slowed by a busy host does not decide)."""
+        forward: dict[tuple[int, int], float] = {}  # (batch, layer) -> seconds
+        stage_total: dict[tuple[int, int], float] = {}  # (batch, stage) -> seconds
+        for (what, batch, key), seconds in self._marks.seconds():
             target = forward if what == "layer" else stage_total
-            target[key] = target.get(key, 0.0) + seconds
-        out = []
-        batches = max(self.batches, 1)
-        for sm, stage_id in zip(self.engine.stage_modules, [st.stage_index for st in self.engine.stages]):
+            target[(batch, key)] = target.get((batch, key), 0.0) + seconds
+        batches = sorted({b for b, _ in stage_total} | {b for b, _ in forward})
+        per_layer: dict[int, list[float]] = {}
+        for sm, stage in zip(self.engine.stage_modules, self.engine.stages):
             indices = list(sm.layer_indices)
-            fwd = [forward.get(i, 0.0) for i in indices]
-            total = stage_total.get(stage_id, sum(fwd))
-            for i, f in zip(indices, fwd):
-                share = f / sum(fwd) if sum(fwd) > 0 else 1.0 / len(indices)
-                out.append(LayerTime(i, pp_rank, self.kinds[i], total * share / batches))
-        return out
+            for b in batches:
+                fwd = [forward.get((b, i), 0.0) for i in indices]
+                total = stage_total.get((b, stage.stage_index), sum(fwd))
+                for i, f in zip(indices, fwd):
+                    share = f / sum(fwd) if sum(fwd) > 0 else 1.0 / len(indices)
+                    per_layer.setdefault(i, []).append(total * share)
+        return [LayerTime(i, pp_rank, self.kinds[i], statistics.median(v)) for i, v in per_layer.items()]
 
     def reset(self) -> None:
         self._marks.spans.clear()

@@ -26,15 +26,16 @@ class RebalanceCase:
 
     partition: tuple[int, ...] | str = "uniform"
     n_layers: int = 8
-    base_s: float = 0.003
+    base_s: float = 0.005
     slow_layer: int | None = None
-    slow_s: float = 0.012
+    slow_s: float = 0.02
     slow_rank: int | None = None
     rank_delay_s: float = 0.0
-    tied: bool = False
-    every: int = 3
+    tied: bool = False  # the head reuses the first layer's weight
+    tie_blocks: tuple[int, int] | None = None  # (a, b): block b uses block a's fc.weight
+    every: int = 4
     threshold: float = 0.15  # well above the noise of 2 shared cores; the moves tested predict 35-50 %
-    steps: int = 6
+    steps: int = 8
     microbatches: int = 2
     batch: int = 8
     ckpt: str | None = None  # a directory: checkpoint at the end of the (one-epoch) fit, then resume from it
@@ -76,6 +77,9 @@ class RebalanceModel(ToyRegressor):
             block = SleepyBlock(WIDTH, delay, case.slow_rank, case.rank_delay_s)
             block.load_state_dict(self.layers[i].state_dict())
             self.layers[i] = block
+        if case.tie_blocks is not None:
+            a, b = case.tie_blocks
+            self.layers[b].fc.weight = self.layers[a].fc.weight
 
 
 class _Losses(L.Callback):
