@@ -8,8 +8,8 @@ A time measured for layer ``i`` on pipeline rank ``r`` is modelled as ``w_i * s_
 rank's slowness (a throttled device, a shared host). One measurement per layer cannot separate the two, so we use
 one structural prior: layers of the same *kind* (class and parameter shapes, e.g. the transformer blocks) cost the
 same on an equally fast rank. A rank's slowness is then the median, over its layers whose kind also lives on another
-rank, of ``t_i / median_k`` (``median_k``: the median time of that kind over all ranks); a rank without such layers
-counts as 1. The median keeps one unusually slow layer (extra compute) a property of the layer, not of its rank,
+rank, of ``t_i / median_k`` (``median_k``: the median time of that kind over all ranks; the lower median per rank,
+so that one slow layer among two is still the layer's); a rank without such layers counts as 1. The median keeps one unusually slow layer (extra compute) a property of the layer, not of its rank,
 while a delay on every layer of a rank is read as the rank being slow. ``w_i = t_i / s_r``. Limitation: when every
 layer of a kind on one rank is slow for reasons of its own, it is read as a slow rank.
 
@@ -87,7 +87,8 @@ def rank_slowness(times: Sequence[LayerTime], pipeline_size: int) -> list[float]
             continue
         for t in same:
             ratios[t.pp_rank].append(t.seconds / reference)
-    raw = [statistics.median(ratios[r]) if ratios[r] else 1.0 for r in range(pipeline_size)]
+    # The lower median: a rank holding two layers of a kind, one of them slow, is not read as a slow rank.
+    raw = [statistics.median_low(ratios[r]) if ratios[r] else 1.0 for r in range(pipeline_size)]
     fastest = min(raw)
     return [v / fastest if fastest > 0 else 1.0 for v in raw]
 

@@ -37,6 +37,13 @@ def test_a_slowed_rank_keeps_fewer_layers() -> None:
     assert d.proposed == (7, 1) and d.proposed_time == 7 and d.current_time == 16
 
 
+def test_a_slow_layer_next_to_one_other_is_still_the_layers() -> None:
+    # after the move: rank 1 holds the slow block and one normal block (and the head)
+    d = decide(times([0.1, 1, 1, 1, 1, 4, 1, 0.1], [5, 3], ["embed", *["block"] * 6, "head"]), (5, 3), [0, 1], 2,
+               threshold=0.05)
+    assert d.speeds == (1.0, 1.0) and not d.rebalance
+
+
 def test_unique_kinds_say_nothing_about_speed() -> None:
     # an embedding and a head (one of a kind) are their own cost; the blocks on both ranks set the speeds
     seconds = [9, 1, 1, 1, 1, 1, 1, 0.1]

@@ -33,6 +33,7 @@ class RebalanceCase:
     rank_delay_s: float = 0.0
     tied: bool = False  # the head reuses the first layer's weight
     tie_blocks: tuple[int, int] | None = None  # (a, b): block b uses block a's fc.weight
+    dp: int = 1  # data-parallel replicas (world = 2 x dp)
     every: int = 4
     threshold: float = 0.15  # well above the noise of 2 shared cores; the moves tested predict 35-50 %
     steps: int = 8
@@ -108,14 +109,15 @@ def _trainer(steps: int, strategy: Any, devices: int, callbacks: list[Any]) -> L
 
 
 def _data(case: RebalanceCase) -> Any:
-    return loader(regression_data(case.batch * case.steps), case.batch)  # one epoch: the checkpoint is at its end
+    # one epoch (the checkpoint is at its end); each replica reads `batch` rows of the global batch per step
+    return loader(regression_data(case.batch * case.dp * case.steps), case.batch)
 
 
 def run_reference(case: RebalanceCase, steps: int) -> dict[str, Any]:
     """The same module on one device (no process group: no rank delays), ``steps`` optimizer steps."""
     model, losses = RebalanceModel(case), _Losses()
     # the order Lightning's DistributedSampler (shuffle, seed 0) gives the pipeline's one replica
-    data = reference_train_loader(regression_data(case.batch * case.steps), case.batch)
+    data = reference_train_loader(regression_data(case.batch * case.dp * case.steps), case.batch * case.dp)
     _trainer(steps, "auto", 1, [losses]).fit(model, data)
     return {"params": {k: v.detach().clone() for k, v in model.named_parameters()}, "losses": losses.losses}
 
@@ -123,7 +125,7 @@ def run_reference(case: RebalanceCase, steps: int) -> dict[str, Any]:
 def run_rebalance(case: RebalanceCase) -> RebalanceResult:
     devices = int(os.environ["TEST_WORLD_SIZE"])
     strategy = PipelineStrategy(schedule="1f1b", microbatches=case.microbatches, partition=case.partition,
-                                rebalance_every_n_steps=case.every, rebalance_threshold=case.threshold)
+                                data_parallel_size=case.dp, rebalance_every_n_steps=case.every, rebalance_threshold=case.threshold)
     capture = _Capture()
     log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     log.addHandler(capture)
@@ -148,7 +150,8 @@ def run_rebalance(case: RebalanceCase) -> RebalanceResult:
                  "speeds": list(e.decision.speeds), "costs": list(e.decision.costs),
                  "moves": [(m.layer, m.src, m.dst) for m in e.decision.moves]} for e in history])
     if case.ckpt is not None:
-        again = PipelineStrategy(schedule="1f1b", microbatches=case.microbatches)  # uniform, no rebalancing
+        # uniform, no rebalancing
+        again = PipelineStrategy(schedule="1f1b", microbatches=case.microbatches, data_parallel_size=case.dp)
         resumed = RebalanceModel(case)
         _trainer(case.steps + case.resume_steps, again, devices, []).fit(resumed, _data(case),
                                                                          ckpt_path=f"{case.ckpt}/end.ckpt")
