@@ -119,8 +119,7 @@ class Rebalancer:
         self.timer.detach()  # a moving layer is pickled: it must carry none of our hooks
         move_layers(self.module, self.config.layers_attr, moves, old.groups.topology, self.layout.tied,
                     optimizers, old.device)
-        self.engine, self.layout = rebuild_engine(old, self.module, self.config.layers_attr,
-                                                  self.config.recompute_every, self.layout, counts)
+        self.engine, self.layout = rebuild_engine(old, self.module, self.config, self.layout, counts)
         self.timer = LayerTimer(self.engine).attach()
 
     def detach(self) -> None:

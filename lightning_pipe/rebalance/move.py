@@ -27,13 +27,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pipe.config import Topology
+from lightning_pipe.config import PipelineConfig, Topology
 from lightning_pipe.engine import PipelineEngine
-from lightning_pipe.grads import ProcessGroups
-from lightning_pipe.layout import PipelineLayout
+from lightning_pipe.layout import PipelineLayout, build_engine
 from lightning_pipe.memory import ActivationMeter
 from lightning_pipe.rebalance.decide import Move, ranges_of
-from lightning_pipe.stages import RemoteLayer, TiedParameter, find_layers, localize_layers
+from lightning_pipe.stages import RemoteLayer, TiedParameter, find_layers
 
 Slot = tuple[int, int]
 """(optimizer index, param group index)."""
@@ -151,18 +150,14 @@ def _update_optimizers(module: nn.Module, optimizers: Sequence[torch.optim.Optim
             present.add(id(param))
 
 
-def rebuild_engine(old: PipelineEngine, module: nn.Module, layers_attr: str, recompute_every: int | None,
-                   layout: PipelineLayout, counts: Sequence[int]) -> tuple[PipelineEngine, PipelineLayout]:
-    """A new engine for ``counts`` layers per stage: same plan and placement, new stage modules, schedule and tie
-    groups. What was attached to the old engine (loss scaler, step contexts such as the trace recorder and the
+def rebuild_engine(old: PipelineEngine, module: nn.Module, config: PipelineConfig, layout: PipelineLayout,
+                   counts: Sequence[int]) -> tuple[PipelineEngine, PipelineLayout]:
+    """A new engine for ``counts`` layers per stage, through :func:`~lightning_pipe.layout.build_engine` with the
+    new layout (same plan and placement: nothing is re-split or broadcast; new stage modules, schedule and tie
+    groups). What was attached to the old engine (loss scaler, step contexts such as the trace recorder and the
     memory meter) is carried over and pointed at the new one. Collective (new process groups)."""
-    plan, topology = layout.plan, old.groups.topology
-    new_layout = PipelineLayout(tuple(ranges_of(counts)), layout.tied, plan)
-    local_ids = plan.stages_of_rank(topology.pp_rank)
-    groups = ProcessGroups(topology, layout.tied, new_layout.ranges, plan)
-    stage_modules = localize_layers(module, layers_attr, new_layout.ranges, local_ids, plan.stage_to_rank,
-                                    recompute_every)
-    engine = PipelineEngine(module, stage_modules, local_ids, plan, groups, old.device)
+    new_layout = PipelineLayout(tuple(ranges_of(counts)), layout.tied, layout.plan)
+    engine, new_layout = build_engine(module, config, layout.plan, old.groups.topology, old.device, new_layout)
     engine.accumulate_grad_batches = old.accumulate_grad_batches
     engine.loss_scaler = old.loss_scaler
     for context in old.step_contexts:

@@ -21,7 +21,8 @@ def test_rebalance_moves_layers_and_training_stays_exact(tmp_path) -> None:
         RebalanceCase(partition=(6, 2), slow_layer=5, ckpt=str(tmp_path / "ckpt")),
         # every block on rank 1 sleeps 12 ms more: rank 1 is read as ~4x slower and keeps fewer layers. Blocks 2 and
         # 5 share a weight: block 5 joins block 2 on rank 0 (one copy, one optimizer entry, no tie group left)
-        RebalanceCase(base_s=0.004, slow_rank=1, rank_delay_s=0.012, tied=True, tie_blocks=(2, 5), steps=4),
+        RebalanceCase(base_s=0.004, slow_rank=1, rank_delay_s=0.012, tied=True, tie_blocks=(2, 5), steps=4,
+                      timeline=True),
     ]
     results = launch("rebalance", 2, cases, tmp_path / "run", timeout=420)
 
@@ -42,6 +43,8 @@ def test_rebalance_moves_layers_and_training_stays_exact(tmp_path) -> None:
     held = [len(rank[slow_rank]["layers"]) for rank in results]
     assert held[1] < held[0], held
     assert "layers.5.fc.weight" not in results[1][slow_rank]["params"]  # the tied block left rank 1
+    # the trace recorder follows the rebuilt engine: every step recorded, m forwards per stage, before and after
+    assert all(rank[slow_rank]["timeline"] == [2] * 4 for rank in results), [r[slow_rank]["timeline"] for r in results]
     # parity: a run with a rebalance mid-way equals one device (parameters with their AdamW state moved)
     for i, case in enumerate(cases):
         ref = run_reference(case, case.steps)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import NotRequired
 
-from lightning_pipe import PipelineStrategy
+from lightning_pipe import PipelineStrategy, PipelineTimeline
 from tests.models import WIDTH, Block, ToyRegressor, loader, reference_train_loader, regression_data
 
 
@@ -34,6 +34,7 @@ class RebalanceCase:
     tied: bool = False  # the head reuses the first layer's weight
     tie_blocks: tuple[int, int] | None = None  # (a, b): block b uses block a's fc.weight
     dp: int = 1  # data-parallel replicas (world = 2 x dp)
+    timeline: bool = False  # record every step with PipelineTimeline (its recorder must follow the new engine)
     every: int = 4
     threshold: float = 0.15  # well above the noise of 2 shared cores; the moves tested predict 35-50 %
     steps: int = 8
@@ -51,6 +52,7 @@ class RebalanceResult(TypedDict):
     layers: list[int]  # layer indices this rank holds at the end
     logged: list[str]  # rank 0: the rebalance log lines
     events: list[dict[str, Any]]  # every decision: step, proposed split, moves
+    timeline: NotRequired[list[int]]  # per recorded step, its forward slices (the last ones: after the rebalance)
     resumed: NotRequired[dict[str, torch.Tensor]]  # params after resuming from the checkpoint
 
 
@@ -134,7 +136,8 @@ def run_rebalance(case: RebalanceCase) -> RebalanceResult:
     # on_train_epoch_end replays one batch on resume, on one device too).
     saver = ([ModelCheckpoint(dirpath=case.ckpt, filename="end", every_n_train_steps=case.steps)]
              if case.ckpt is not None else [])
-    trainer = _trainer(case.steps, strategy, devices, [losses, *saver])
+    timeline = [PipelineTimeline(log=False, warmup_steps=0)] if case.timeline else []
+    trainer = _trainer(case.steps, strategy, devices, [losses, *saver, *timeline])
     try:
         trainer.fit(model, _data(case))
     finally:
@@ -149,6 +152,12 @@ def run_rebalance(case: RebalanceCase) -> RebalanceResult:
         events=[{"step": e.step, "proposed": list(e.decision.proposed), "gain": e.decision.gain,
                  "speeds": list(e.decision.speeds), "costs": list(e.decision.costs),
                  "moves": [(m.layer, m.src, m.dst) for m in e.decision.moves]} for e in history])
+    if timeline:
+        recorder = timeline[0].recorder
+        assert recorder is not None
+        recorded = [i for sm in recorder.engine.stage_modules for i in sm.layer_indices]
+        assert recorded == held, f"the recorder follows the new engine: it records layers {recorded}, not {held}"
+        result["timeline"] = [sum(s.kind == "F" for s in r.slices) for r in timeline[0].records]
     if case.ckpt is not None:
         # uniform, no rebalancing
         again = PipelineStrategy(schedule="1f1b", microbatches=case.microbatches, data_parallel_size=case.dp)
