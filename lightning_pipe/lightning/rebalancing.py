@@ -31,7 +31,9 @@ class StrategyRebalancer:
 
     def after_optimizer_step(self) -> None:
         strategy = self.strategy
-        event, engine = self.core.after_optimizer_step(strategy.optimizers)
+        # Lightning counts the step as completed after the optimizer_step hook returns: this one is global_step + 1.
+        step = strategy.lightning_module.trainer.global_step + 1
+        event, engine = self.core.after_optimizer_step(strategy.optimizers, step)
         if event is None or not event.decision.rebalance:
             return
         module = strategy.lightning_module

@@ -48,7 +48,7 @@ def check_rebalance(config: PipelineConfig, plan: SchedulePlan) -> None:
 @dataclass(frozen=True)
 class RebalanceEvent:
     step: int
-    """Optimizer steps completed when the decision was taken."""
+    """Optimizer steps completed when the decision was taken (the trainer's global step)."""
     decision: Decision
 
     def describe(self) -> list[str]:
@@ -76,11 +76,12 @@ class Rebalancer:
         window = min(MEASURED_STEPS, self.every)
         self.timer.armed = self.every - self.steps % self.every <= window
 
-    def after_optimizer_step(self, optimizers: Sequence[torch.optim.Optimizer]
+    def after_optimizer_step(self, optimizers: Sequence[torch.optim.Optimizer], step: int | None = None
                              ) -> tuple[RebalanceEvent | None, PipelineEngine]:
-        """Count the step; every N-th, decide and maybe move. Returns the event (``None``: no decision taken) and
-        the engine to use from now on. Collective on the N-th step."""
-        self.steps += 1
+        """After an optimizer step (``step``: optimizer steps completed with it, e.g. the trainer's global step, so
+        a resumed run keeps the cadence; ``None``: counted here). Every N-th, decide and maybe move. Returns the
+        event (``None``: no decision taken) and the engine to use from now on. Collective on the N-th step."""
+        self.steps = self.steps + 1 if step is None else step
         event = None
         if self.steps % self.every == 0:
             decision = self._decide()
@@ -95,14 +96,16 @@ class Rebalancer:
 
     def _decide(self) -> Decision | None:
         topo = self.engine.groups.topology
+        if topo.pipeline_size == 1:
+            return None  # replicas only: nothing to move
         local = (self.timer.batches, self.timer.collect(topo.pp_rank))
         gathered: list[Any] = [None] * topo.world_size
         if topo.world_size > 1:
             dist.all_gather_object(gathered, local)
         else:
             gathered = [local]
-        if any(batches == 0 for batches, _ in gathered) or topo.pipeline_size == 1:
-            return None  # nothing measured yet on some rank (e.g. N=1 right after a rebuild), or nothing to move
+        if any(batches == 0 for batches, _ in gathered):
+            return None  # nothing measured yet on some rank (e.g. N=1 right after a rebuild)
         by_layer: dict[int, list[LayerTime]] = {}
         for _, times in gathered:
             for t in times:
