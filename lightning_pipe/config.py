@@ -53,6 +53,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     _strategy("timeout", "strategy.timeout"),
     _strategy("plan", "strategy.plan"),
     _strategy("memory_budget", "schedule.options.memory_budget"),  # schedule=auto
+    _strategy("rebalance_every_n_steps", "strategy.rebalance_every_n_steps"),
+    _strategy("rebalance_threshold", "strategy.rebalance_threshold"),
     Setting("devices", "Trainer(devices=..., num_nodes=...)", ("trainer.devices", "trainer.num_nodes")),
     Setting("precision", "Trainer(precision=...)", ("trainer.precision",)),
     Setting("batch_size", "DataLoader(batch_size=...)", ("data.batch_size",)),
@@ -103,6 +105,11 @@ class PipelineConfig:
     schedule_options: dict[str, Any] = field(default_factory=dict)
     """Options of the chosen schedule (e.g. the ``custom`` schedule's ``actions`` or ``csv``); an entry set to
     ``None`` counts as absent. A schedule refuses any option it does not take."""
+    rebalance_every_n_steps: int | None = None
+    """Every N optimizer steps, move layers between ranks when measured times predict a faster split
+    (``lightning_pipe.rebalance``); ``None``: never. The configured partition is the starting split."""
+    rebalance_threshold: float = 0.05
+    """Rebalance only when the predicted busiest-stage time drops by more than this fraction."""
 
     def __post_init__(self) -> None:
         # Normalise before validating: Hydra hands lists as ListConfig and names in any case.
@@ -121,6 +128,14 @@ class PipelineConfig:
         if self.stages_per_rank is not None and (not _is_int(self.stages_per_rank) or self.stages_per_rank < 1):
             raise config_error("stages_per_rank must be a positive integer or None.",
                                f"stages_per_rank={self.stages_per_rank!r}", "stages_per_rank")
+        if self.rebalance_every_n_steps is not None and (
+                not _is_int(self.rebalance_every_n_steps) or self.rebalance_every_n_steps < 1):
+            raise config_error("rebalance_every_n_steps is a positive number of optimizer steps, or None (never).",
+                               f"rebalance_every_n_steps={self.rebalance_every_n_steps!r}", "rebalance_every_n_steps")
+        if (not isinstance(self.rebalance_threshold, numbers.Real) or isinstance(self.rebalance_threshold, bool)
+                or not 0 <= self.rebalance_threshold < 1):
+            raise config_error("rebalance_threshold is the predicted relative gain a rebalance needs, in [0, 1).",
+                               f"rebalance_threshold={self.rebalance_threshold!r}", "rebalance_threshold")
         if self.recompute_every is None and str(self.recompute).lower() != "none":
             raise config_error("recompute is 'none', 'all', or a positive k (every k-th layer of each stage).",
                                f"recompute={self.recompute!r}", "recompute")

@@ -3,6 +3,7 @@ to the adapter's helpers (preflight, checkpointing, faults, precision)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
@@ -33,6 +34,8 @@ from lightning_pipe.lightning.faults import DEFAULT_TIMEOUT, PipelineFaults, res
 from lightning_pipe.lightning.launchers import PipelineMultiProcessingLauncher
 from lightning_pipe.lightning.precision import PipelinePrecision, to_pipeline_precision
 from lightning_pipe.lightning.preflight import check_module, log_layout, plan_automatically, resolve_settings
+from lightning_pipe.lightning.rebalancing import StrategyRebalancer
+from lightning_pipe.lightning.rebalancing import start as start_rebalancing
 from lightning_pipe.lightning.stashing import attach_microbatch_updates
 from lightning_pipe.planner.plan import apply_plan
 from lightning_pipe.schedules import SchedulePlan, plan_schedule
@@ -53,6 +56,8 @@ class PipelineStrategy(ParallelStrategy):
         plan: a plan file (or its dict) from ``python -m lightning_pipe.planner search``: its schedule,
             micro-batches, stages per rank, replicas and partition replace those arguments.
         memory_budget: per-device limit for ``schedule="auto"`` (bytes or e.g. ``"20GiB"``).
+        rebalance_every_n_steps, rebalance_threshold: move layers between ranks mid-run when measured times
+            predict a faster split (README: "Rebalancing while training"); see :class:`~lightning_pipe.PipelineConfig`.
         start_method: ``"popen"`` re-runs the script per rank (like ``ddp``); ``"spawn"`` for notebooks.
         timeout: how long a rank waits on another in one transfer before failing (a ``timedelta`` or seconds;
             default 10 minutes). A rank that fails stops its peers within seconds regardless (README:
@@ -81,13 +86,17 @@ class PipelineStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        rebalance_every_n_steps: int | None = None,
+        rebalance_threshold: float = 0.05,
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         resolved = resolve_settings(schedule, microbatches, data_parallel_size, partition, stages_per_rank,
                                     layers_attr, recompute, schedule_options, plan, memory_budget)
-        self.pipeline_config = resolved.config
+        self.pipeline_config = dataclasses.replace(resolved.config, rebalance_every_n_steps=rebalance_every_n_steps,
+                                                   rebalance_threshold=rebalance_threshold)
+        self.rebalancer: StrategyRebalancer | None = None
         self._plan_source = resolved.plan
         self._auto, self._memory_budget = resolved.auto, resolved.memory_budget
         self.auto_plan: dict[str, Any] | None = None
@@ -209,6 +218,7 @@ class PipelineStrategy(ParallelStrategy):
             _compat.optimizers_to_device(self.optimizers, self.root_device)
             if self.engine.per_microbatch_updates:  # schedule=pipedream ([Note: PipeDream in Lightning's loop])
                 attach_microbatch_updates(self, trainer)
+        self.rebalancer = start_rebalancing(self, trainer)
 
     def _build_engine(self, module: LightningModule) -> PipelineEngine:
         assert self.plan is not None, "set_world_ranks resolves the plan before setup"
@@ -252,7 +262,10 @@ class PipelineStrategy(ParallelStrategy):
                 engine.before_optimizer_step()  # weight versions (PipeDream-2BW) keep W(b) before the update
             return result
 
-        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        result = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        if self.rebalancer is not None:
+            self.rebalancer.after_optimizer_step()  # a step boundary: layers may move (lightning_pipe.rebalance)
+        return result
 
     def _run(self, phase: str, parent: Any, *args: Any, **kwargs: Any) -> Any:
         assert self.engine is not None and self.lightning_module is not None
@@ -352,6 +365,8 @@ class PipelineStrategy(ParallelStrategy):
         faults, self._faults = self._faults, None
         if faults is not None:
             faults.stop()
+        if self.rebalancer is not None:
+            self.rebalancer.detach()  # kept (its history) until the next setup
         if self.lightning_module is not None:
             self.lightning_module._pipeline_engine = None  # type: ignore[assignment]
         if isinstance(self._precision_plugin, PipelinePrecision):

@@ -176,6 +176,8 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "strategy.start_method": (["strategy.start_method=spawn"], "spawn"),
     "strategy.timeout": (["strategy.timeout=30"], 30),
     "strategy.plan": (["strategy.plan=my_plan.json"], "my_plan.json"),
+    "strategy.rebalance_every_n_steps": (["strategy.rebalance_every_n_steps=50"], 50),
+    "strategy.rebalance_threshold": (["strategy.rebalance_threshold=0.1"], 0.1),
     "schedule.options.memory_budget": (["schedule=auto", "schedule.options.memory_budget=20GiB"], "20GiB"),
     "trainer.devices": (["trainer.devices=4"], 4),
     "trainer.num_nodes": (["trainer.num_nodes=2"], 2),

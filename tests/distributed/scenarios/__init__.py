@@ -10,12 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple, TypedDict
 
-from tests.distributed.scenarios import checkpoint, hardening, hf, pipedream, planner, trace, training
+from tests.distributed.scenarios import checkpoint, hardening, hf, pipedream, planner, rebalance, trace, training
 from tests.distributed.scenarios.checkpoint import CheckpointCase
 from tests.distributed.scenarios.trace import TraceCase
 from tests.distributed.scenarios.training import TrainingCase
 
-Case = (TrainingCase | CheckpointCase | TraceCase | hardening.HardeningCase | planner.SlowRankCase | hf.HFCase)
+Case = (TrainingCase | CheckpointCase | TraceCase | hardening.HardeningCase | planner.SlowRankCase | hf.HFCase
+        | rebalance.RebalanceCase)
 
 
 class Scenario(NamedTuple):
@@ -40,6 +41,7 @@ SCENARIOS: dict[str, Scenario] = {
     "planner_slow_rank": Scenario(planner.SlowRankCase, planner.run_slow_rank),  # issue 15: test_planner.py
     "hf": Scenario(hf.HFCase, hf.run_pipeline),  # issue 13: test_hf_parity.py
     "pipedream": Scenario(TrainingCase, pipedream.run_pipedream),  # issue 11: test_pipedream.py
+    "rebalance": Scenario(rebalance.RebalanceCase, rebalance.run_rebalance),  # issue 15.8: test_rebalance.py
 }
 
 __all__ = ["Case", "CheckpointCase", "Failure", "SCENARIOS", "Scenario", "TraceCase", "TrainingCase"]

@@ -1,0 +1,59 @@
+"""The strategy's side of dynamic rebalancing (:mod:`lightning_pipe.rebalance`): when, and what to re-point.
+
+The strategy calls :func:`start` at setup and :meth:`StrategyRebalancer.after_optimizer_step` after each real
+optimizer step (Lightning calls the strategy's ``optimizer_step`` once per accumulation boundary). After a
+rebalance everything that holds the engine is pointed at the new one: the strategy, the module
+(``_pipeline_engine`` / ``_pipeline_layout``, so a later Trainer reuses the new cut) and the precision plugin; the
+engine's step contexts (trace recorder, memory meter) are carried over by the core. Every move is logged on rank 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_pipe.rebalance import RebalanceEvent, Rebalancer, check_rebalance
+
+
+class StrategyRebalancer:
+    """A :class:`~lightning_pipe.rebalance.Rebalancer` wired to one PipelineStrategy's fit."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+        self.core = Rebalancer(strategy.pipeline_config, strategy.lightning_module, strategy.engine,
+                               strategy.lightning_module._pipeline_layout)
+
+    @property
+    def history(self) -> list[RebalanceEvent]:
+        return self.core.history
+
+    def after_optimizer_step(self) -> None:
+        strategy = self.strategy
+        # Lightning counts the step as completed after the optimizer_step hook returns: this one is global_step + 1.
+        step = strategy.lightning_module.trainer.global_step + 1
+        event, engine = self.core.after_optimizer_step(strategy.optimizers, step)
+        if event is None or not event.decision.rebalance:
+            return
+        module = strategy.lightning_module
+        module._pipeline_engine = engine
+        module._pipeline_layout = self.core.layout
+        strategy.engine = engine
+        if getattr(strategy.precision_plugin, "engine", None) is not None:
+            strategy.precision_plugin.engine = engine
+        rank_zero_info("\n".join(event.describe()))
+
+    def detach(self) -> None:
+        self.core.detach()
+
+
+def start(strategy: Any, trainer: Any) -> StrategyRebalancer | None:
+    """A rebalancer for this fit, when ``rebalance_every_n_steps`` is set (checked on every rank first)."""
+    config = strategy.pipeline_config
+    if config.rebalance_every_n_steps is None:
+        return None
+    check_rebalance(config, strategy.plan)
+    if trainer.state.fn != TrainerFn.FITTING:
+        return None
+    return StrategyRebalancer(strategy)

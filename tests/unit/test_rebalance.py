@@ -1,0 +1,109 @@
+"""The rebalance decision as plain data ([Note: layer cost versus rank speed], [Note: the predicted step time]),
+the settings' checks, and the optimizer surgery of a move, without any process group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe.config import PipelineConfig, PipelineConfigError
+from lightning_pipe.rebalance import check_rebalance
+from lightning_pipe.rebalance.decide import LayerTime, Move, best_counts, decide, describe, moves_between, rank_slowness
+from lightning_pipe.rebalance.move import _update_optimizers
+from lightning_pipe.schedules import plan_schedule
+
+
+def times(seconds: list[float], counts: list[int], kinds: list[str] | None = None) -> list[LayerTime]:
+    ranks = [r for r, c in enumerate(counts) for _ in range(c)]
+    kinds = kinds or ["block"] * len(seconds)
+    return [LayerTime(i, r, k, s) for i, (s, r, k) in enumerate(zip(seconds, ranks, kinds))]
+
+
+def test_a_slow_layer_moves_and_nothing_else() -> None:
+    d = decide(times([1, 1, 1, 1, 1, 4, 1, 1], [6, 2]), (6, 2), [0, 1], 2, threshold=0.05)
+    assert d.speeds == (1.0, 1.0)  # one slow layer among equals is the layer's cost, not its rank's
+    assert d.proposed == (5, 3) and d.moves == (Move(5, 0, 1),)
+    assert d.current_time == 9 and d.proposed_time == 6 and d.gain == pytest.approx(1 / 3)
+    lines = describe(d, step=40)
+    assert lines[0].startswith("PipelineStrategy rebalance at step 40: split [6, 2] -> [5, 3]")
+    assert lines[1:] == ["  layer 5: pipeline rank 0 -> 1"]
+
+
+def test_a_slowed_rank_keeps_fewer_layers() -> None:
+    d = decide(times([1, 1, 1, 1, 4, 4, 4, 4], [4, 4]), (4, 4), [0, 1], 2, threshold=0.05)
+    assert d.speeds == (1.0, 4.0)
+    assert d.costs == (1.0,) * 8
+    assert d.proposed == (7, 1) and d.proposed_time == 7 and d.current_time == 16
+
+
+def test_a_slow_layer_next_to_one_other_is_still_the_layers() -> None:
+    # after the move: rank 1 holds the slow block and one normal block (and the head)
+    d = decide(times([0.1, 1, 1, 1, 1, 4, 1, 0.1], [5, 3], ["embed", *["block"] * 6, "head"]), (5, 3), [0, 1], 2,
+               threshold=0.05)
+    assert d.speeds == (1.0, 1.0) and not d.rebalance
+
+
+def test_unique_kinds_say_nothing_about_speed() -> None:
+    # an embedding and a head (one of a kind) are their own cost; the blocks on both ranks set the speeds
+    seconds = [9, 1, 1, 1, 1, 1, 1, 0.1]
+    kinds = ["embed", *["block"] * 6, "head"]
+    assert rank_slowness(times(seconds, [4, 4], kinds), 2) == [1.0, 1.0]
+
+
+def test_no_move_below_the_threshold() -> None:
+    d = decide(times([1, 1, 1, 1.1, 1, 1, 1, 1], [4, 4]), (4, 4), [0, 1], 2, threshold=0.05)
+    assert not d.rebalance and d.moves == () and d.proposed == (4, 4)
+
+
+def test_best_counts_is_exact_and_keeps_a_layer_per_stage() -> None:
+    assert best_counts([1] * 8, [1, 1, 1, 1]) == (2, 2, 2, 2)
+    assert best_counts([10, 1, 1, 1], [1, 1]) == (1, 3)
+    assert best_counts([1, 1, 1], [1, 1, 100]) == (1, 1, 1)
+
+
+def test_moves_between_stages_of_one_rank_are_no_moves() -> None:
+    # V placement on 2 ranks: stages 1 and 2 both live on rank 1
+    assert moves_between((2, 2, 2, 2), (2, 1, 3, 2), [0, 1, 1, 0]) == ()
+    assert moves_between((2, 2, 2, 2), (3, 1, 2, 2), [0, 1, 1, 0]) == (Move(2, 1, 0),)
+
+
+@pytest.mark.parametrize(("kwargs", "key"), [({"rebalance_every_n_steps": 0}, "rebalance_every_n_steps"),
+                                             ({"rebalance_every_n_steps": 2.5}, "rebalance_every_n_steps"),
+                                             ({"rebalance_threshold": 1.0}, "rebalance_threshold"),
+                                             ({"rebalance_threshold": -0.1}, "rebalance_threshold")])
+def test_bad_settings_are_refused_naming_the_key(kwargs: dict, key: str) -> None:
+    with pytest.raises(PipelineConfigError, match=f"strategy.{key}"):
+        PipelineConfig(**kwargs)
+
+
+def test_weight_versioned_schedules_refuse_rebalancing() -> None:
+    config = PipelineConfig(schedule="1f1b", rebalance_every_n_steps=10)
+    check_rebalance(config, plan_schedule(config, 2))  # fine
+    versioned = plan_schedule(PipelineConfig(schedule="1f1b"), 2)
+    versioned = type(versioned)(**{**versioned.__dict__, "spec": type(versioned.spec)(
+        **{**versioned.spec.__dict__, "stage_class": object})})
+    with pytest.raises(PipelineConfigError, match="weight versions"):
+        check_rebalance(config, versioned)
+
+
+def test_optimizer_surgery_keeps_groups_and_state() -> None:
+    """Leaving parameters lose their group entry and state; arrivals join their old group with their state; a tied
+    arrival that this rank already holds is not added twice."""
+    kept, gone = nn.Linear(2, 2), nn.Linear(2, 2)
+    module = nn.Sequential(kept)
+    opt = torch.optim.Adam([{"params": list(kept.parameters())}, {"params": list(gone.parameters()), "lr": 0.5}])
+    for p in [*kept.parameters(), *gone.parameters()]:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    arriving = nn.Linear(2, 2)
+    arriving.weight = kept.weight  # tied with a parameter this rank holds
+    module.append(arriving)
+    state = {"step": (torch.tensor(3.0), True), "exp_avg": (torch.full((2,), 7.0), True)}
+    entries = {"weight": ((0, 1), state), "bias": ((0, 1), state)}
+    _update_optimizers(module, [opt], [(1, arriving, entries)])
+    assert [len(g["params"]) for g in opt.param_groups] == [2, 1]
+    assert opt.param_groups[1]["params"][0] is arriving.bias and opt.param_groups[1]["lr"] == 0.5
+    assert torch.equal(opt.state[arriving.bias]["exp_avg"], torch.full((2,), 7.0))
+    assert all(p not in opt.state for p in gone.parameters())
+    assert len(opt.state) == 3
