@@ -29,6 +29,20 @@ statistics (later stages on stand-in inputs) and count a batch too many. The sta
 ``_compat.GuardedPipelineStage``: each inference runs inside :meth:`PipelineEngine._inference_guard`, which restores
 the stage module's buffers and the RNG state and keeps the inference's loss call out of the step's losses; stand-ins
 are zeros, not ``torch.empty``. Parameters and gradients are untouched (torch computes input gradients only).
+
+[Note: what the overlapped sync averages]
+With data parallelism the fresh gradients of an optimizer-step batch are averaged during the schedule
+([Note: overlapped data-parallel sync] in dp_overlap.py). The optimizer must see the replica average of *every*
+contribution since the last step, so the engine tracks whether ``.grad`` may hold a local, not yet averaged part
+(``_grads_averaged``): fresh gradients added without averaging (the old path, accumulation batches) make it local.
+On a step batch that follows accumulation batches, Lightning's ``zero_grad`` does not run (it runs on the first
+batch of a window), so the accumulated part is averaged too, launched before the schedule (the "carry"), and used
+only if Lightning left those very tensors untouched (identity and in-place version). Averaging is idempotent on
+values the replicas share, so whenever anything is in doubt — a carry touched by ``zero_grad``, a batch that turned
+out to step without overlap — :meth:`sync_gradients` falls back to one coalesced all-reduce of everything: exact in
+every case, only the hints (``optimizer_step_follows``, ``zero_grad_follows``, set by the strategy from Lightning's
+rules) decide how much is overlapped. The token-weighted factor ([Note: token-weighted loss]) is the same on every
+replica, so it multiplies the averaged fresh gradients after the wait.
 """
 
 from __future__ import annotations
@@ -55,6 +69,7 @@ from lightning_pipe.batches import (
     trim_rows,
 )
 from lightning_pipe.config import config_error
+from lightning_pipe.dp_overlap import DataParallelOverlap, settle
 from lightning_pipe.grads import GradientSync, ProcessGroups
 from lightning_pipe.schedules import SchedulePlan, build_torch_schedule
 from lightning_pipe.stages import StageModule
@@ -95,6 +110,16 @@ class PipelineEngine:
         # Deduplicated: a V schedule can put both ends of a tied weight on one rank (one object, two stages).
         self.parameters = list({id(p): p for sm in stage_modules for p in sm.parameters()}.values())
         self.grads = GradientSync(module, self.parameters, groups, device)
+        # [Note: what the overlapped sync averages]; the strategy sets the two hints before each training batch
+        self.dp_overlap = (DataParallelOverlap(self.stages, self.parameters, groups.dp)
+                           if groups.dp is not None else None)
+        self.overlap_dp_sync = True  # off: one all-reduce after the schedule (bench/dp_overlap.py compares both)
+        self.optimizer_step_follows = True
+        self.zero_grad_follows = True
+        self._grads_averaged = True
+        self._overlapped = False  # this batch's fresh gradients are being averaged
+        self._grad_factor: Tensor | None = None  # token-weighted loss: applied to the fresh gradients on hand-over
+        self.dp_sync_counts = {"overlapped": 0, "after_schedule": 0}  # batches averaged each way (tests, bench)
         # fp16 loss scaling, set by PipelinePrecision ([Note: fp16 loss scaling in a pipeline] in lightning/precision.py)
         self.loss_scaler: Callable[[Tensor], Tensor] | None = None
         self._records: list[LossParts] = []  # this step's micro-batch losses (last stage)
@@ -196,20 +221,39 @@ class PipelineEngine:
         for p in self.parameters:
             p.grad = None
         self._records = []
+        overlap = self._begin_overlap(saved)
         with contextlib.ExitStack() as stack:
             for make_context in self.step_contexts:  # measurement (memory meter, trace recorder), off by default
                 stack.enter_context(make_context())
-            self.schedule.step(*(args if self.has_first else ()), target=target if self.has_last else None)
+            try:
+                self.schedule.step(*(args if self.has_first else ()), target=target if self.has_last else None)
+            except BaseException:
+                if overlap is not None:
+                    overlap.abandon()
+                raise
+            if overlap is not None:
+                overlap.end_schedule()
         self._pending_grads = [p.grad for p in self.parameters]
         for p, g in zip(self.parameters, saved):
             p.grad = g
         loss, global_count = self._step_loss()
+        self._grad_factor = None
         if global_count is not None:  # [Note: token-weighted loss]
-            factor = target_elements(target) * self.groups.topology.data_parallel_size / global_count.clamp_min(1)
-            for grad in self._pending_grads:
-                if grad is not None:
-                    grad.mul_(factor.to(grad.dtype))
+            self._grad_factor = (target_elements(target) * self.groups.topology.data_parallel_size
+                                 / global_count.clamp_min(1))
         return loss
+
+    def _begin_overlap(self, saved: list[Tensor | None]) -> DataParallelOverlap | None:
+        """[Note: what the overlapped sync averages]: average this batch's gradients during the schedule?"""
+        overlap = self.dp_overlap
+        if self._overlapped and overlap is not None:  # a batch whose gradients were never handed over
+            overlap.wait()
+        self._overlapped = bool(overlap is not None and self.overlap_dp_sync and self.optimizer_step_follows)
+        if not self._overlapped or overlap is None:
+            return None
+        carry = not self._grads_averaged and not self.zero_grad_follows
+        overlap.begin(self.plan.microbatches, carry=saved if carry else None)
+        return overlap
 
     def _step_loss(self) -> tuple[Tensor, Tensor | None]:
         """This replica's batch loss (on every rank) and, for a (sum, count) loss, the count over all replicas."""
@@ -242,14 +286,32 @@ class PipelineEngine:
                 "training_step did not run the pipeline: under PipelineStrategy it must get its loss from "
                 "`self.compute_loss(batch)` (the schedule's forward and backward run there)."
             )
-        for p, fresh in zip(self.parameters, self._pending_grads):
+        pending = self._pending_grads
+        if self._overlapped and self.dp_overlap is not None:  # [Note: what the overlapped sync averages]
+            self._overlapped = False
+            pending, carry = self.dp_overlap.wait()
+            self.dp_sync_counts["overlapped"] += 1
+            self._grads_averaged = settle(self.parameters, carry, self._grads_averaged)
+        elif any(fresh is not None for fresh in pending):
+            self._grads_averaged = False
+        factor = self._grad_factor
+        for p, fresh in zip(self.parameters, pending):
             if fresh is None:
                 continue
+            if factor is not None:
+                fresh.mul_(factor.to(fresh.dtype))
             if p.grad is None:
                 p.grad = fresh
             else:
                 p.grad.add_(fresh)
-        self._pending_grads = None
+        self._pending_grads = self._grad_factor = None
+
+    def sync_gradients(self) -> None:
+        """Before the optimizer step: average over replicas what is not averaged yet, sum tied copies."""
+        self.grads.sync(replicas=not self._grads_averaged)
+        if not self._grads_averaged and self.groups.dp is not None:
+            self.dp_sync_counts["after_schedule"] += 1
+        self._grads_averaged = True
 
     def before_optimizer_step(self) -> None:
         """Called by the strategy after the gradient sync, right before the optimizer updates the weights: stages
