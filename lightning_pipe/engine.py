@@ -41,8 +41,9 @@ only if Lightning left those very tensors untouched (identity and in-place versi
 values the replicas share, so whenever anything is in doubt — a carry touched by ``zero_grad``, a batch that turned
 out to step without overlap — :meth:`sync_gradients` falls back to one coalesced all-reduce of everything: exact in
 every case, only the hints (``optimizer_step_follows``, ``zero_grad_follows``, set by the strategy from Lightning's
-rules) decide how much is overlapped. The token-weighted factor ([Note: token-weighted loss]) is the same on every
-replica, so it multiplies the averaged fresh gradients after the wait.
+rules) decide how much is overlapped. The token-weighted factor ([Note: token-weighted loss]) multiplies the
+averaged fresh gradients after the wait, which is exact only if it is the same on every replica: with overlap its
+``N`` is the replicas' mean target count (one scalar all-reduce before the schedule), not each replica's own.
 """
 
 from __future__ import annotations
@@ -215,13 +216,14 @@ class PipelineEngine:
         target = check_target(target, self.plan.microbatches, self._owner)
         self._use_signature(signature("train", args, mb_rows, target))
         self._loss_scale = 1.0 / (self.plan.microbatches * self.accumulate_grad_batches)
-        self._sum_scale = 1.0 / (self.accumulate_grad_batches * target_elements(target))
+        elements = float(target_elements(target))
         # [Note: gradients across Lightning's zero_grad]: keep what earlier batches accumulated out of the way.
         saved = [p.grad for p in self.parameters]
         for p in self.parameters:
             p.grad = None
         self._records = []
-        overlap = self._begin_overlap(saved)
+        overlap, elements = self._begin_overlap(saved, elements)
+        self._sum_scale = 1.0 / (self.accumulate_grad_batches * elements)
         with contextlib.ExitStack() as stack:
             for make_context in self.step_contexts:  # measurement (memory meter, trace recorder), off by default
                 stack.enter_context(make_context())
@@ -239,21 +241,25 @@ class PipelineEngine:
         loss, global_count = self._step_loss()
         self._grad_factor = None
         if global_count is not None:  # [Note: token-weighted loss]
-            self._grad_factor = (target_elements(target) * self.groups.topology.data_parallel_size
-                                 / global_count.clamp_min(1))
+            self._grad_factor = elements * self.groups.topology.data_parallel_size / global_count.clamp_min(1)
         return loss
 
-    def _begin_overlap(self, saved: list[Tensor | None]) -> DataParallelOverlap | None:
-        """[Note: what the overlapped sync averages]: average this batch's gradients during the schedule?"""
+    def _begin_overlap(self, saved: list[Tensor | None], elements: float) -> tuple[DataParallelOverlap | None, float]:
+        """[Note: what the overlapped sync averages]: average this batch's gradients during the schedule? Also
+        ``N`` of [Note: token-weighted loss]: with overlap, the replicas' mean, so that the factor applied after
+        averaging is the same on every replica (padded batches hold different numbers of targets)."""
         overlap = self.dp_overlap
         if self._overlapped and overlap is not None:  # a batch whose gradients were never handed over
             overlap.wait()
         self._overlapped = bool(overlap is not None and self.overlap_dp_sync and self.optimizer_step_follows)
         if not self._overlapped or overlap is None:
-            return None
+            return None, elements
+        mean = torch.tensor([elements], dtype=torch.float64, device=self.device)
+        dist.all_reduce(mean, group=self.groups.dp)
+        elements = float(mean) / self.groups.topology.data_parallel_size
         carry = not self._grads_averaged and not self.zero_grad_follows
         overlap.begin(self.plan.microbatches, carry=saved if carry else None)
-        return overlap
+        return overlap, elements
 
     def _step_loss(self) -> tuple[Tensor, Tensor | None]:
         """This replica's batch loss (on every rank) and, for a (sum, count) loss, the count over all replicas."""
