@@ -14,7 +14,9 @@ only that wait.
 
 Bucket order is static (per stage, reverse parameter order, cut at ``bucket_bytes`` and at dtype changes) and each
 stage launches its buckets strictly in that order; stages finish in the order of the schedule's action list. So the
-replicas of one pipeline rank issue the same collectives in the same order. A parameter held by two local stages
+replicas of one pipeline rank issue the same collectives in the same order. A hook says "final" only for a parameter
+that appears once in its stage: one held under two names (a tie inside a stage) may be accumulated twice in one
+backward when layers are recomputed by reentrant checkpointing, so it waits for the end of its stage's backward. A parameter held by two local stages
 (a tie with both ends on one rank, V placement) is complete only when both stages have finished: such parameters
 form buckets of their own, launched when the last of their stages finishes. Each bucket is divided by the replica
 count before the sum (exact for a power of two) and the averaged gradients are views into the bucket: no copy
@@ -100,11 +102,17 @@ class DataParallelOverlap:
         position = {id(p): i for i, p in enumerate(self.params)}
         self._stage_params: dict[int, list[int]] = {}
         holders: dict[int, int] = {}
+        self._hooked: set[int] = set()  # parameters whose post-accumulate-grad hook says "final"
         for stage in stages:
-            idx = list(dict.fromkeys(position[id(p)] for p in stage.submod.parameters()))
+            names = [position[id(p)] for _, p in stage.submod.named_parameters(remove_duplicate=False)]
+            idx = list(dict.fromkeys(names))
             self._stage_params[stage.stage_index] = idx
             for i in idx:
                 holders[i] = holders.get(i, 0) + 1
+            # [Note: overlapped data-parallel sync]: a parameter under two names in one stage could be accumulated
+            # twice in one backward (layers recomputed by reentrant checkpointing): only its stage's end says final
+            self._hooked.update(i for i in idx if names.count(i) == 1)
+        self._hooked.difference_update(i for i, n in holders.items() if n > 1)
         self._holders = holders
         self._shared = sorted(i for i, n in holders.items() if n > 1)
         self._plan_key: int | None = None
@@ -242,7 +250,7 @@ class DataParallelOverlap:
             return hook
 
         for i in self._stage_params[s]:
-            if self._holders[i] == 1 and self.params[i].requires_grad:
+            if i in self._hooked and self.params[i].requires_grad:
                 handles.append(self.params[i].register_post_accumulate_grad_hook(hook_for(i)))
         try:
             yield
