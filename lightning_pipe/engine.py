@@ -230,8 +230,9 @@ class PipelineEngine:
             try:
                 self.schedule.step(*(args if self.has_first else ()), target=target if self.has_last else None)
             except BaseException:
-                if overlap is not None:
+                if overlap is not None:  # nothing waits on a failed step's collectives (the run stops)
                     overlap.abandon()
+                    self._overlapped = False
                 raise
             if overlap is not None:
                 overlap.end_schedule()
