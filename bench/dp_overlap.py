@@ -80,6 +80,7 @@ def worker(args: argparse.Namespace) -> None:
     # batch index -> (schedule end, gradients ready) on this rank's clock (CLOCK_MONOTONIC: shared by the ranks)
     exposed: dict[int, tuple[float, float]] = {}
     schedule_end = {"t": 0.0}
+    in_schedule: dict[int, float] = {}  # batch index -> seconds in schedule.step on this rank
     current = {"batch": -1}
     original_reduce = grads_module.all_reduce_coalesced
 
@@ -116,8 +117,10 @@ def worker(args: argparse.Namespace) -> None:
                 step, sync = engine.schedule.step, engine.sync_gradients
 
                 def timed_step(*a: Any, **k: Any) -> Any:
+                    start = time.perf_counter()
                     out = step(*a, **k)
                     schedule_end["t"] = time.perf_counter()
+                    in_schedule[current["batch"]] = schedule_end["t"] - start
                     return out
 
                 def timed_sync() -> None:
@@ -129,7 +132,8 @@ def worker(args: argparse.Namespace) -> None:
 
         def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
             self.gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(self.gathered, {"calls": calls, "exposed": exposed, "ends": clock.ends,
+            dist.all_gather_object(self.gathered, {"calls": calls, "exposed": exposed, "schedule": in_schedule,
+                                                   "ends": clock.ends,
                                                    "counts": trainer.strategy.engine.dp_sync_counts})  # type: ignore[attr-defined]
 
     clock = StepClock()
@@ -159,8 +163,9 @@ def summarize(ranks: list[dict[str, Any]], warmup: int) -> dict[str, dict[str, f
         exposed = [max(r["exposed"][str(b)][1] for r in ranks) - max(r["exposed"][str(b)][0] for r in ranks)
                    for b in timed]
         step = [max(r["ends"][b] - r["ends"][b - 1] for r in ranks) for b in timed if b >= 1]
+        schedule = [max(r["schedule"][str(b)] for r in ranks) for b in timed]
         out[mode] = {"calls": statistics.median(calls), "exposed": statistics.median(exposed),
-                     "step": statistics.median(step), "n": len(timed)}
+                     "schedule": statistics.median(schedule), "step": statistics.median(step), "n": len(timed)}
     return out
 
 
@@ -189,11 +194,12 @@ def main() -> None:
     print(f"pipeline 2 x replicas 2, schedule={args.schedule}, microbatches={args.microbatches}, width={args.width}, "
           f"layers={args.layers} ({grads_mib:.0f} MiB of gradients per rank), batch={args.batch} per replica, "
           f"buckets {args.bucket_mb} MiB, load {os.getloadavg()[0]:.1f}")
-    print("| data-parallel sync | exposed sync (ms) | sync calls after the schedule (ms) | step (ms) | steps |\n"
-          "|---|---|---|---|---|")
+    print("| data-parallel sync | exposed sync (ms) | sync calls after the schedule (ms) | schedule (ms) | step (ms) "
+          "| steps |\n|---|---|---|---|---|---|")
     for mode, label in (("before", "after the schedule (off)"), ("after", "overlapped with backward (on)")):
         r = res[mode]
-        print(f"| {label} | {r['exposed'] * 1e3:.1f} | {r['calls'] * 1e3:.1f} | {r['step'] * 1e3:.1f} | {r['n']} |")
+        print(f"| {label} | {r['exposed'] * 1e3:.1f} | {r['calls'] * 1e3:.1f} | {r['schedule'] * 1e3:.1f} "
+              f"| {r['step'] * 1e3:.1f} | {r['n']} |")
     print(f"sync_call_ratio={res['after']['calls'] / res['before']['calls']:.3f}")
     print(f"step_time_ratio={res['after']['step'] / res['before']['step']:.3f}")
     print(f"exposed_dp_sync_ratio={res['after']['exposed'] / res['before']['exposed']:.3f}")
