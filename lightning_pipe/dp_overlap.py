@@ -30,6 +30,7 @@ needs averaging ([Note: what the overlapped sync averages] in engine.py).
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,14 +105,14 @@ class DataParallelOverlap:
         holders: dict[int, int] = {}
         self._hooked: set[int] = set()  # parameters whose post-accumulate-grad hook says "final"
         for stage in stages:
-            names = [position[id(p)] for _, p in stage.submod.named_parameters(remove_duplicate=False)]
-            idx = list(dict.fromkeys(names))
+            names = Counter(position[id(p)] for _, p in stage.submod.named_parameters(remove_duplicate=False))
+            idx = list(names)
             self._stage_params[stage.stage_index] = idx
             for i in idx:
                 holders[i] = holders.get(i, 0) + 1
             # [Note: overlapped data-parallel sync]: a parameter under two names in one stage could be accumulated
             # twice in one backward (layers recomputed by reentrant checkpointing): only its stage's end says final
-            self._hooked.update(i for i in idx if names.count(i) == 1)
+            self._hooked.update(i for i in idx if names[i] == 1)
         self._hooked.difference_update(i for i, n in holders.items() if n > 1)
         self._holders = holders
         self._shared = sorted(i for i, n in holders.items() if n > 1)
