@@ -29,6 +29,21 @@ statistics (later stages on stand-in inputs) and count a batch too many. The sta
 ``_compat.GuardedPipelineStage``: each inference runs inside :meth:`PipelineEngine._inference_guard`, which restores
 the stage module's buffers and the RNG state and keeps the inference's loss call out of the step's losses; stand-ins
 are zeros, not ``torch.empty``. Parameters and gradients are untouched (torch computes input gradients only).
+
+[Note: what the overlapped sync averages]
+With data parallelism the fresh gradients of an optimizer-step batch are averaged during the schedule
+([Note: overlapped data-parallel sync] in dp_overlap.py). The optimizer must see the replica average of *every*
+contribution since the last step, so the engine tracks whether ``.grad`` may hold a local, not yet averaged part
+(``_grads_averaged``): fresh gradients added without averaging (the old path, accumulation batches) make it local.
+On a step batch that follows accumulation batches, Lightning's ``zero_grad`` does not run (it runs on the first
+batch of a window), so the accumulated part is averaged too, launched before the schedule (the "carry"), and used
+only if Lightning left those very tensors untouched (identity and in-place version). Averaging is idempotent on
+values the replicas share, so whenever anything is in doubt — a carry touched by ``zero_grad``, a batch that turned
+out to step without overlap — :meth:`sync_gradients` falls back to one coalesced all-reduce of everything: exact in
+every case, only the hints (``optimizer_step_follows``, ``zero_grad_follows``, set by the strategy from Lightning's
+rules) decide how much is overlapped. The token-weighted factor ([Note: token-weighted loss]) multiplies the
+averaged fresh gradients after the wait, which is exact only if it is the same on every replica: with overlap its
+``N`` is the replicas' mean target count (one scalar all-reduce before the schedule), not each replica's own.
 """
 
 from __future__ import annotations
@@ -55,6 +70,7 @@ from lightning_pipe.batches import (
     trim_rows,
 )
 from lightning_pipe.config import config_error
+from lightning_pipe.dp_overlap import DataParallelOverlap, settle
 from lightning_pipe.grads import GradientSync, ProcessGroups
 from lightning_pipe.schedules import SchedulePlan, build_torch_schedule
 from lightning_pipe.stages import StageModule
@@ -97,6 +113,17 @@ class PipelineEngine:
         # Deduplicated: a V schedule can put both ends of a tied weight on one rank (one object, two stages).
         self.parameters = list({id(p): p for sm in stage_modules for p in sm.parameters()}.values())
         self.grads = GradientSync(module, self.parameters, groups, device)
+        # [Note: what the overlapped sync averages]; the strategy sets the two hints before each training batch.
+        # PipeDream averages each micro-batch's gradients in its own update (stashing.MicrobatchUpdate).
+        self.dp_overlap = (DataParallelOverlap(self.stages, self.parameters, groups.dp)
+                           if groups.dp is not None and not self.per_microbatch_updates else None)
+        self.overlap_dp_sync = True  # off: one all-reduce after the schedule (bench/dp_overlap.py compares both)
+        self.optimizer_step_follows = True
+        self.zero_grad_follows = True
+        self._grads_averaged = True
+        self._overlapped = False  # this batch's fresh gradients are being averaged
+        self._grad_factor: Tensor | None = None  # token-weighted loss: applied to the fresh gradients on hand-over
+        self.dp_sync_counts = {"overlapped": 0, "after_schedule": 0}  # batches averaged each way (tests, bench)
         # fp16 loss scaling, set by PipelinePrecision ([Note: fp16 loss scaling in a pipeline] in lightning/precision.py)
         self.loss_scaler: Callable[[Tensor], Tensor] | None = None
         self._records: list[LossParts] = []  # this step's micro-batch losses (last stage)
@@ -194,16 +221,26 @@ class PipelineEngine:
         target = check_target(target, self.plan.microbatches, self._owner)
         self._use_signature(signature("train", args, mb_rows, target))
         self._loss_scale = 1.0 / (self.plan.microbatches * self.accumulate_grad_batches)
-        self._sum_scale = 1.0 / (self.accumulate_grad_batches * target_elements(target))
+        elements = float(target_elements(target))
         # [Note: gradients across Lightning's zero_grad]: keep what earlier batches accumulated out of the way.
         saved = [p.grad for p in self.parameters]
         for p in self.parameters:
             p.grad = None
         self._records = []
+        overlap, elements = self._begin_overlap(saved, elements)
+        self._sum_scale = 1.0 / (self.accumulate_grad_batches * elements)
         with contextlib.ExitStack() as stack:
             for make_context in self.step_contexts:  # measurement (memory meter, trace recorder), off by default
                 stack.enter_context(make_context())
-            self.schedule.step(*(args if self.has_first else ()), target=target if self.has_last else None)
+            try:
+                self.schedule.step(*(args if self.has_first else ()), target=target if self.has_last else None)
+            except BaseException:
+                if overlap is not None:  # nothing waits on a failed step's collectives (the run stops)
+                    overlap.abandon()
+                    self._overlapped = False
+                raise
+            if overlap is not None:
+                overlap.end_schedule()
             for stage in self.stages:  # PipeDream: the last backward's update ([Note: PipeDream weight stashing])
                 if getattr(stage, "updates_per_microbatch", False):
                     stage.flush_update()
@@ -211,12 +248,27 @@ class PipelineEngine:
         for p, g in zip(self.parameters, saved):
             p.grad = g
         loss, global_count = self._step_loss()
+        self._grad_factor = None
         if global_count is not None:  # [Note: token-weighted loss]
-            factor = target_elements(target) * self.groups.topology.data_parallel_size / global_count.clamp_min(1)
-            for grad in self._pending_grads:
-                if grad is not None:
-                    grad.mul_(factor.to(grad.dtype))
+            self._grad_factor = elements * self.groups.topology.data_parallel_size / global_count.clamp_min(1)
         return loss
+
+    def _begin_overlap(self, saved: list[Tensor | None], elements: float) -> tuple[DataParallelOverlap | None, float]:
+        """[Note: what the overlapped sync averages]: average this batch's gradients during the schedule? Also
+        ``N`` of [Note: token-weighted loss]: with overlap, the replicas' mean, so that the factor applied after
+        averaging is the same on every replica (padded batches hold different numbers of targets)."""
+        overlap = self.dp_overlap
+        if self._overlapped and overlap is not None:  # a batch whose gradients were never handed over
+            overlap.wait()
+        self._overlapped = bool(overlap is not None and self.overlap_dp_sync and self.optimizer_step_follows)
+        if not self._overlapped or overlap is None:
+            return None, elements
+        mean = torch.tensor([elements], dtype=torch.float64, device=self.device)
+        dist.all_reduce(mean, group=self.groups.dp)
+        elements = float(mean) / self.groups.topology.data_parallel_size
+        carry = not self._grads_averaged and not self.zero_grad_follows
+        overlap.begin(self.plan.microbatches, carry=saved if carry else None)
+        return overlap, elements
 
     def _step_loss(self) -> tuple[Tensor, Tensor | None]:
         """This replica's batch loss (on every rank) and, for a (sum, count) loss, the count over all replicas."""
@@ -249,14 +301,32 @@ class PipelineEngine:
                 "training_step did not run the pipeline: under PipelineStrategy it must get its loss from "
                 "`self.compute_loss(batch)` (the schedule's forward and backward run there)."
             )
-        for p, fresh in zip(self.parameters, self._pending_grads):
+        pending = self._pending_grads
+        if self._overlapped and self.dp_overlap is not None:  # [Note: what the overlapped sync averages]
+            self._overlapped = False
+            pending, carry = self.dp_overlap.wait()
+            self.dp_sync_counts["overlapped"] += 1
+            self._grads_averaged = settle(self.parameters, carry, self._grads_averaged)
+        elif any(fresh is not None for fresh in pending):
+            self._grads_averaged = False
+        factor = self._grad_factor
+        for p, fresh in zip(self.parameters, pending):
             if fresh is None:
                 continue
+            if factor is not None:
+                fresh.mul_(factor.to(fresh.dtype))
             if p.grad is None:
                 p.grad = fresh
             else:
                 p.grad.add_(fresh)
-        self._pending_grads = None
+        self._pending_grads = self._grad_factor = None
+
+    def sync_gradients(self) -> None:
+        """Before the optimizer step: average over replicas what is not averaged yet, sum tied copies."""
+        self.grads.sync(replicas=not self._grads_averaged)
+        if not self._grads_averaged and self.groups.dp is not None:
+            self.dp_sync_counts["after_schedule"] += 1
+        self._grads_averaged = True
 
     def set_microbatch_update(self, updater: Any) -> None:
         """PipeDream: each stage's update after every micro-batch's backward (``stashing.MicrobatchUpdate``)."""

@@ -83,10 +83,11 @@ class GradientSync:
             if param is not None:
                 self.ties.append((param, tie_group))
 
-    def sync(self) -> None:
-        """Average over data-parallel replicas, then sum the copies of tied parameters held by several stages."""
+    def sync(self, replicas: bool = True) -> None:
+        """Average over data-parallel replicas (unless ``replicas=False``: the engine averaged them during the
+        schedule), then sum the copies of tied parameters held by several stages."""
         grads = [p.grad for p in self.params if p.grad is not None]
-        if self.groups.dp is not None and grads:
+        if replicas and self.groups.dp is not None and grads:
             all_reduce_coalesced(grads, self.groups.dp, average=True)
         for param, tie_group in self.ties:
             if param.grad is not None:

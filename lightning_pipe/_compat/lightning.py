@@ -50,6 +50,7 @@ _Strategy = _resolve("lightning.pytorch.strategies", "Strategy")
 # ours defers the stop to a step boundary) and ModelCheckpoint's "last" save on preemption.
 SignalConnector = _resolve("lightning.pytorch.trainer.connectors.signal_connector", "_SignalConnector")
 _ModelCheckpoint = _resolve("lightning.pytorch.callbacks", "ModelCheckpoint")
+_FitLoop = _resolve("lightning.pytorch.loops", "_FitLoop")
 
 # Private methods we override or call: (class, method name).
 PRIVATE_LIGHTNING_METHODS = (
@@ -60,7 +61,13 @@ PRIVATE_LIGHTNING_METHODS = (
     _method(SignalConnector, "_slurm_sigusr_handler_fn"),  # lightning/faults.py: deferred to a step boundary
     _method(_ModelCheckpoint, "_save_last_checkpoint"),  # lightning/faults.py: "last" on SIGTERM
     _method(_ModelCheckpoint, "_monitor_candidates"),  # lightning/faults.py
+    _method(_FitLoop, "_should_accumulate"),  # lightning/strategy.py: does an optimizer step follow this batch?
 )
+
+
+def should_accumulate(trainer: Any) -> bool:
+    """Whether the current training batch only accumulates (no optimizer step after it): Lightning's own rule."""
+    return bool(trainer.fit_loop._should_accumulate())
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:

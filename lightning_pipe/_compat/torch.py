@@ -311,3 +311,10 @@ _c10d = _module("torch.distributed.distributed_c10d")
 default_store = _resolve(_c10d, "_get_default_store", _c10d.__name__)
 """``default_store()``: the store of the default process group (needs an initialised process group)."""
 PRIVATE_TORCH_API["_get_default_store"] = default_store
+
+
+# --------------------------------------------------------------------------- in-place change detection (dp_overlap.py)
+def tensor_version(tensor: torch.Tensor) -> int:
+    """Autograd's counter of in-place changes to ``tensor`` (``Tensor._version``): tells whether Lightning's
+    ``zero_grad`` touched a gradient the overlapped sync averaged early ([Note: overlapped data-parallel sync])."""
+    return int(tensor._version)

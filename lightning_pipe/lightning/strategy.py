@@ -258,7 +258,7 @@ class PipelineStrategy(ParallelStrategy):
             # average over replicas, sum tied copies (lightning_pipe.grads).
             result = closure()
             if engine is not None:
-                engine.grads.sync()
+                engine.sync_gradients()
                 engine.before_optimizer_step()  # weight versions (PipeDream-2BW) keep W(b) before the update
             return result
 
@@ -272,6 +272,9 @@ class PipelineStrategy(ParallelStrategy):
         trainer = self.lightning_module.trainer
         self.engine.accumulate_grad_batches = trainer.accumulate_grad_batches
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
+        if phase == "train":  # hints for the overlapped gradient sync (exact whatever they say: engine.py)
+            self.engine.optimizer_step_follows = not _compat.should_accumulate(trainer)
+            self.engine.zero_grad_follows = batch_idx is None or batch_idx % trainer.accumulate_grad_batches == 0
         try:
             with self.engine.running(phase, batch_idx):
                 result = parent(*args, **kwargs)

@@ -111,6 +111,8 @@ def test_pp2_dp2_token_weighted_loss_with_uneven_padding(tmp_path) -> None:
     case = HardeningCase(**MASKED, schedule="1f1b", dp=2, acc=2)
     results = launch("hardening", 4, [case], tmp_path, timeout=600)
     assert_parity(results, 0, case)
+    # averaged during the schedule at every optimizer step (with the accumulated batch carried), none after it
+    assert all(rank[0]["dp_sync"] == {"overlapped": case.steps, "after_schedule": 0} for rank in results), results
 
 
 @pytest.mark.timeout(300)

@@ -26,6 +26,12 @@ def core_cases(dp: int) -> list[TrainingCase]:
     cases.append(TrainingCase(schedule="1f1b", dp=dp, model="meta", tied=True, clip=0.05, check_grad_norms=False))
     # gradient_clip_algorithm="value": elementwise, after the data-parallel average
     cases.append(TrainingCase(schedule="gpipe", dp=dp, acc=2, clip=0.002, clip_algo="value"))
+    if dp > 1:
+        # the data-parallel average after the schedule (overlap off), and switching between both ways every step
+        cases.append(TrainingCase(schedule="1f1b", dp=dp, acc=2, clip=0.05, optimizer="adamw", dp_overlap=False,
+                                  validate=False))
+        cases.append(TrainingCase(schedule="1f1b", dp=dp, acc=1, steps=4, tied=True, dp_overlap="alternate",
+                                  validate=False, check_grad_norms=False))
     return cases
 
 

@@ -68,8 +68,14 @@ def test_v_placement_schedules_match_single_device(tmp_path) -> None:
 @pytest.mark.timeout(600)
 def test_zero_bubble_with_data_parallel_matches_single_device(tmp_path) -> None:
     """DP 2 x PP 2 with the zero-bubble schedules: torch's I/W split bypasses DDP's gradient hooks (pytorch #144530);
-    the strategy's own all-reduce (engine.grads.sync) averages the replicas after the whole schedule."""
+    the strategy averages each stage's gradients once its last weight backward (W) has run (lightning_pipe/
+    dp_overlap.py). ZB-V with tied input/output weights: both ends on rank 0, averaged once both stages finish.
+    Interleaved 1F1B: two stages per rank with full backward (buckets launched from inside each last backward)."""
     cases = [TrainingCase(schedule="zbv", stages_per_rank=2, dp=2, acc=1, clip=None),
+             TrainingCase(schedule="zbv", stages_per_rank=2, dp=2, acc=2, clip=0.05, tied=True, optimizer="adamw",
+                          check_grad_norms=False, validate=False),
+             TrainingCase(schedule="interleaved_1f1b", stages_per_rank=2, dp=2, acc=2, clip=0.05, optimizer="adamw",
+                          validate=False),
              TrainingCase(schedule="zb_h1", stages_per_rank=2, dp=2, acc=2, clip=0.05, optimizer="adamw"),
              TrainingCase(schedule="dualpipev", stages_per_rank=2, dp=2, acc=2, clip=0.05, optimizer="adamw")]
     check_all(launch("training", 4, cases, tmp_path, timeout=540), cases)

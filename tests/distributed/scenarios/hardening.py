@@ -92,6 +92,7 @@ class Recorder(LossRecorder):
         super().__init__()
         self.step_seconds: list[float] = []
         self.inferences: list[int] = []
+        self.dp_sync: dict[str, int] = {}  # the engine's data-parallel sync counts after the last batch
         self._start = 0.0
 
     def on_train_batch_start(self, *args: Any) -> None:
@@ -102,6 +103,7 @@ class Recorder(LossRecorder):
         super().on_train_batch_end(trainer, *args)
         engine = getattr(trainer.strategy, "engine", None)
         self.inferences.append(engine.shape_inferences if engine is not None else 0)
+        self.dp_sync = dict(engine.dp_sync_counts) if engine is not None else {}
 
 
 def _trainer(case: HardeningCase, pipeline: bool, recorder: Callback) -> L.Trainer:
@@ -148,6 +150,7 @@ def _run(case: HardeningCase, pipeline: bool) -> dict[str, Any]:
         out["predictions"] = preds if preds and preds[0] is not None else None
     if pipeline:
         out["topology"] = (trainer.strategy.topology.dp_rank, trainer.strategy.topology.pp_rank)
+        out["dp_sync"] = recorder.dp_sync
     return out
 
 

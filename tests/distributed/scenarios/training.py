@@ -41,6 +41,8 @@ class TrainingCase:
     partition: str | list[int] = "uniform"
     schedule_options: dict[str, Any] | None = None
     recompute: str | int = "none"
+    # data-parallel sync during the schedule (engine.overlap_dp_sync): on, off, or "alternate" optimizer steps
+    dp_overlap: bool | str = True
     # the trainer
     steps: int = 3
     acc: int = 1
@@ -76,6 +78,7 @@ class TrainingResult(TypedDict):
     meta_tensors: NotRequired[int]  # pipeline only
     topology: NotRequired[tuple[int, int]]  # pipeline only: (dp_rank, pp_rank)
     best: NotRequired[tuple[str, float]]  # with monitor_dir: ModelCheckpoint's best path and score
+    dp_sync: NotRequired[dict[str, int]]  # pipeline only: batches whose gradients were averaged each way
 
 
 class NoLayerList(ToyRegressor):
@@ -142,6 +145,22 @@ class LossRecorder(Callback):
             self.val_losses.append(float(trainer.callback_metrics["val_loss"]))
 
 
+class DataParallelSync(Callback):
+    """Sets the engine's overlap switch per batch (``case.dp_overlap``) and keeps its counts at the end of fit."""
+
+    def __init__(self, case: TrainingCase) -> None:
+        self.case = case
+        self.counts: dict[str, int] = {}
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        mode = self.case.dp_overlap
+        on = (batch_idx // self.case.acc) % 2 == 0 if mode == "alternate" else bool(mode)
+        trainer.strategy.engine.overlap_dp_sync = on  # type: ignore[attr-defined]
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+        self.counts = dict(trainer.strategy.engine.dp_sync_counts)  # type: ignore[attr-defined]
+
+
 def _precision(case: TrainingCase, pipeline: bool) -> dict[str, Any]:
     """fp16 AMP on CPU: Lightning would switch "16-mixed" to bf16 on CPU, so pass the plugins explicitly."""
     if case.precision != "16-mixed":
@@ -151,7 +170,7 @@ def _precision(case: TrainingCase, pipeline: bool) -> dict[str, Any]:
     return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]}
 
 
-def _trainer(case: TrainingCase, pipeline: bool, recorder: Callback) -> L.Trainer:
+def _trainer(case: TrainingCase, pipeline: bool, recorder: Callback, *extra: Callback) -> L.Trainer:
     strategy: Any
     if pipeline:
         strategy = PipelineStrategy(schedule=case.schedule, microbatches=case.microbatches,
@@ -170,7 +189,7 @@ def _trainer(case: TrainingCase, pipeline: bool, recorder: Callback) -> L.Traine
                      enable_checkpointing=case.monitor_dir is not None,
                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                      limit_val_batches=3, val_check_interval=2, check_val_every_n_epoch=None,
-                     callbacks=[recorder, *monitor])
+                     callbacks=[recorder, *monitor, *extra])
 
 
 def run_training(case: TrainingCase, pipeline: bool) -> TrainingResult:
@@ -179,7 +198,8 @@ def run_training(case: TrainingCase, pipeline: bool) -> TrainingResult:
     data = DATA.get(case.model, regression_data)(case.n_data)
     batch = case.batch * (1 if pipeline else case.dp)
     recorder = LossRecorder()
-    trainer = _trainer(case, pipeline, recorder)
+    dp_sync = DataParallelSync(case)
+    trainer = _trainer(case, pipeline, recorder, *([dp_sync] if pipeline else []))
     # Lightning shuffles training data through its DistributedSampler; the reference walks the same order.
     train_loader = loader(data, batch) if pipeline else reference_train_loader(data, batch)
     trainer.fit(model, train_loader, loader(data, batch) if case.validate else None)
@@ -202,6 +222,7 @@ def run_training(case: TrainingCase, pipeline: bool) -> TrainingResult:
         # every tensor this rank holds is allocated; other stages' layers never were (meta, then placeholders)
         out["meta_tensors"] = sum(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
         out["topology"] = (trainer.strategy.topology.dp_rank, trainer.strategy.topology.pp_rank)
+        out["dp_sync"] = dp_sync.counts
     callback = trainer.checkpoint_callback
     if callback is not None and case.monitor_dir is not None:
         out["best"] = (callback.best_model_path, float(callback.best_model_score))

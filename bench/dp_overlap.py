@@ -1,0 +1,208 @@
+"""Exposed data-parallel gradient sync, with and without overlapping it with the schedule's backward.
+
+Pipeline 2 x replicas 2 on CPU (4 gloo ranks), one Trainer, one model; the engine's ``overlap_dp_sync`` switch
+alternates every optimizer step, so both ways see the same machine noise. Per step:
+
+- *exposed sync*: the wall time from the step's last compute (the latest ``schedule.step`` return over the ranks;
+  ``perf_counter`` is CLOCK_MONOTONIC, shared by the processes) to the latest rank's gradients being ready for the
+  optimizer (``sync_gradients`` returned). It also holds what is not sync at all (the loss broadcast, Lightning's
+  hooks between ``training_step`` and the step), the same both ways, so the ratio is conservative.
+- *sync calls*: only the gradient-sync calls after the schedule, slowest rank: overlap off, the coalesced
+  all-reduce (``lightning_pipe.grads.all_reduce_coalesced``: flatten, all-reduce, divide, copy back); overlap on,
+  the wait for the buckets launched during the schedule (``DataParallelOverlap.wait``).
+- the step time (slowest rank), for context: on an oversubscribed CPU the all-reduce's own CPU work competes with
+  compute, so hiding it need not shorten the step.
+
+Medians over the timed steps. Last line: ``exposed_dp_sync_ratio=<after / before>`` (overlap on / off).
+
+    python bench/dp_overlap.py [--steps 24] [--width 1024] [--layers 8] [--batch 32] [--bucket-mb 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench._ranks import run_ranks  # noqa: E402
+
+
+def _model(width: int, layers: int) -> Any:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from lightning_pipe import PipelineModule
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(width, width)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.tanh(self.fc(x))
+
+    class WideMLP(PipelineModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.layers = nn.Sequential(*[Block() for _ in range(layers)])
+
+        def loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return F.mse_loss(output, target)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    return WideMLP()
+
+
+def worker(args: argparse.Namespace) -> None:
+    import lightning.pytorch as L
+    import torch
+    import torch.distributed as dist
+    from lightning.pytorch.callbacks import Callback
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import lightning_pipe.grads as grads_module
+    from bench._timing import StepClock
+    from lightning_pipe import PipelineStrategy
+
+    calls: dict[int, float] = {}  # batch index -> seconds in the gradient-sync calls after the schedule
+    # batch index -> (schedule end, gradients ready) on this rank's clock (CLOCK_MONOTONIC: shared by the ranks)
+    exposed: dict[int, tuple[float, float]] = {}
+    schedule_end = {"t": 0.0}
+    in_schedule: dict[int, float] = {}  # batch index -> seconds in schedule.step on this rank
+    current = {"batch": -1}
+    original_reduce = grads_module.all_reduce_coalesced
+
+    def timed_reduce(*a: Any, **k: Any) -> None:
+        start = time.perf_counter()
+        original_reduce(*a, **k)
+        calls[current["batch"]] = calls.get(current["batch"], 0.0) + time.perf_counter() - start
+
+    grads_module.all_reduce_coalesced = timed_reduce  # the after-schedule average (overlap off)
+
+    class Alternate(Callback):
+        """Overlap on for even steps, off for odd ones; times the overlapped path's wait; gathers at the end."""
+
+        def __init__(self) -> None:
+            self.wrapped = False
+            self.gathered: list[Any] = []
+
+        def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            engine = trainer.strategy.engine  # type: ignore[attr-defined]
+            current["batch"] = batch_idx
+            engine.overlap_dp_sync = batch_idx % 2 == 0
+            overlap = engine.dp_overlap
+            overlap.bucket_bytes = int(args.bucket_mb * 2**20)
+            if not self.wrapped:
+                wait = overlap.wait
+
+                def timed_wait() -> Any:
+                    start = time.perf_counter()
+                    out = wait()
+                    calls[current["batch"]] = calls.get(current["batch"], 0.0) + time.perf_counter() - start
+                    return out
+
+                overlap.wait = timed_wait
+                step, sync = engine.schedule.step, engine.sync_gradients
+
+                def timed_step(*a: Any, **k: Any) -> Any:
+                    start = time.perf_counter()
+                    out = step(*a, **k)
+                    schedule_end["t"] = time.perf_counter()
+                    in_schedule[current["batch"]] = schedule_end["t"] - start
+                    return out
+
+                def timed_sync() -> None:
+                    sync()
+                    exposed[current["batch"]] = (schedule_end["t"], time.perf_counter())
+
+                engine.schedule.step, engine.sync_gradients = timed_step, timed_sync
+                self.wrapped = True
+
+        def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+            self.gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(self.gathered, {"calls": calls, "exposed": exposed, "schedule": in_schedule,
+                                                   "ends": clock.ends,
+                                                   "counts": trainer.strategy.engine.dp_sync_counts})  # type: ignore[attr-defined]
+
+    clock = StepClock()
+    alternate = Alternate()
+    total = args.steps + args.warmup
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(args.batch * 2 * total, args.width, generator=g)
+    data = DataLoader(TensorDataset(x, torch.randn(x.shape, generator=g)), batch_size=args.batch, drop_last=True)
+    trainer = L.Trainer(strategy=PipelineStrategy(schedule=args.schedule, microbatches=args.microbatches,
+                                                  data_parallel_size=2),
+                        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), max_steps=total, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[alternate, clock])
+    trainer.fit(_model(args.width, args.layers), data)
+    if int(os.environ["RANK"]) == 0:
+        Path(args.out).write_text(json.dumps(alternate.gathered))
+
+
+def summarize(ranks: list[dict[str, Any]], warmup: int) -> dict[str, dict[str, float]]:
+    """Per mode, medians over the timed steps: exposed sync, the sync calls (slowest rank) and the step time."""
+    out: dict[str, dict[str, float]] = {}
+    steps = sorted(int(b) for b in ranks[0]["calls"])
+    for mode, parity in (("before", 1), ("after", 0)):
+        timed = [b for b in steps if b >= warmup and b % 2 == parity]
+        calls = [max(r["calls"].get(str(b), 0.0) for r in ranks) for b in timed]
+        # from the last compute of the step (the latest schedule end) to the latest rank's gradients being ready
+        exposed = [max(r["exposed"][str(b)][1] for r in ranks) - max(r["exposed"][str(b)][0] for r in ranks)
+                   for b in timed]
+        step = [max(r["ends"][b] - r["ends"][b - 1] for r in ranks) for b in timed if b >= 1]
+        schedule = [max(r["schedule"][str(b)] for r in ranks) for b in timed]
+        out[mode] = {"calls": statistics.median(calls), "exposed": statistics.median(exposed),
+                     "schedule": statistics.median(schedule), "step": statistics.median(step), "n": len(timed)}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--batch", type=int, default=32, help="per replica")
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    p.add_argument("--bucket-mb", type=float, default=4.0)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    ranks = run_ranks(__file__, 4, sys.argv[1:])
+    res = summarize(ranks, args.warmup)
+    counts = [r["counts"] for r in ranks]
+    total = args.steps + args.warmup
+    if any(c != {"overlapped": (total + 1) // 2, "after_schedule": total // 2} for c in counts):
+        raise SystemExit(f"the overlap switch did not alternate as asked: {counts}")
+    grads_mib = args.width * (args.width + 1) * 4 * args.layers / 2 / 2**20
+    print(f"pipeline 2 x replicas 2, schedule={args.schedule}, microbatches={args.microbatches}, width={args.width}, "
+          f"layers={args.layers} ({grads_mib:.0f} MiB of gradients per rank), batch={args.batch} per replica, "
+          f"buckets {args.bucket_mb} MiB, load {os.getloadavg()[0]:.1f}")
+    print("| data-parallel sync | exposed sync (ms) | sync calls after the schedule (ms) | schedule (ms) | step (ms) "
+          "| steps |\n|---|---|---|---|---|---|")
+    for mode, label in (("before", "after the schedule (off)"), ("after", "overlapped with backward (on)")):
+        r = res[mode]
+        print(f"| {label} | {r['exposed'] * 1e3:.1f} | {r['calls'] * 1e3:.1f} | {r['schedule'] * 1e3:.1f} "
+              f"| {r['step'] * 1e3:.1f} | {r['n']} |")
+    print(f"sync_call_ratio={res['after']['calls'] / res['before']['calls']:.3f}")
+    print(f"step_time_ratio={res['after']['step'] / res['before']['step']:.3f}")
+    print(f"exposed_dp_sync_ratio={res['after']['exposed'] / res['before']['exposed']:.3f}")
+
+if __name__ == "__main__":
+    main()
