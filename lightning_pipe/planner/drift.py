@@ -9,6 +9,8 @@ bubble. The timeline (``PipelineTimeline``'s ``records.json``) holds what each r
   profile times the last layer with its loss);
 - idle: per rank and step, the schedule step minus its compute (waiting for peers, posting and waiting on P2P,
   bookkeeping) against the predicted makespan minus the rank's predicted busy time;
+- post, wait (send/recv): per rank and step, the time spent posting P2P operations and waiting for them, shown
+  with no prediction of their own (posting is in the per-action cost, waiting is idle time);
 - step and bubble: the slowest rank's schedule step and the ranks' mean bubble, against the prediction.
 
 :func:`calibrate` scales a profile's per-layer F / B / I / W times by the measured-to-predicted ratio of their kind
@@ -88,6 +90,10 @@ def drift_by_kind(plan: Mapping[str, Any], records: Sequence[StepRecord]) -> lis
             idle_pred.append(makespan - busy[rec.pp_rank])
     if idle_meas and idle_pred:
         rows.append(Drift("idle", len(idle_meas), statistics.fmean(idle_meas), statistics.fmean(idle_pred)))
+    for kind in ("post", "wait"):
+        spent = [sum(sl.end_ns - sl.start_ns for sl in rec.slices if sl.kind == kind) / 1e6 for rec in records]
+        if any(spent):
+            rows.append(Drift(kind, len(spent), statistics.fmean(spent), 0.0))
     steps = by_step(records)
     walls = [max(r.wall_ns for r in recs) / 1e6 for recs in steps.values()]
     bubbles = [statistics.fmean(r.bubble() for r in recs) for recs in steps.values()]
@@ -99,7 +105,9 @@ def drift_by_kind(plan: Mapping[str, Any], records: Sequence[StepRecord]) -> lis
 def format_drift(rows: Sequence[Drift]) -> str:
     lines = ["kind      actions   measured   predicted   drift"]
     for r in rows:
-        if r.what == "bubble":
+        if not r.predicted:
+            lines.append(f"{r.what:<8} {r.count:>8} {r.measured:>7.3f}ms {'-':>10}   (per rank and step)")
+        elif r.what == "bubble":
             lines.append(f"{r.what:<8} {r.count:>8} {r.measured:>9.1%} {r.predicted:>10.1%}   "
                          f"{r.measured - r.predicted:+.1%} (points)")
         else:
@@ -125,3 +133,18 @@ def calibrate(profile: ModelProfile, rows: Sequence[Drift]) -> ModelProfile:
     layers = {n: [scaled(c) for c in costs] for n, costs in profile.layers.items()}
     meta = {**profile.meta, "calibrated": {k: round(v, 4) for k, v in ratios.items()}}
     return dataclasses.replace(profile, layers=layers, meta=meta)
+
+
+def merge(*tables: Sequence[Drift]) -> list[Drift]:
+    """Rows of several recorded runs (e.g. a 1F1B and a zero-bubble probe), per kind, weighted by their counts."""
+    out: dict[str, Drift] = {}
+    for rows in tables:
+        for r in rows:
+            old = out.get(r.what)
+            if old is None:
+                out[r.what] = r
+            else:
+                n = old.count + r.count
+                out[r.what] = Drift(r.what, n, (old.measured * old.count + r.measured * r.count) / n,
+                                    (old.predicted * old.count + r.predicted * r.count) / n)
+    return list(out.values())
