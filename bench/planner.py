@@ -110,7 +110,7 @@ def _calibrate(args: argparse.Namespace, base, speeds: list[float], pp: int, ms:
     from lightning_pipe.planner.search import SearchResult, slowness_per_pipeline_rank
     from lightning_pipe.schedules import compute_order, plan_schedule
     from lightning_pipe.schedules.simulate import compile_order
-    from lightning_pipe.trace.records import StepRecord, by_step
+    from lightning_pipe.trace.records import StepRecord
 
     world = dist.get_world_size()
     tables, extra = [], []
@@ -125,9 +125,7 @@ def _calibrate(args: argparse.Namespace, base, speeds: list[float], pp: int, ms:
         everyone: list = [None] * world
         dist.all_gather_object(everyone, (step, sched, records))
         recs = [StepRecord.from_dict(r) for _, _, rs in everyone for r in rs]
-        steps = by_step(recs)  # the least-disturbed recorded step (its slowest rank the fastest), as above
-        calm = min(steps.values(), key=lambda rs: max(r.wall_ns for r in rs))
-        tables.append(drift_by_kind(plan_json, calm))
+        tables.append(drift_by_kind(plan_json, recs, least=True))  # least-disturbed, like the profile
         step = max(e[0] for e in everyone)
         sched = max(e[1] for e in everyone)
         extra.append(max(step - sched - (pred.step_time - pred.schedule_time), 0.0))
@@ -158,7 +156,7 @@ def worker(args: argparse.Namespace) -> None:
     sizes = sorted({args.batch * pp // world // m for pp in pps for m in ms} - {0})
     prof = profile_model(_model(args), (tokens[:, :-1], tokens[:, 1:]), sizes, repeats=args.repeats)
     prof.link_latency, prof.link_bandwidth = measure_link()
-    overhead = measure_action_overhead(latency=prof.link_latency) if not args.no_overhead else 0.0
+    overhead = measure_action_overhead(latency=prof.link_latency, repeats=8) if not args.no_overhead else 0.0
     gathered: list = [None] * world
     dist.all_gather_object(gathered, prof.to_json())
     profiles = [ModelProfile.from_json(g) for g in gathered]

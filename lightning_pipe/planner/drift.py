@@ -46,27 +46,28 @@ class Drift:
         return self.measured / self.predicted - 1.0 if self.predicted else float("nan")
 
 
-def _durations(records: Sequence[StepRecord]) -> dict[tuple[int, str], list[float]]:
-    """(stage, kind) -> each recorded action's milliseconds; a loss slice is added to its stage's forward."""
-    out: dict[tuple[int, str], list[float]] = {}
+def _durations(records: Sequence[StepRecord]) -> dict[tuple[int, str, int | None], list[float]]:
+    """(stage, kind, micro-batch) -> each recorded step's milliseconds for that action; a loss slice is added to
+    its stage's forward."""
+    out: dict[tuple[int, str, int | None], list[float]] = {}
     for rec in records:
-        forward_at: dict[tuple[int, int | None], int] = {}
         for sl in rec.slices:
             if sl.kind not in COMPUTE_KINDS or sl.stage is None:
                 continue
             ms = (sl.end_ns - sl.start_ns) / 1e6
-            if sl.kind == "L" and (sl.stage, sl.mb) in forward_at:
-                out[(sl.stage, "F")][forward_at[(sl.stage, sl.mb)]] += ms
-                continue
-            rows = out.setdefault((sl.stage, sl.kind), [])
-            if sl.kind == "F":
-                forward_at[(sl.stage, sl.mb)] = len(rows)
-            rows.append(ms)
+            key = (sl.stage, "F" if sl.kind == "L" else sl.kind, sl.mb)
+            rows = out.setdefault(key, [])
+            if sl.kind == "L" and rows:
+                rows[-1] += ms  # the loss follows its forward on the last stage
+            else:
+                rows.append(ms)
     return out
 
 
-def drift_by_kind(plan: Mapping[str, Any], records: Sequence[StepRecord]) -> list[Drift]:
-    """The rows described in the module docstring, for every kind the records hold."""
+def drift_by_kind(plan: Mapping[str, Any], records: Sequence[StepRecord], least: bool = False) -> list[Drift]:
+    """The rows described in the module docstring, for every kind the records hold. ``least``: each action's
+    fastest recorded duration over the steps instead of every duration (on a shared machine contention only adds
+    time; the profile reads its layers the same way)."""
     predicted = plan.get("predicted_action_ms")
     if not predicted:
         raise ValueError("this plan carries no per-action prediction (written before predicted_action_ms existed); "
@@ -75,10 +76,11 @@ def drift_by_kind(plan: Mapping[str, Any], records: Sequence[StepRecord]) -> lis
     measured = _durations(records)
     for kind in FIELDS:
         meas, pred = [], []
-        for (stage, k), values in measured.items():
+        for (stage, k, _), values in measured.items():
             if k == kind and stage < len(predicted) and kind in predicted[stage]:
-                meas += values
-                pred += [predicted[stage][kind]] * len(values)
+                taken = [min(values)] if least else values
+                meas += taken
+                pred += [predicted[stage][kind]] * len(taken)
         if meas:
             rows.append(Drift(kind, len(meas), statistics.fmean(meas), statistics.fmean(pred)))
     busy = plan.get("predicted_busy_ms", [])
