@@ -11,7 +11,7 @@ the planner weighs pipeline 4 x replicas 1 against pipeline 2 x replicas 2 and b
 Profiling happens in the workers, all ranks at once (the machine is as busy as when training): the layer costs, the
 link's latency/bandwidth and the runtime's cost per action on the real gloo group, each rank's relative speed.
 
-    python bench/planner.py [--configs gpt:2,unbalanced:2,gpt:4,unbalanced:4] [--rounds 1] [--steps 4]
+    python bench/planner.py [--configs gpt:2,unbalanced:2,gpt:4,unbalanced:4] [--rounds 2] [--steps 4]
 """
 
 from __future__ import annotations
@@ -200,6 +200,7 @@ def worker(args: argparse.Namespace) -> None:
         rows.append({"pp": pp, "dp": dp, "schedule": s, "v": v, "m": m, "counts": list(c),
                      "pred": pred.step_time, "pred_sched": pred.schedule_time, "pred_raw": pred_raw.step_time,
                      "meas": min(x[0] for x in per_round), "meas_sched": min(x[1] for x in per_round),
+                     "spread": max(x[0] for x in per_round) / min(x[0] for x in per_round),
                      "pick": (pp, s, v, m, c) == pick_key})
     if rank == 0:
         Path(args.out).write_text(json.dumps({
@@ -210,7 +211,8 @@ def worker(args: argparse.Namespace) -> None:
             "pick_pred": result.best[1].step_time}))
 
 
-def _report(args: argparse.Namespace, model: str, ranks: int, res: dict) -> tuple[float, float, float, float]:
+def _report(args: argparse.Namespace, model: str, ranks: int,
+            res: dict) -> tuple[float, float, float, float, float]:
     rows = res["rows"]
     speeds = [round(s, 2) for s in res["speeds"]]
     vocab = 256 if model == "gpt" else 256 * args.heavy
@@ -246,9 +248,10 @@ def _report(args: argparse.Namespace, model: str, ranks: int, res: dict) -> tupl
     error = max(abs(r["pred"] - r["meas"]) / r["meas"] for r in rows)
     raw_error = max(abs(r["pred_raw"] - r["meas"]) / r["meas"] for r in rows)
     sched_error = max(abs(r["pred_sched"] - r["meas_sched"]) / r["meas_sched"] for r in rows)
+    spread = max(r["spread"] for r in rows)
     print(f"pick_vs_best={pick['meas'] / best:.3f} prediction_error_max={error:.3f} (profile only {raw_error:.3f}) "
-          f"schedule_prediction_error_max={sched_error:.3f}")
-    return pick["meas"] / best, error, sched_error, raw_error
+          f"schedule_prediction_error_max={sched_error:.3f} round_to_round_spread_max={spread:.2f}")
+    return pick["meas"] / best, error, sched_error, raw_error, spread
 
 
 def main() -> None:
@@ -263,7 +266,7 @@ def main() -> None:
     p.add_argument("--microbatches", default="4,8")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-overhead", action="store_true", help="the cost model without the per-action cost")
     p.add_argument("--no-calibrate", action="store_true", help="plan from the layer profile alone (no probe runs)")
@@ -281,6 +284,8 @@ def main() -> None:
         argv = [a for a in sys.argv[1:]] + ["--model", model]
         results.append(_report(args, model, int(ranks), run_ranks(__file__, int(ranks), argv)))
     print(f"\n(total bench time {time.perf_counter() - t0:.0f} s, load average after {os.getloadavg()[0]:.2f})")
+    # the same layout measured in two rounds differed by this factor: the floor of any error measured here
+    print(f"round_to_round_spread_max={max(r[4] for r in results):.2f}")
     print(f"schedule_prediction_error_max={max(r[2] for r in results):.3f}")
     print(f"prediction_error_max_profile_only={max(r[3] for r in results):.3f}")
     print(f"planner_pick_vs_best={max(r[0] for r in results):.3f}")
