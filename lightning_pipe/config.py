@@ -144,7 +144,8 @@ def _is_int(value: Any) -> bool:
 
 
 def check_partition(value: Any) -> PartitionSpec:
-    """``"uniform"`` / ``"parameters"`` / ``"time"`` / ``"memory"``, or a tuple of positive per-stage layer counts; anything else is refused."""
+    """``"uniform"`` / ``"parameters"`` / ``"time"`` / ``"memory"``, or a tuple of positive per-stage layer counts;
+    anything else is refused."""
     rule = (f"partition is one of {list(PARTITION_METHODS)} or a list of positive per-stage layer counts, "
             "e.g. [3, 4].")
     if isinstance(value, str):

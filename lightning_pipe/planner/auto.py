@@ -71,6 +71,8 @@ def _decide_on_ranks(module: nn.Module, batch: Any, sizes: Sequence[int], layers
                 payload[0] = ("plan", decide(base, speeds))
             except PipelineConfigError as err:
                 payload[0] = ("error", str(err))
+            except Exception as err:  # any failure here must reach the waiting ranks, not leave them hanging
+                payload[0] = ("error", f"the planner failed on rank 0: {type(err).__name__}: {err}")
     dist.broadcast_object_list(payload, src=0)
     kind, value = payload[0]
     if kind == "error":
