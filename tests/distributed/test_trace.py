@@ -70,10 +70,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[list[dict[str, 
         TraceCase(schedule="zb_h1", stages_per_rank=2, microbatches=4, steps=2),
         TraceCase(schedule="1f1b", partition=[1, 15], **HEAVY),
         TraceCase(schedule="1f1b", partition=[8, 8], **HEAVY),
-        # the rest of the searched schedules (their executed order against the planner's); one split by measured
-        # time, so the planner's prediction is logged next to the measurement
+        # the rest of the searched schedules (their executed order against the planner's); two split by the
+        # planner (measured memory, measured time: its prediction is logged next to the measurement)
         TraceCase(schedule="interleaved_1f1b", stages_per_rank=2, microbatches=4, steps=2),
-        TraceCase(schedule="looped_bfs", stages_per_rank=2, microbatches=4, steps=2),
+        TraceCase(schedule="looped_bfs", stages_per_rank=2, microbatches=4, steps=2, partition="memory"),
         TraceCase(schedule="zbv", stages_per_rank=2, microbatches=4, steps=3, partition="time"),
         TraceCase(schedule="dualpipev", stages_per_rank=2, microbatches=4, steps=2),
     ]
@@ -177,6 +177,7 @@ def test_planned_layout_logs_its_prediction_and_validates_per_kind(runs: Any) ->
     assert final0["pipeline/predicted_step_ms"] == pytest.approx(plan["predicted_schedule_ms"])
     assert final0["pipeline/predicted_bubble"] == pytest.approx(plan["predicted_bubble"])
     assert final0["pipeline/step_ms"] > 0 and 0 < final0["pipeline/bubble"] < 1
+    assert results[0][6]["planned"]["partition_by"] == "memory"  # looped_bfs, split by measured memory
     assert results[0][0]["planned"] is None  # a layout set by hand: nothing predicted, nothing logged
     assert "pipeline/predicted_step_ms" not in results[0][0]["seen"][-1]
     records = [StepRecord.from_dict(r) for rank in (0, 1) for r in results[rank][7]["records"]]
