@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 PartitionSpec = str | Sequence[int]
-PARTITION_METHODS = ("uniform", "parameters")
+PARTITION_METHODS = ("uniform", "parameters", "time", "memory")
+MEASURED_PARTITIONS = ("time", "memory")
+"""Partitions the strategy measures at setup (the planner's profile), then replaces by per-stage layer counts."""
 
 
 class PipelineConfigError(ValueError):
@@ -93,8 +95,9 @@ class PipelineConfig:
     data_parallel_size: int = 1
     """Replicas of the whole pipeline; pipeline size = world size / data_parallel_size."""
     partition: PartitionSpec = "uniform"
-    """How layers go to stages: ``"uniform"`` (equal counts), ``"parameters"`` (balanced parameter counts), or
-    explicit per-stage layer counts such as ``[3, 5]``."""
+    """How layers go to stages: ``"uniform"`` (equal counts), ``"parameters"`` (balanced parameter counts),
+    ``"time"`` / ``"memory"`` (measured at setup: the split of the chosen schedule with the fastest predicted step /
+    the smallest predicted peak memory, README "Let it plan"), or explicit per-stage layer counts such as ``[3, 5]``."""
     stages_per_rank: int | None = None
     """Stages each rank holds. ``None``: the schedule's default (1 for ``gpipe`` / ``1f1b``; 2 for
     ``interleaved_1f1b``, ``looped_bfs``, ``zb_h1``, ``zbv``, ``dualpipev``; ``custom``: read from the lists)."""
@@ -156,7 +159,8 @@ def _is_int(value: Any) -> bool:
 
 
 def check_partition(value: Any) -> PartitionSpec:
-    """``"uniform"`` / ``"parameters"``, or a tuple of positive per-stage layer counts; anything else is refused."""
+    """``"uniform"`` / ``"parameters"`` / ``"time"`` / ``"memory"``, or a tuple of positive per-stage layer counts;
+    anything else is refused."""
     rule = (f"partition is one of {list(PARTITION_METHODS)} or a list of positive per-stage layer counts, "
             "e.g. [3, 4].")
     if isinstance(value, str):

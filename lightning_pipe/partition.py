@@ -65,6 +65,11 @@ def partition_layers(n_layers: int, n_stages: int, partition: PartitionSpec,
             if param_counts is None or len(param_counts) != n_layers:
                 raise ValueError("partition='parameters' needs one parameter count per layer")
             counts = balanced_counts(param_counts, n_stages)
+        else:  # "time" / "memory" are measured on the running ranks (lightning_pipe.planner.balance)
+            raise config_error(f"partition={partition!r} is measured at setup by PipelineStrategy (it profiles the "
+                               "layers on the ranks), then becomes per-stage layer counts.",
+                               f"partition={partition!r} in a plain call to partition_layers", "partition",
+                               "pass the counts (lightning_pipe.planner.balance_split computes them)")
     else:
         counts = list(partition)
         if len(counts) != n_stages:

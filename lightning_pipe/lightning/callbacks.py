@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_pipe.trace import (
     StepRecord,
@@ -32,7 +32,11 @@ class PipelineTimeline(Callback):
     - ``pipeline/bubble_theory``: the schedule's ideal bubble for the same p, v, m (equal stage times, free
       communication),
     - ``pipeline/bubble_pp<r>``: per pipeline rank (averaged over data-parallel replicas),
-    - ``pipeline/step_ms``: the slowest rank's schedule step time.
+    - ``pipeline/step_ms``: the slowest rank's schedule step time,
+    - ``pipeline/predicted_step_ms`` and ``pipeline/predicted_bubble``: the planner's prediction of the same two
+      quantities (the schedule's step, its idle fraction) when the layout came from the planner
+      (``schedule="auto"``, ``partition="time"`` / ``"memory"`` or ``plan=``); a layout set by hand has no
+      prediction (said once at the start: profile it with ``python -m lightning_pipe.planner``).
 
     With ``export_dir``, rank 0 writes ``records.json`` (all ranks' recorded steps), ``trace.json`` (Chrome /
     Perfetto trace events) and ``timeline.png`` (the last ``plot_steps`` recorded steps) when training ends.
@@ -84,6 +88,17 @@ class PipelineTimeline(Callback):
         self._meta = {"schedule": plan.spec.name, "p": plan.pipeline_size, "v": plan.stages_per_rank,
                       "m": plan.microbatches, "theoretical_bubble": plan.theoretical_bubble(),
                       "data_parallel_size": engine.groups.topology.data_parallel_size}
+        planned = getattr(trainer.strategy, "planned", None)
+        if planned is not None:
+            # the plan's schedule step (older plans only carry the whole step, optimizer included)
+            self._meta["predicted_step_ms"] = float(planned.get("predicted_schedule_ms",
+                                                                planned["predicted_step_ms"]))
+            self._meta["predicted_bubble"] = float(planned["predicted_bubble"])
+            self._meta["plan"] = planned
+        elif self.log:
+            rank_zero_info("PipelineTimeline: no pipeline/predicted_step_ms for this run: the layout was set by "
+                           "hand, so there is no prediction. schedule='auto', partition='time'/'memory' or a plan "
+                           "file (python -m lightning_pipe.planner search) come with one.")
         self._batches = 0
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -119,6 +134,9 @@ class PipelineTimeline(Callback):
         for r, value in enumerate(per_pp):
             log(f"pipeline/bubble_pp{r}", value)
         log("pipeline/step_ms", step_ms)
+        if "predicted_step_ms" in self._meta:
+            log("pipeline/predicted_step_ms", self._meta["predicted_step_ms"])
+            log("pipeline/predicted_bubble", self._meta["predicted_bubble"])
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.recorder is None:

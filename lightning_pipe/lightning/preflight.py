@@ -15,7 +15,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_pipe._compat import lightning as _compat
 from lightning_pipe.config import PartitionSpec, PipelineConfig, Topology, config_error
-from lightning_pipe.planner.auto import plan_on_ranks
+from lightning_pipe.planner.auto import balance_on_ranks, plan_on_ranks
 from lightning_pipe.planner.plan import apply_plan, explain, load_plan
 from lightning_pipe.schedules import SchedulePlan, check_schedule_settings
 
@@ -72,6 +72,30 @@ def plan_automatically(trainer: Trainer, module: LightningModule, config: Pipeli
     config = dataclasses.replace(config, **apply_plan(auto_plan, world_size=world_size))
     rank_zero_info("PipelineStrategy(schedule='auto') chose, from measured costs:\n" + explain(auto_plan))
     return auto_plan, config
+
+
+def balance_partition(trainer: Trainer, module: LightningModule, config: PipelineConfig, plan: SchedulePlan,
+                      memory_budget: int | str | None, world_size: int,
+                      device: torch.device) -> tuple[dict[str, Any] | None, PipelineConfig]:
+    """``partition="time"`` / ``"memory"``: every rank profiles the layers on one training batch, rank 0 picks the
+    split of the configured schedule (v, m and replicas kept) with the fastest predicted step / the smallest
+    predicted peak, all adopt it; rank 0 logs it next to the uniform split. Collective. A module this process
+    already split (e.g. ``trainer.validate`` after ``fit``) keeps its split (and there is no prediction)."""
+    layout = getattr(module, "_pipeline_layout", None)
+    if layout is not None:
+        return None, dataclasses.replace(config, partition=[len(r) for r in layout.ranges])
+    if trainer.state.fn != TrainerFn.FITTING:
+        raise config_error(f"partition={config.partition!r} measures the layers on a training batch, so it needs "
+                           "trainer.fit first.", f"trainer.{getattr(trainer.state.fn, 'value', None)}() with "
+                           f"partition={config.partition!r}", "partition",
+                           "pass the per-stage layer counts (or a plan file) to evaluate")
+    batch = next(iter(_compat.train_dataloader(trainer)))
+    by = str(config.partition)
+    chosen = balance_on_ranks(module, batch, plan, by, config.data_parallel_size, memory_budget, config.layers_attr,
+                              device)
+    config = dataclasses.replace(config, partition=apply_plan(chosen, world_size=world_size)["partition"])
+    rank_zero_info(f"PipelineStrategy(partition={by!r}) chose, from measured costs:\n" + explain(chosen))
+    return chosen, config
 
 
 def check_module(module: LightningModule) -> None:

@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightning_pipe._compat import lightning as _compat
 from lightning_pipe.checkpoint import remove as remove_checkpoint_files
-from lightning_pipe.config import PartitionSpec, Topology
+from lightning_pipe.config import MEASURED_PARTITIONS, PartitionSpec, Topology
 from lightning_pipe.engine import PipelineEngine
 from lightning_pipe.layout import PipelineLayout, build_engine
 from lightning_pipe.lightning import world
@@ -33,7 +33,13 @@ from lightning_pipe.lightning.checkpointing import RankGroup, ShardedCheckpointe
 from lightning_pipe.lightning.faults import DEFAULT_TIMEOUT, PipelineFaults, resolve_timeout
 from lightning_pipe.lightning.launchers import PipelineMultiProcessingLauncher
 from lightning_pipe.lightning.precision import PipelinePrecision, to_pipeline_precision
-from lightning_pipe.lightning.preflight import check_module, log_layout, plan_automatically, resolve_settings
+from lightning_pipe.lightning.preflight import (
+    balance_partition,
+    check_module,
+    log_layout,
+    plan_automatically,
+    resolve_settings,
+)
 from lightning_pipe.lightning.rebalancing import StrategyRebalancer
 from lightning_pipe.lightning.rebalancing import start as start_rebalancing
 from lightning_pipe.lightning.stashing import attach_microbatch_updates
@@ -108,6 +114,12 @@ class PipelineStrategy(ParallelStrategy):
         self.engine: PipelineEngine | None = None
         self.plan: SchedulePlan | None = None
         self.topology: Topology | None = None
+
+    @property
+    def planned(self) -> dict[str, Any] | None:
+        """The plan the layout came from, with its prediction (``schedule="auto"``, ``partition="time"/"memory"``
+        or ``plan=``); ``None`` for a layout set by hand. ``PipelineTimeline`` logs its prediction."""
+        return self.auto_plan if self.auto_plan is not None else self._plan_source
 
     # ------------------------------------------------------------------ world
     @property
@@ -208,6 +220,11 @@ class PipelineStrategy(ParallelStrategy):
             self.auto_plan, self.pipeline_config = plan_automatically(
                 trainer, module, self.pipeline_config, self._memory_budget, self.world_size, self.root_device)
             self.plan = plan_schedule(self.pipeline_config, self._topology().pipeline_size)
+        elif self.pipeline_config.partition in MEASURED_PARTITIONS:  # "time" / "memory": measured, then counts
+            assert self.plan is not None
+            self.auto_plan, self.pipeline_config = balance_partition(
+                trainer, module, self.pipeline_config, self.plan, self._memory_budget, self.world_size,
+                self.root_device)
         self.precision_plugin.convert_module(module)
         self.engine = self._build_engine(module)  # moves this rank's layers to the device
         self.precision_plugin.setup(self.engine, self.root_device)

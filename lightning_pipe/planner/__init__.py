@@ -6,6 +6,9 @@
 Plain torch: no Lightning here.
 """
 
+from lightning_pipe.planner.balance import balance_split
+from lightning_pipe.planner.calibrate import measure_action_overhead
+from lightning_pipe.planner.drift import Drift, calibrate, drift_by_kind
 from lightning_pipe.planner.model import Candidate, CostModel, Prediction, predict
 from lightning_pipe.planner.plan import apply_plan, explain, layout_line, load_plan, save_plan, to_plan
 from lightning_pipe.planner.profile import LayerCost, ModelProfile, measure_link, profile_model, rank_speeds
@@ -14,14 +17,19 @@ from lightning_pipe.planner.search import SearchResult, parse_bytes, search
 __all__ = [
     "Candidate",
     "CostModel",
+    "Drift",
     "LayerCost",
     "ModelProfile",
     "Prediction",
     "SearchResult",
     "apply_plan",
+    "balance_split",
+    "calibrate",
+    "drift_by_kind",
     "explain",
     "layout_line",
     "load_plan",
+    "measure_action_overhead",
     "measure_link",
     "parse_bytes",
     "predict",

@@ -5,6 +5,8 @@
     python -m lightning_pipe.planner search profile.json --world 2 --batch-size 32 --memory-budget 2GiB -o plan.json
     python -m lightning_pipe.planner explain plan.json
     python -m lightning_pipe.planner validate plan.json --world 2 --measured-step-ms 310
+    python -m lightning_pipe.planner validate plan.json --records timeline/records.json \\
+        [--profile profile.json --calibrated-out calibrated.json]
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def _search(args: argparse.Namespace) -> None:
     result = search(profile, args.world, args.batch_size, args.memory_budget,
                     schedules=args.schedules.split(",") if args.schedules else None,
                     speeds=[float(x) for x in args.speeds.split(",")] if args.speeds else None,
-                    action_overhead=args.action_overhead_ms * 1e-3)
+                    action_overhead=None if args.action_overhead_ms is None else args.action_overhead_ms * 1e-3)
     plan = to_plan(result, args.batch_size, args.top_k, profile=args.profile)
     save_plan(plan, args.out)
     print(explain(plan))
@@ -81,10 +83,34 @@ def _validate(args: argparse.Namespace) -> None:
 
     kwargs = apply_plan(args.plan, args.world, args.layers)
     print("valid: PipelineStrategy(" + ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) + ")")
+    plan = load_plan(args.plan)
     if args.measured_step_ms is not None:
-        pred = load_plan(args.plan)["predicted_step_ms"]
+        pred = plan["predicted_step_ms"]
         drift = (args.measured_step_ms - pred) / pred
         print(f"step: predicted {pred:.1f} ms, measured {args.measured_step_ms:.1f} ms, drift {drift:+.1%}")
+    if args.records:
+        _drift(args, plan)
+
+
+def _drift(args: argparse.Namespace, plan: dict[str, Any]) -> None:
+    from lightning_pipe.planner.drift import calibrate, drift_by_kind, format_drift
+    from lightning_pipe.planner.profile import ModelProfile
+    from lightning_pipe.trace.records import load_records
+
+    records, meta = load_records(args.records)
+    layout = (meta.get("schedule"), meta.get("m"), meta.get("v"))
+    if layout != (plan["schedule"], plan["microbatches"], plan["stages_per_rank"]):
+        raise SystemExit(f"the records are of schedule={layout[0]} m={layout[1]} v={layout[2]}, the plan is "
+                         f"{plan['layout']}: record a run of this plan (PipelineStrategy(plan=...) + "
+                         "PipelineTimeline(export_dir=...))")
+    rows = drift_by_kind(plan, records)
+    print(f"drift of {len(records)} recorded rank-steps against the plan ({plan['layout']}):")
+    print(format_drift(rows))
+    if args.profile and args.calibrated_out:
+        profile = calibrate(ModelProfile.from_json(json.loads(Path(args.profile).read_text())), rows)
+        Path(args.calibrated_out).write_text(json.dumps(profile.to_json(), indent=1))
+        print(f"calibrated profile (F/B/I/W x {profile.meta['calibrated']}) -> {args.calibrated_out}; "
+              "search it again for a plan with in-run costs")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--memory-budget", default=None, help="per device, e.g. 20GiB")
     s.add_argument("--schedules", default=None, help="comma-separated (default: all)")
     s.add_argument("--speeds", default=None, help="slowness per rank, e.g. 1,1.5")
-    s.add_argument("--action-overhead-ms", type=float, default=0.0, help="runtime cost per stage call")
+    s.add_argument("--action-overhead-ms", type=float, default=None,
+                   help="runtime cost per stage call (default: the profile's measured one)")
     s.add_argument("--top-k", type=int, default=3)
     s.add_argument("-o", "--out", default="plan.json")
     s.set_defaults(fn=_search)
@@ -123,6 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--world", type=int, default=None)
     v.add_argument("--layers", type=int, default=None)
     v.add_argument("--measured-step-ms", type=float, default=None)
+    v.add_argument("--records", default=None, help="PipelineTimeline's records.json of a run of this plan: the "
+                   "drift per action kind")
+    v.add_argument("--profile", default=None, help="with --records: the profile the plan was searched from")
+    v.add_argument("--calibrated-out", default=None, help="with --records and --profile: write the profile "
+                   "scaled to the recorded costs")
     v.set_defaults(fn=_validate)
     args = parser.parse_args(argv)
     try:

@@ -1,18 +1,20 @@
 """The cost model: a candidate layout (pipeline x replicas, schedule, v, m, layer counts) + a profile -> a prediction.
 
 Compute: per stage, the sum of its layers' measured F / B / I / W at the micro-batch size, times the slowness of
-the rank holding it; stage 0 runs no I (the runtime's W there is the whole backward). Communication: latency +
+the rank holding it, plus the runtime's measured cost per action (``ModelProfile.action_overhead``); stage 0 runs
+no I (the runtime's W there is the whole backward). Communication: latency +
 output bytes / bandwidth for every stage boundary that crosses ranks. Both are replayed over the schedule's own
 action order (:func:`lightning_pipe.schedules.simulate.replay`). Replicas add a ring all-reduce of each rank's
-gradients after the step, then every rank runs its optimizer step. Memory per rank: parameters + gradients +
+gradients after the step, then every rank runs its optimizer step (and ``step_overhead``, when calibrated, adds
+the trainer's own per-step cost). Memory per rank: parameters + gradients +
 optimizer state of its layers, plus the activations its schedule holds at once
 (:func:`~lightning_pipe.schedules.simulate.peak_activations`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from lightning_pipe.planner.profile import LayerCost, ModelProfile
 from lightning_pipe.schedules.simulate import CompiledOrder, peak_activations, replay
@@ -42,17 +44,24 @@ class Prediction:
     peak_memory: tuple[int, ...]
     """Bytes per pipeline rank: parameters + gradients + optimizer state + peak activations."""
     busy: tuple[float, ...]
+    schedule_time: float = 0.0
+    """Seconds of the schedule's ``step()`` alone (what ``PipelineTimeline`` measures as ``pipeline/step_ms``)."""
+    costs: Mapping[tuple[int, str], float] = field(default_factory=dict)
+    """Predicted seconds of one action per (stage, kind), kind in F / B / I / W (per-action overhead included)."""
+    comm: tuple[float, ...] = ()
+    """Predicted seconds for stage s's output to reach stage s + 1 (0 when both sit on one rank)."""
 
 
 class CostModel:
     """Stage costs for one (profile, micro-batch size, per-pipeline-rank slowness); cheap to query per split."""
 
     def __init__(self, profile: ModelProfile, micro_batch: float, slowness: Sequence[float],
-                 action_overhead: float = 0.0) -> None:
+                 action_overhead: float | None = None) -> None:
         self.layers: list[LayerCost] = profile.at(micro_batch)
         self.profile = profile
         self.slowness = list(slowness)
-        self.overhead = action_overhead
+        # per action, on top of the layers: measured with the profile unless given
+        self.overhead = profile.action_overhead if action_overhead is None else action_overhead
         self.prefix = {k: _prefix([_kind(c, k) for c in self.layers]) for k in KINDS}
         self.prefix["saved"] = _prefix([c.saved_bytes for c in self.layers])
         self.prefix["params"] = _prefix([c.param_bytes for c in self.layers])
@@ -146,5 +155,9 @@ def predict(model: CostModel, compiled: CompiledOrder, counts: Sequence[int], dp
     static = model.static_memory(bounds, compiled.stage_rank, ranks)
     acts = peak_activations(compiled, model.held(bounds))
     step = (run.makespan + model.allreduce(bounds, compiled.stage_rank, ranks, dp)
-            + model.optimizer(bounds, compiled.stage_rank, ranks))
-    return Prediction(step, run.bubble, tuple(int(a + b) for a, b in zip(static, acts)), run.busy)
+            + model.optimizer(bounds, compiled.stage_rank, ranks) + model.profile.step_overhead)
+    comm = model.comm(bounds)
+    crossing = tuple(c if s + 1 < len(bounds) and compiled.stage_rank[s] != compiled.stage_rank[s + 1] else 0.0
+                     for s, c in enumerate(comm))
+    return Prediction(step, run.bubble, tuple(int(a + b) for a, b in zip(static, acts)), run.busy, run.makespan,
+                      cost, crossing)

@@ -44,6 +44,7 @@ def _entry(cand: Candidate, pred: Prediction) -> dict[str, Any]:
             "pipeline_size": cand.pipeline_size, "data_parallel_size": cand.data_parallel_size,
             "partition": list(cand.counts), "layout": layout_line(cand),
             "predicted_step_ms": round(pred.step_time * 1e3, 3), "predicted_bubble": round(pred.bubble, 4),
+            "predicted_schedule_ms": round(pred.schedule_time * 1e3, 3),
             "predicted_peak_memory_bytes": list(pred.peak_memory)}
 
 
@@ -57,6 +58,10 @@ def to_plan(result: SearchResult, batch_size: int, top_k: int = 3, **extra: Any)
             "stage_ranks": stage_ranks(cand),
             "layers": [[lo, hi - 1] for lo, hi in bounds],
             "predicted_busy_ms": [round(b * 1e3, 3) for b in pred.busy],
+            # per stage, one action of each kind (what `validate --records` compares with a recorded timeline)
+            "predicted_action_ms": [{k: round(pred.costs[(s, k)] * 1e3, 4) for k in "FBIW" if (s, k) in pred.costs}
+                                    for s in range(len(bounds))],
+            "predicted_comm_ms": [round(c * 1e3, 4) for c in pred.comm],
             "runners_up": [_entry(c, p) for c, p in result.ranked[1:top_k]],
             "memory_budget_bytes": result.memory_budget,
             "refused_over_budget": [{"layout": f"{r.candidate.schedule} m={r.candidate.microbatches} "
@@ -115,8 +120,9 @@ def apply_plan(plan: str | os.PathLike[str] | Mapping[str, Any], world_size: int
 def explain(plan: Mapping[str, Any]) -> str:
     """A human-readable summary: the layout, the prediction per rank, the runners-up."""
     lines = [f"plan: {plan['layout']}",
-             f"  predicted step {plan['predicted_step_ms']:.1f} ms, bubble {plan['predicted_bubble']:.1%}, "
-             f"per-replica batch {plan.get('batch_size', '?')}"]
+             f"  predicted step {plan['predicted_step_ms']:.1f} ms (schedule "
+             f"{plan.get('predicted_schedule_ms', plan['predicted_step_ms']):.1f} ms), bubble "
+             f"{plan['predicted_bubble']:.1%}, per-replica batch {plan.get('batch_size', '?')}"]
     for r, (mem, busy) in enumerate(zip(plan["predicted_peak_memory_bytes"], plan.get("predicted_busy_ms", []))):
         lines.append(f"  rank {r}: busy {busy:.1f} ms, peak memory {_mib(mem)}")
     if plan.get("runners_up"):

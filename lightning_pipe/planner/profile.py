@@ -53,6 +53,12 @@ class ModelProfile:
     optimizer_state_factor: float = 2.0
     """Optimizer state bytes per parameter byte (AdamW: 2)."""
     meta: dict[str, Any] = field(default_factory=dict)
+    action_overhead: float = 0.0
+    """Seconds every schedule action costs on top of its layers' compute: the runtime's Python work and P2P
+    post/wait per stage call, measured on the running ranks (:func:`~lightning_pipe.planner.calibrate.measure_action_overhead`)."""
+    step_overhead: float = 0.0
+    """Seconds each training step costs outside the schedule and the optimizer (the trainer's loop, the loss
+    broadcast, gradient hand-offs): 0 unless calibrated from a measured run."""
 
     @property
     def num_layers(self) -> int:
@@ -76,13 +82,14 @@ class ModelProfile:
     def to_json(self) -> dict[str, Any]:
         return {"layers": {str(k): [asdict(c) for c in v] for k, v in self.layers.items()},
                 "link_latency": self.link_latency, "link_bandwidth": self.link_bandwidth,
-                "optimizer_state_factor": self.optimizer_state_factor, "meta": self.meta}
+                "optimizer_state_factor": self.optimizer_state_factor, "meta": self.meta,
+                "action_overhead": self.action_overhead, "step_overhead": self.step_overhead}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ModelProfile:
         layers = {int(k): [LayerCost(**c) for c in v] for k, v in data["layers"].items()}
         return cls(layers, data["link_latency"], data["link_bandwidth"], data.get("optimizer_state_factor", 2.0),
-                   data.get("meta", {}))
+                   data.get("meta", {}), data.get("action_overhead", 0.0), data.get("step_overhead", 0.0))
 
 
 def _mix(a: LayerCost, b: LayerCost, wa: float, wb: float, floor: bool = False) -> LayerCost:
@@ -288,8 +295,10 @@ def measure_link(src: int = 0, dst: int = 1, sizes: Sequence[int] = (1 << 10, 1 
     mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
     var = sum((x - mx) ** 2 for x, _ in points)
     slope = sum((x - mx) * (y - my) for x, y in points) / var if var else 0.0
+    if slope <= 0:  # contention made the small transfers slower than the large one: read the largest alone
+        slope = max(points[-1][1] - min(y for _, y in points), 1e-9) / points[-1][0]
     latency = max(my - slope * mx, 1e-6)
-    result = [latency, 1.0 / slope if slope > 0 else 1e12]
+    result = [latency, 1.0 / slope]
     holder = [result]
     dist.broadcast_object_list(holder, src=dist.get_global_rank(group, src) if group is not None else src,
                                group=group)

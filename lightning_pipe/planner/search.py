@@ -216,7 +216,7 @@ def slowness_per_pipeline_rank(speeds: Sequence[float] | None, pp: int, dp: int)
 def search(profile: ModelProfile, world_size: int, batch_size: int, memory_budget: int | str | None = None,
            schedules: Sequence[str] | None = None, stages_per_rank: Sequence[int] = (1, 2),
            microbatches: Sequence[int] | None = None, pipeline_sizes: Sequence[int] | None = None,
-           speeds: Sequence[float] | None = None, action_overhead: float = 0.0,
+           speeds: Sequence[float] | None = None, action_overhead: float | None = None,
            exhaustive_limit: int = 2000) -> SearchResult:
     """Every layout for ``world_size`` ranks and a global batch of ``batch_size`` samples, fastest first.
 

@@ -11,8 +11,11 @@ from typing import Any
 import pytest
 
 from lightning_pipe.config import PipelineConfig
+from lightning_pipe.planner import drift_by_kind
+from lightning_pipe.planner.search import SEARCHABLE
 from lightning_pipe.schedules import compute_order, plan_schedule
 from lightning_pipe.schedules.simulate import flatten
+from lightning_pipe.trace.records import StepRecord
 from tests.distributed.launcher import launch
 from tests.distributed.scenarios import TraceCase
 
@@ -67,6 +70,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[list[dict[str, 
         TraceCase(schedule="zb_h1", stages_per_rank=2, microbatches=4, steps=2),
         TraceCase(schedule="1f1b", partition=[1, 15], **HEAVY),
         TraceCase(schedule="1f1b", partition=[8, 8], **HEAVY),
+        # the rest of the searched schedules (their executed order against the planner's); two split by the
+        # planner (measured memory, measured time: its prediction is logged next to the measurement)
+        TraceCase(schedule="interleaved_1f1b", stages_per_rank=2, microbatches=4, steps=2),
+        TraceCase(schedule="looped_bfs", stages_per_rank=2, microbatches=4, steps=2, partition="memory"),
+        TraceCase(schedule="zbv", stages_per_rank=2, microbatches=4, steps=3, partition="time"),
+        TraceCase(schedule="dualpipev", stages_per_rank=2, microbatches=4, steps=2),
         TraceCase(schedule="pipedream", microbatches=4, steps=2),  # issue 11: updates inside the step, same order
     ]
     return launch("trace", 2, cases, tmp / "run", timeout=300), tmp
@@ -86,16 +95,23 @@ def test_1f1b_trace_holds_exactly_what_each_rank_ran(runs: Any) -> None:
             assert rec["start_ns"] <= starts[0] and rec["slices"][-1]["end_ns"] <= rec["end_ns"]
 
 
+SEARCHED = ((0, "1f1b", None), (1, "gpipe", None), (2, "zb_h1", 2), (5, "interleaved_1f1b", 2),
+            (6, "looped_bfs", 2), (7, "zbv", 2), (8, "dualpipev", 2))
+
+
 @pytest.mark.timeout(360)
-def test_trace_order_matches_the_schedule_plan_for_gpipe_and_zero_bubble(runs: Any) -> None:
+def test_trace_order_matches_the_planners_order_for_every_searched_schedule(runs: Any) -> None:
+    """What torch executed (the recorded timeline) is the order the planner's simulator replays (compute_order:
+    torch's own schedule code; GPipe / 1F1B as their loops run), for every schedule the search considers."""
     results, _ = runs
-    for idx, (name, v) in ((1, ("gpipe", None)), (2, ("zb_h1", 2)), (5, ("pipedream", None))):
+    assert {name for _, name, _ in SEARCHED} == set(SEARCHABLE)
+    for idx, name, v in (*SEARCHED, (9, "pipedream", None)):
         plan = plan_schedule(PipelineConfig(schedule=name, microbatches=4, stages_per_rank=v), 2)
         order = compute_order(plan)
         for rank in (0, 1):
-            (rec,) = results[rank][idx]["records"]
-            want = [str(part) for a in order[rank] if a is not None for part in flatten(a)]
-            assert compute_only(rec) == want, f"{name} rank {rank}"
+            for rec in results[rank][idx]["records"]:
+                want = [str(part) for a in order[rank] if a is not None for part in flatten(a)]
+                assert compute_only(rec) == want, f"{name} rank {rank}"
     kinds = {s["kind"] for rank in (0, 1) for s in results[rank][2]["records"][0]["slices"]}
     assert {"I", "W"} <= kinds  # zero-bubble splits the backward: both halves recorded
 
@@ -148,3 +164,27 @@ def test_export_writes_records_chrome_trace_and_png(runs: Any) -> None:
     assert sorted((r["rank"], r["step"]) for r in records["records"]) == [(0, 1), (0, 2), (1, 1), (1, 2)]
     # one slice per recorded action plus one per (rank, step)
     assert len(slices) == sum(len(r["slices"]) for r in records["records"]) + 4
+
+
+@pytest.mark.timeout(360)
+def test_planned_layout_logs_its_prediction_and_validates_per_kind(runs: Any) -> None:
+    """partition="time": the plan's predicted schedule step and bubble are logged next to the measured ones (the
+    same on every rank); the recorded timeline compares with the plan per action kind."""
+    results, _ = runs
+    plan = results[0][7]["planned"]
+    assert plan is not None and plan == results[1][7]["planned"] and plan["partition_by"] == "time"
+    final0, final1 = results[0][7]["seen"][-1], results[1][7]["seen"][-1]
+    assert final0 == final1
+    assert final0["pipeline/predicted_step_ms"] == pytest.approx(plan["predicted_schedule_ms"])
+    assert final0["pipeline/predicted_bubble"] == pytest.approx(plan["predicted_bubble"])
+    assert final0["pipeline/step_ms"] > 0 and 0 < final0["pipeline/bubble"] < 1
+    assert results[0][6]["planned"]["partition_by"] == "memory"  # looped_bfs, split by measured memory
+    assert results[0][0]["planned"] is None  # a layout set by hand: nothing predicted, nothing logged
+    assert "pipeline/predicted_step_ms" not in results[0][0]["seen"][-1]
+    records = [StepRecord.from_dict(r) for rank in (0, 1) for r in results[rank][7]["records"]]
+    rows = {r.what: r for r in drift_by_kind(plan, records)}
+    assert {"F", "I", "W", "idle", "step", "bubble"} <= set(rows), rows  # zero-bubble: split backward
+    per_step = 2 * 2 * 4  # two stages per rank, two ranks, four micro-batches
+    assert rows["F"].count == rows["W"].count == 2 * per_step  # two recorded steps
+    assert all(r.measured > 0 and r.predicted > 0 for r in rows.values() if r.what not in ("bubble", "post", "wait"))
+    assert rows["post"].measured > 0 and rows["post"].predicted == 0  # P2P time: measured, no prediction of its own

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import re
 import shlex
 from pathlib import Path
@@ -227,7 +228,12 @@ def _readme_examples() -> list[list[str]]:
 def test_readme_override_examples_compose(tmp_path: Path, data_files: dict) -> None:
     examples = _readme_examples()
     assert len(examples) >= 15 and ["strategy.partition=[3,4]"] in examples, examples
+    plan = tmp_path / "plan.json"  # an example replaying a plan file composes with a real one in its place
+    plan.write_text(json.dumps({"format": "lightning_pipe.plan/1", "schedule": "1f1b", "microbatches": 4,
+                                "stages_per_rank": 1, "pipeline_size": 2, "data_parallel_size": 1,
+                                "partition": [3, 4]}))
     for overrides in examples:
+        overrides = [f"strategy.plan={plan}" if o.startswith("strategy.plan=") else o for o in overrides]
         cfg = compose_train(overrides, tmp_path)
         fill_required(cfg, data_files)
         OmegaConf.resolve(cfg)

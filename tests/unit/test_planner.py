@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.config import PipelineConfig, PipelineConfigError
+from lightning_pipe.partition import uniform_counts
 from lightning_pipe.planner import LayerCost, ModelProfile, apply_plan, explain, profile_model, search, to_plan
 from lightning_pipe.planner.__main__ import main as cli
 from lightning_pipe.planner.model import CostModel, predict
@@ -185,3 +186,88 @@ def test_replay_refuses_a_deadlocked_order() -> None:
     order = {0: [parse_action(a) for a in ("0B0", "0F0")], 1: [parse_action(a) for a in ("1F0", "1B0")]}
     with pytest.raises(ScheduleDeadlock, match="rank 0, step 0: .0B0. waits for .0F0."):
         replay(compile_order(order, 2), unit_costs(2))
+
+
+# ------------------------------------------------------------------ partition="time"/"memory", validate, calibration
+@pytest.mark.parametrize("name,v", [("1f1b", 1), ("zbv", 2)])
+def test_balance_split_is_the_best_split_of_the_fixed_schedule(name: str, v: int) -> None:
+    from lightning_pipe.planner import balance_split
+
+    profile = synthetic(7, seed=2)
+    pl = plan(name, 2, v, 4)
+    compiled = compile_order(compute_order(pl), pl.num_stages)
+    model = CostModel(profile, 2, [1.0, 1.0])
+    preds = {c: predict(model, compiled, c, 1) for c in compositions(7, pl.num_stages)}
+    fast = balance_split(profile, pl, 8, "time")
+    cand, pred = fast.best
+    assert (cand.schedule, cand.microbatches, cand.stages_per_rank) == (name, 4, v)  # nothing else changes
+    assert pred.step_time == pytest.approx(min(p.step_time for p in preds.values()))
+    small = balance_split(profile, pl, 8, "memory").best[1]
+    assert max(small.peak_memory) == min(max(p.peak_memory) for p in preds.values())
+    # the uniform split rides along for comparison (unless it is the best)
+    assert fast.ranked[-1][0].counts == tuple(uniform_counts(7, pl.num_stages))
+    plan_json = to_plan(fast, 8, 2)
+    assert plan_json["partition"] == list(cand.counts)
+    assert [r["partition"] for r in plan_json["runners_up"]] == [list(c.counts) for c, _ in fast.ranked[1:]]
+    assert plan_json["predicted_schedule_ms"] <= plan_json["predicted_step_ms"]
+    assert len(plan_json["predicted_action_ms"]) == pl.num_stages
+
+
+def test_measured_partitions_are_settings_resolved_by_the_strategy() -> None:
+    from lightning_pipe.partition import partition_layers
+
+    assert PipelineConfig(partition="Time").partition == "time"
+    with pytest.raises(PipelineConfigError, match="measured at setup.*strategy.partition"):
+        partition_layers(8, 2, "memory")
+
+
+def test_action_cost_is_solved_from_a_step() -> None:
+    from lightning_pipe.planner.calibrate import solve_action_cost
+
+    pl = plan("gpipe", 2, 1, 8)
+    x, latency = 3e-4, 5e-5
+    step = replay(compile_order(compute_order(pl), 2), {(s, k): x for s in range(2) for k in "FBIW"},
+                  [latency, latency]).makespan
+    assert solve_action_cost(step, 2, 8, latency) == pytest.approx(x, rel=1e-6)
+    assert solve_action_cost(1e-9, 2, 8, latency) == 0.0  # faster than the links alone: no cost per action
+
+
+def _records_like(plan_json: dict, scale: float) -> list:
+    """A timeline of one step in which every action took ``scale`` times its predicted duration."""
+    from lightning_pipe.trace.records import Slice, StepRecord
+
+    pl = plan(plan_json["schedule"], 2, plan_json["stages_per_rank"], plan_json["microbatches"])
+    records = []
+    for rank, actions in compute_order(pl).items():
+        t, slices = 0, []
+        for a in (a for a in actions if a is not None):
+            s, k = a.stage_index, a.computation_type.value
+            d = int(plan_json["predicted_action_ms"][s][k] * scale * 1e6)
+            slices.append(Slice(k, s, a.microbatch_index, t, t + d))
+            t += d + 1000
+        records.append(StepRecord(rank, rank, 0, pl.stages_of_rank(rank), 1, 0, t, slices))
+    return records
+
+
+def test_drift_per_kind_and_calibration(tmp_path) -> None:
+    from lightning_pipe.planner import balance_split, calibrate, drift_by_kind
+    from lightning_pipe.trace.records import save_records
+
+    profile = synthetic(6)
+    plan_json = to_plan(balance_split(profile, plan("zbv", 2, 2, 4), 8, "time"), 8, 2)
+    rows = {r.what: r for r in drift_by_kind(plan_json, _records_like(plan_json, 1.5))}
+    for kind in "FIW":
+        assert rows[kind].drift == pytest.approx(0.5, abs=1e-3) and rows[kind].count == 8 * 2
+    assert {"idle", "step", "bubble"} <= set(rows)
+    hotter = calibrate(profile, list(rows.values()))
+    assert hotter.layers[2][3].forward == pytest.approx(1.5 * profile.layers[2][3].forward, rel=1e-3)
+    assert hotter.meta["calibrated"]["I"] == pytest.approx(1.5, rel=1e-3)
+    # the same from the shell, on files
+    plan_path, rec_path, prof_path = tmp_path / "plan.json", tmp_path / "records.json", tmp_path / "profile.json"
+    plan_path.write_text(json.dumps(plan_json))
+    prof_path.write_text(json.dumps(profile.to_json()))
+    save_records(_records_like(plan_json, 1.5), rec_path, {"schedule": "zbv", "m": 4, "v": 2})
+    out = tmp_path / "calibrated.json"
+    assert cli(["validate", str(plan_path), "--records", str(rec_path), "--profile", str(prof_path),
+                "--calibrated-out", str(out)]) == 0
+    assert ModelProfile.from_json(json.loads(out.read_text())).meta["calibrated"]["F"] == pytest.approx(1.5, rel=1e-3)

@@ -40,6 +40,7 @@ class TraceResult(TypedDict):
     per_pp: Any  # PipelineTimeline.last_bubbles_per_pp_rank
     seen: list[dict[str, float]]  # the pipeline/* metrics the logger connector held, per batch
     theory: float | None  # the plan's theoretical bubble
+    planned: dict[str, Any] | None  # the planner's plan when the layout came from it (partition="time"), else None
 
 
 class MetricsSeen(Callback):
@@ -78,4 +79,4 @@ def run_trace(case: TraceCase) -> TraceResult:
     engine = trainer.strategy.engine
     return TraceResult(records=[r.to_dict() for r in timeline.records], last_bubble=timeline.last_bubble,
                        per_pp=timeline.last_bubbles_per_pp_rank, seen=seen.seen,
-                       theory=engine.plan.theoretical_bubble() if engine else None)
+                       theory=engine.plan.theoretical_bubble() if engine else None, planned=strategy.planned)
