@@ -55,6 +55,7 @@ from lightning_pipe.batches import (
     trim_rows,
 )
 from lightning_pipe.config import config_error
+from lightning_pipe.fsdp import reshard
 from lightning_pipe.grads import GradientSync, ProcessGroups
 from lightning_pipe.schedules import SchedulePlan, build_torch_schedule
 from lightning_pipe.stages import StageModule
@@ -205,7 +206,7 @@ class PipelineEngine:
             p.grad = g
         loss, global_count = self._step_loss()
         if global_count is not None:  # [Note: token-weighted loss]
-            factor = target_elements(target) * self.groups.topology.data_parallel_size / global_count.clamp_min(1)
+            factor = target_elements(target) * self.groups.topology.dp_degree / global_count.clamp_min(1)
             for grad in self._pending_grads:
                 if grad is not None:
                     grad.mul_(factor.to(grad.dtype))
@@ -274,6 +275,7 @@ class PipelineEngine:
             step_args = pad_rows(args, padded) if self.has_first else ()
             dummy_target = torch.zeros(padded, device=self.device) if self.has_last else None
             out = self.schedule.eval(*step_args, target=dummy_target)
+        reshard(self.stage_modules)  # FSDP: gathered weights would go stale at the next step ([Note: FSDP under ...])
         return trim_rows(out, rows) if self.has_last else None
 
     def _eval_loss(self, module: PipelineModel, batch: Any) -> Tensor:

@@ -35,7 +35,8 @@ class ResolvedSettings:
 def resolve_settings(schedule: str, microbatches: int | None, data_parallel_size: int, partition: PartitionSpec,
                      stages_per_rank: int | None, layers_attr: str, recompute: str | int,
                      schedule_options: dict[str, Any] | None, plan: str | os.PathLike | dict[str, Any] | None,
-                     memory_budget: int | str | None) -> ResolvedSettings:
+                     memory_budget: int | str | None, fsdp_size: int = 1,
+                     fsdp_reshard_after_forward: bool = False) -> ResolvedSettings:
     """Fold a saved plan and ``schedule="auto"`` into one :class:`PipelineConfig`; checked before any rank starts."""
     plan_data = None if plan is None else load_plan(plan)
     if plan_data is not None:
@@ -52,7 +53,12 @@ def resolve_settings(schedule: str, microbatches: int | None, data_parallel_size
         schedule, microbatches, stages_per_rank, partition, options = "1f1b", None, None, "uniform", {}
     config = PipelineConfig(schedule=schedule, microbatches=microbatches, data_parallel_size=data_parallel_size,
                             partition=partition, stages_per_rank=stages_per_rank, layers_attr=layers_attr,
-                            recompute=recompute, schedule_options=options)
+                            recompute=recompute, schedule_options=options, fsdp_size=fsdp_size,
+                            fsdp_reshard_after_forward=fsdp_reshard_after_forward)
+    if config.fsdp_size > 1 and (auto or plan_data is not None):
+        raise config_error("The planner does not model FSDP yet: schedule='auto' and plan files take fsdp_size=1.",
+                           f"fsdp_size={config.fsdp_size} with {'a plan file' if plan_data is not None else 'auto'}",
+                           "fsdp_size", also=("schedule", "plan"))
     # Unknown schedule names and options the schedule does not take fail here, not on the ranks after launch.
     check_schedule_settings(config)
     return ResolvedSettings(config, auto, budget, plan_data)
