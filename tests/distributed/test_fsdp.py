@@ -1,0 +1,91 @@
+"""FSDP2 per stage (``fsdp_size``): parity with one device, HSDP, a V schedule, checkpoints across layouts.
+
+One 4-rank launch (pipeline 2 x FSDP 2) runs the training cases, then writes sharded-stage checkpoints and resumes
+them under pipeline 2 x replicas 2 in the same processes; the test process resumes them on one device. An 8-rank
+launch runs pipeline 2 x replicas 2 x FSDP 2 (HSDP).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_pipe import checkpoint as ckpt_lib
+from tests.distributed.launcher import launch, launch_runs
+from tests.distributed.parity import assert_case_parity, assert_same, merge_replica
+from tests.distributed.scenarios import CheckpointCase, TrainingCase
+from tests.distributed.scenarios.checkpoint import optimizer_by_name, run_reference
+from tests.models import ToyRegressor
+
+pytestmark = [pytest.mark.parity, pytest.mark.distributed]
+
+EXACT, RESHARD = 1e-6, 1e-5  # as tests/distributed/test_checkpoint.py
+STEP4 = "epoch=0-step=4.ckpt"
+
+# Every case accumulates gradients and clips by the global norm (each shard counted once).
+TRAINING = [
+    TrainingCase(schedule="1f1b", fsdp=2, acc=2, clip=0.05, optimizer="adamw"),
+    # zero-bubble V: two stages per rank, split input/weight backward, FSDP unshard/reshard actions
+    TrainingCase(schedule="zbv", fsdp=2, acc=2, clip=0.05, optimizer="adamw"),
+    # weights tied across the two pipeline ranks (each shards its copy), gathered again after every forward, and a
+    # second Trainer on the already sharded module (predict, validate)
+    TrainingCase(schedule="gpipe", fsdp=2, fsdp_reshard=True, tied=True, acc=2, clip=0.05, predict=True,
+                 check_grad_norms=False),
+]
+
+
+@pytest.fixture(scope="module")
+def pp2_fsdp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("fsdp")
+    saved = root / "pp2_fsdp2"
+    runs: list[tuple[str, Any]] = [("training", case) for case in TRAINING]
+    runs.append(("ckpt_train", CheckpointCase(fsdp=2, dir=str(saved), resume_from=str(saved / STEP4))))
+    runs.append(("ckpt_resume", CheckpointCase(dp=2, resume_from=str(saved / STEP4))))
+    return {"root": root, "saved": saved, "results": launch_runs(4, runs, root / "out", timeout=500)}
+
+
+@pytest.mark.timeout(600)
+def test_pipeline2_x_fsdp2_matches_single_device(pp2_fsdp2: dict[str, Any]) -> None:
+    for i, case in enumerate(TRAINING):
+        assert_case_parity(pp2_fsdp2["results"], i, case)
+
+
+@pytest.mark.timeout(600)
+def test_checkpoint_pp2_fsdp2_resumes_same_layout_replicas_and_one_device(pp2_fsdp2: dict[str, Any],
+                                                                          tmp_path: Path) -> None:
+    res, saved, n = pp2_fsdp2["results"], pp2_fsdp2["saved"], len(TRAINING)
+    train, resume = n, n + 1
+    # the same layout: stopped at step 4 and resumed == uninterrupted (every rank's gathered parameters)
+    for rank in res:
+        full, resumed = rank[train]["full"], rank[train]["resumed"]
+        assert resumed["global_step"] == 8
+        assert_same(resumed["params"], full["params"], EXACT, "pp2 x fsdp2 resumed")
+        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][4:]), atol=EXACT,
+                                   rtol=0)
+    # the checkpoint holds whole tensors (the layout-free format): what pp2 x dp2 starts from is the plain module's
+    model = ToyRegressor(optimizer="adamw")
+    consolidated = ckpt_lib.consolidated(saved / STEP4)
+    model.load_state_dict(consolidated["state_dict"])
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    opt.load_state_dict(consolidated["optimizer_states"][0])
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    for dp_rank in range(2):
+        assert_same(merge_replica(res, resume, dp_rank, key="start_params"), params, 0, "pp2 x dp2 loaded params")
+        assert_same(merge_replica(res, resume, dp_rank, key="start_optim"), optimizer_by_name(model, opt), 0,
+                    "pp2 x dp2 loaded optimizer state")
+    # ... and trains on exactly as the uninterrupted pp2 x fsdp2 run
+    uninterrupted = merge_replica(res, train, run="full")
+    assert_same(merge_replica(res, resume), uninterrupted, RESHARD, "pp2 x fsdp2 -> pp2 x dp2")
+    # one device, from the consolidated file
+    ref, _, _ = run_reference(CheckpointCase(fsdp=2), ckpt_lib.consolidate(saved / STEP4, tmp_path / "one.ckpt"))
+    assert_same(ref["params"], uninterrupted, RESHARD, "pp2 x fsdp2 -> one device")
+
+
+@pytest.mark.timeout(600)
+def test_pipeline2_x_replicas2_x_fsdp2_matches_single_device(tmp_path: Path) -> None:
+    """HSDP: reduce-scatter over the shard dimension, all-reduce over replicas, on 8 ranks."""
+    case = TrainingCase(schedule="1f1b", dp=2, fsdp=2, acc=2, clip=0.05, optimizer="adamw", validate=False)
+    assert_case_parity(launch("training", 8, [case], tmp_path, timeout=400), 0, case)
