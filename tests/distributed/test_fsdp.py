@@ -18,6 +18,7 @@ from tests.distributed.launcher import launch, launch_runs
 from tests.distributed.parity import assert_case_parity, assert_same, merge_replica
 from tests.distributed.scenarios import CheckpointCase, TrainingCase
 from tests.distributed.scenarios.checkpoint import optimizer_by_name, run_reference
+from tests.distributed.scenarios.fsdp import FsdpCountCase
 from tests.models import ToyRegressor
 
 pytestmark = [pytest.mark.parity, pytest.mark.distributed]
@@ -37,6 +38,11 @@ TRAINING = [
 ]
 
 
+# two batches each (1 step x 2 accumulated, or 2 steps), 4 micro-batches
+COUNTS = [FsdpCountCase(schedule="1f1b", steps=1, acc=2), FsdpCountCase(schedule="zbv"),
+          FsdpCountCase(schedule="1f1b", reshard_after_forward=True)]
+
+
 @pytest.fixture(scope="module")
 def pp2_fsdp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("fsdp")
@@ -44,6 +50,7 @@ def pp2_fsdp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     runs: list[tuple[str, Any]] = [("training", case) for case in TRAINING]
     runs.append(("ckpt_train", CheckpointCase(fsdp=2, dir=str(saved), resume_from=str(saved / STEP4))))
     runs.append(("ckpt_resume", CheckpointCase(dp=2, resume_from=str(saved / STEP4))))
+    runs += [("fsdp_counts", case) for case in COUNTS]
     return {"root": root, "saved": saved, "results": launch_runs(4, runs, root / "out", timeout=500)}
 
 
@@ -51,6 +58,22 @@ def pp2_fsdp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_pipeline2_x_fsdp2_matches_single_device(pp2_fsdp2: dict[str, Any]) -> None:
     for i, case in enumerate(TRAINING):
         assert_case_parity(pp2_fsdp2["results"], i, case)
+
+
+@pytest.mark.timeout(600)
+def test_fsdp_gathers_and_reduces_once_per_batch(pp2_fsdp2: dict[str, Any]) -> None:
+    """[Note: FSDP under the pipeline schedule]: one reduce-scatter per FSDP unit per batch (not per micro-batch), and
+    by default one all-gather per unit per batch (plus one for the first batch's shape inference)."""
+    first = len(TRAINING) + 2
+    for i, case in enumerate(COUNTS):
+        for rank in pp2_fsdp2["results"]:
+            got = rank[first + i]
+            units, batches = got["units"], got["batches"]
+            assert got["reduce"] == units * batches, (case, got)
+            if case.reshard_after_forward:  # gathered again for every micro-batch's backward
+                assert got["all_gather"] > units * (batches + 1), (case, got)
+            else:
+                assert got["all_gather"] == units * (batches + 1), (case, got)
 
 
 @pytest.mark.timeout(600)

@@ -10,12 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple, TypedDict
 
-from tests.distributed.scenarios import checkpoint, hardening, hf, planner, trace, training
+from tests.distributed.scenarios import checkpoint, fsdp, hardening, hf, planner, trace, training
 from tests.distributed.scenarios.checkpoint import CheckpointCase
 from tests.distributed.scenarios.trace import TraceCase
 from tests.distributed.scenarios.training import TrainingCase
 
-Case = (TrainingCase | CheckpointCase | TraceCase | hardening.HardeningCase | planner.SlowRankCase | hf.HFCase)
+Case = (TrainingCase | CheckpointCase | TraceCase | hardening.HardeningCase | planner.SlowRankCase | hf.HFCase
+        | fsdp.FsdpCountCase)
 
 
 class Scenario(NamedTuple):
@@ -39,6 +40,7 @@ SCENARIOS: dict[str, Scenario] = {
     "hardening": Scenario(hardening.HardeningCase, hardening.run_pipeline),  # issue 14: test_hardening.py
     "planner_slow_rank": Scenario(planner.SlowRankCase, planner.run_slow_rank),  # issue 15: test_planner.py
     "hf": Scenario(hf.HFCase, hf.run_pipeline),  # issue 13: test_hf_parity.py
+    "fsdp_counts": Scenario(fsdp.FsdpCountCase, fsdp.run_counts),  # issue 12: test_fsdp.py
 }
 
 __all__ = ["Case", "CheckpointCase", "Failure", "SCENARIOS", "Scenario", "TraceCase", "TrainingCase"]
