@@ -48,6 +48,16 @@ class ShardingOptions:
     reduce_dtype: torch.dtype | None = None
 
 
+def check_schedule(schedule: str, stage_class: type | None) -> None:
+    """Refuse schedules whose stages run other weights than the module's (weight versions: PipeDream-2BW), which
+    would bypass FSDP's gathered parameters."""
+    if stage_class is not None:
+        raise config_error(
+            f"Schedule {schedule!r} runs its stages on stashed weight versions ({stage_class.__name__}), which "
+            "FSDP's sharded parameters do not support.", f"schedule={schedule!r} with fsdp_size > 1", "fsdp_size",
+            also=("schedule",))
+
+
 def check_ties(tied: Sequence[TiedParameter], layer_rank: Mapping[int, int]) -> None:
     """Refuse a tied parameter used by two layers of one pipeline rank: FSDP cannot shard one parameter in two units.
 

@@ -12,7 +12,7 @@ import torch
 
 from lightning_pipe.config import PipelineConfig, Topology
 from lightning_pipe.engine import PipelineEngine, PipelineModel
-from lightning_pipe.fsdp import ShardingOptions, check_ties, shard_stages
+from lightning_pipe.fsdp import ShardingOptions, check_schedule, check_ties, shard_stages
 from lightning_pipe.grads import GradientSync, ProcessGroups
 from lightning_pipe.mesh import build_mesh, data_parallel_mesh
 from lightning_pipe.partition import layer_param_counts, partition_layers
@@ -64,6 +64,7 @@ def build_engine(module: PipelineModel, config: PipelineConfig, plan: SchedulePl
     local_ids = plan.stages_of_rank(topology.pp_rank)
     mesh = None
     if topology.fsdp_size > 1:
+        check_schedule(plan.spec.name, plan.spec.stage_class)
         check_ties(layout.tied, {i: plan.stage_to_rank(s) for s, r in enumerate(layout.ranges) for i in r})
         mesh = build_mesh(topology, device.type)
     groups = ProcessGroups(topology, layout.tied, layout.ranges, plan, mesh=mesh)

@@ -5,7 +5,8 @@ import pytest
 
 from lightning_pipe import PipelineConfig, PipelineConfigError, PipelineStrategy
 from lightning_pipe.config import Topology
-from lightning_pipe.fsdp import check_ties
+from lightning_pipe.fsdp import check_schedule, check_ties
+from lightning_pipe.schedules import get_schedule_spec
 from lightning_pipe.stages import TiedParameter
 
 
@@ -63,3 +64,10 @@ def test_ties_on_one_rank_are_refused_with_fsdp():
         check_ties([tie], {i: 0 if i in (0, 1, 6, 7) else 1 for i in range(8)})  # V placement: both on rank 0
     msg = str(err.value)
     assert "layers.0.weight" in msg and "rank(s) [0]" in msg and "strategy.fsdp_size" in msg
+
+
+def test_weight_version_schedules_are_refused_with_fsdp():
+    check_schedule("zbv", get_schedule_spec("zbv").stage_class)
+    spec = get_schedule_spec("pipedream_2bw")
+    with pytest.raises(PipelineConfigError, match=r"weight versions.*Hydra: strategy.fsdp_size"):
+        check_schedule(spec.name, spec.stage_class)
