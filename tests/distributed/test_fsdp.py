@@ -19,6 +19,7 @@ from tests.distributed.parity import assert_case_parity, assert_same, merge_repl
 from tests.distributed.scenarios import CheckpointCase, TrainingCase
 from tests.distributed.scenarios.checkpoint import optimizer_by_name, run_reference
 from tests.distributed.scenarios.fsdp import FsdpCountCase
+from tests.distributed.scenarios.training import run_training
 from tests.models import ToyRegressor
 
 pytestmark = [pytest.mark.parity, pytest.mark.distributed]
@@ -38,6 +39,13 @@ TRAINING = [
 ]
 
 
+# FSDP gathers in bf16 and reduces in fp32 (MixedPrecisionPolicy); fp16: an overflow in one shard of the last stage
+# only, at the second step: every rank skips it. Tolerances as tests/distributed/test_precision.py (2 ulps).
+PRECISION = [
+    (TrainingCase(precision="bf16-mixed", schedule="1f1b", fsdp=2, acc=2, clip=0.05, validate=False), 2 * 2**-8),
+    (TrainingCase(precision="16-mixed", schedule="1f1b", fsdp=2, clip=0.05, inf_grad_at_step=1, steps=4,
+                  validate=False), 2 * 2**-11),
+]
 # two batches each (1 step x 2 accumulated, or 2 steps), 4 micro-batches
 COUNTS = [FsdpCountCase(schedule="1f1b", steps=1, acc=2), FsdpCountCase(schedule="zbv"),
           FsdpCountCase(schedule="1f1b", reshard_after_forward=True)]
@@ -51,6 +59,7 @@ def pp2_fsdp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     runs.append(("ckpt_train", CheckpointCase(fsdp=2, dir=str(saved), resume_from=str(saved / STEP4))))
     runs.append(("ckpt_resume", CheckpointCase(dp=2, resume_from=str(saved / STEP4))))
     runs += [("fsdp_counts", case) for case in COUNTS]
+    runs += [("training", case) for case, _ in PRECISION]
     return {"root": root, "saved": saved, "results": launch_runs(4, runs, root / "out", timeout=500)}
 
 
@@ -74,6 +83,26 @@ def test_fsdp_gathers_and_reduces_once_per_batch(pp2_fsdp2: dict[str, Any]) -> N
                 assert got["all_gather"] > units * (batches + 1), (case, got)
             else:
                 assert got["all_gather"] == units * (batches + 1), (case, got)
+
+
+@pytest.mark.timeout(600)
+def test_fsdp_mixed_precision_matches_single_device(pp2_fsdp2: dict[str, Any]) -> None:
+    first = len(TRAINING) + 2 + len(COUNTS)
+    res = pp2_fsdp2["results"]
+    for i, (case, tol) in enumerate(PRECISION, start=first):
+        ref = run_training(case, pipeline=False)
+        for dp_rank in range(2):
+            got = merge_replica(res, i, dp_rank)
+            for name, want in ref["params"].items():
+                assert got[name].dtype == want.dtype
+                torch.testing.assert_close(got[name].float(), want.float(), atol=tol, rtol=0,
+                                           msg=lambda m, case=case, name=name: f"{case} {name}: {m}")
+        # each data-parallel rank logs its half of the batch: their mean is the batch loss
+        mean = torch.stack([torch.tensor(res[r][i]["losses"]) for r in (0, 1)]).mean(0)  # ranks 0, 1: shards 0, 1
+        torch.testing.assert_close(mean, torch.tensor(ref["losses"]), atol=tol * 4, rtol=0)
+        for rank in res:
+            assert rank[i]["scales"] == ref["scales"]
+    assert res[0][first + 1]["scales"][:2] == [2.0**16, 2.0**15]  # the overflow step backed off, once
 
 
 @pytest.mark.timeout(600)
