@@ -275,7 +275,8 @@ class PipelineEngine:
             step_args = pad_rows(args, padded) if self.has_first else ()
             dummy_target = torch.zeros(padded, device=self.device) if self.has_last else None
             out = self.schedule.eval(*step_args, target=dummy_target)
-        reshard(self.stage_modules)  # FSDP: stale after the next step otherwise ([Note: FSDP under the pipeline schedule])
+        # FSDP: gathered weights would be stale after the next step ([Note: FSDP under the pipeline schedule])
+        reshard(self.stage_modules)
         return trim_rows(out, rows) if self.has_last else None
 
     def _eval_loss(self, module: PipelineModel, batch: Any) -> Tensor:
