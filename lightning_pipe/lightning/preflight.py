@@ -104,7 +104,8 @@ def log_layout(plan: SchedulePlan, topology: Topology, ranges: list[range], loca
     rows: list[Any] = [None] * topology.world_size
     dist.all_gather_object(rows, (topology.dp_rank, topology.pp_rank, local_ids, n_params))
     lines = [f"PipelineStrategy: schedule={plan.spec.name}, microbatches={plan.microbatches}, "
-             f"{plan.num_stages} stages on {topology.pipeline_size} ranks x {topology.data_parallel_size} replica(s)"]
+             f"{plan.num_stages} stages on {topology.pipeline_size} ranks x {topology.data_parallel_size} replica(s)"
+             + (f" x {topology.fsdp_size} FSDP shards (the counts are whole stages)" if topology.fsdp_size > 1 else "")]
     for dp_rank, pp_rank, stages, count in rows:
         if dp_rank == 0:
             spans = ", ".join(f"stage {s}: layers {ranges[s].start}-{ranges[s].stop - 1}" for s in stages)
