@@ -269,6 +269,9 @@ class PipelineEngine:
             sig = known  # a short last batch: pad to the shape torch already knows
         self._use_signature(sig)
         padded = sig.rows * m
+        # Torch's shape inference for an FSDP stage clears its .grad (stage.py, _post_metadata_inference_cleanup):
+        # validation in the middle of gradient accumulation must not lose the accumulated gradients.
+        kept = [p.grad for p in self.parameters]
         # Lightning evaluates under inference_mode; torch's P2P buffers must stay ordinary tensors so that the
         # next training step can reuse them, so run under no_grad instead.
         with torch.inference_mode(False), torch.no_grad(), _compat.forward_only_actions(self.schedule):
@@ -277,6 +280,8 @@ class PipelineEngine:
             out = self.schedule.eval(*step_args, target=dummy_target)
         # FSDP: gathered weights would be stale after the next step ([Note: FSDP under the pipeline schedule])
         reshard(self.stage_modules)
+        for p, grad in zip(self.parameters, kept):
+            p.grad = grad
         return trim_rows(out, rows) if self.has_last else None
 
     def _eval_loss(self, module: PipelineModel, batch: Any) -> Tensor:

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.parity, pytest.mark.distributed]
 EXACT, RESHARD = 1e-6, 1e-5  # as tests/distributed/test_checkpoint.py
 STEP4 = "epoch=0-step=4.ckpt"
 
-# Every case accumulates gradients and clips by the global norm (each shard counted once).
+# Every case accumulates gradients and clips (by the global norm: each shard counted once).
 TRAINING = [
     TrainingCase(schedule="1f1b", fsdp=2, acc=2, clip=0.05, optimizer="adamw"),
     # zero-bubble V: two stages per rank, split input/weight backward, FSDP unshard/reshard actions
@@ -36,6 +36,9 @@ TRAINING = [
     # second Trainer on the already sharded module (predict, validate)
     TrainingCase(schedule="gpipe", fsdp=2, fsdp_reshard=True, tied=True, acc=2, clip=0.05, predict=True,
                  check_grad_norms=False),
+    # validation (every 2 batches) in the middle of a 3-batch accumulation: torch's shape inference for an FSDP
+    # stage clears .grad, the engine keeps them; elementwise clipping of sharded gradients
+    TrainingCase(schedule="1f1b", fsdp=2, acc=3, steps=2, clip=0.002, clip_algo="value"),
 ]
 
 
