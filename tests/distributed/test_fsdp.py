@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_pipe import checkpoint as ckpt_lib
-from tests.distributed.launcher import launch, launch_runs
+from tests.distributed.launcher import launch_runs
 from tests.distributed.parity import assert_case_parity, assert_same, merge_replica
 from tests.distributed.scenarios import CheckpointCase, TrainingCase
 from tests.distributed.scenarios.checkpoint import optimizer_by_name, run_reference
@@ -121,15 +121,10 @@ def test_checkpoint_pp2_fsdp2_resumes_same_layout_replicas_and_one_device(pp2_fs
         torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][4:]), atol=EXACT,
                                    rtol=0)
     # the checkpoint holds whole tensors (the layout-free format): what pp2 x dp2 starts from is the plain module's
-    model = ToyRegressor(optimizer="adamw")
-    consolidated = ckpt_lib.consolidated(saved / STEP4)
-    model.load_state_dict(consolidated["state_dict"])
-    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
-    opt.load_state_dict(consolidated["optimizer_states"][0])
-    params = {k: p.detach() for k, p in model.named_parameters()}
+    params, optim = consolidated_state(saved / STEP4)
     for dp_rank in range(2):
         assert_same(merge_replica(res, resume, dp_rank, key="start_params"), params, 0, "pp2 x dp2 loaded params")
-        assert_same(merge_replica(res, resume, dp_rank, key="start_optim"), optimizer_by_name(model, opt), 0,
+        assert_same(merge_replica(res, resume, dp_rank, key="start_optim"), optim, 0,
                     "pp2 x dp2 loaded optimizer state")
     # ... and trains on exactly as the uninterrupted pp2 x fsdp2 run
     uninterrupted = merge_replica(res, train, run="full")
@@ -139,8 +134,33 @@ def test_checkpoint_pp2_fsdp2_resumes_same_layout_replicas_and_one_device(pp2_fs
     assert_same(ref["params"], uninterrupted, RESHARD, "pp2 x fsdp2 -> one device")
 
 
+def consolidated_state(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The plain module's parameters and name-keyed optimizer state, from a checkpoint through consolidate."""
+    model = ToyRegressor(optimizer="adamw")
+    ckpt = ckpt_lib.consolidated(path)
+    model.load_state_dict(ckpt["state_dict"])
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    opt.load_state_dict(ckpt["optimizer_states"][0])
+    return {k: p.detach() for k, p in model.named_parameters()}, optimizer_by_name(model, opt)
+
+
 @pytest.mark.timeout(600)
-def test_pipeline2_x_replicas2_x_fsdp2_matches_single_device(tmp_path: Path) -> None:
-    """HSDP: reduce-scatter over the shard dimension, all-reduce over replicas, on 8 ranks."""
+def test_pipeline2_x_replicas2_x_fsdp2_matches_single_device(pp2_fsdp2: dict[str, Any], tmp_path: Path) -> None:
+    """HSDP on 8 ranks: reduce-scatter over the shard dimension, all-reduce over replicas. Its checkpoints (whole
+    tensors gathered over the 2-D mesh) resume exactly, and a pipeline 2 x FSDP 2 checkpoint loads into it."""
     case = TrainingCase(schedule="1f1b", dp=2, fsdp=2, acc=2, clip=0.05, optimizer="adamw", validate=False)
-    assert_case_parity(launch("training", 8, [case], tmp_path, timeout=400), 0, case)
+    saved, step2 = tmp_path / "hsdp", "epoch=0-step=2.ckpt"
+    runs: list[tuple[str, Any]] = [
+        ("training", case),
+        ("ckpt_train", CheckpointCase(dp=2, fsdp=2, steps=4, steps_per_epoch=2, dir=str(saved),
+                                      resume_from=str(saved / step2))),
+        ("ckpt_resume", CheckpointCase(dp=2, fsdp=2, resume_from=str(pp2_fsdp2["saved"] / STEP4))),
+    ]
+    res = launch_runs(8, runs, tmp_path / "out", timeout=400)
+    assert_case_parity(res, 0, case)
+    for rank in res:
+        assert_same(rank[1]["resumed"]["params"], rank[1]["full"]["params"], EXACT, "HSDP resumed")
+    params, optim = consolidated_state(pp2_fsdp2["saved"] / STEP4)
+    for dp_rank in range(4):
+        assert_same(merge_replica(res, 2, dp_rank, key="start_params"), params, 0, "pp2 x fsdp2 -> HSDP params")
+        assert_same(merge_replica(res, 2, dp_rank, key="start_optim"), optim, 0, "pp2 x fsdp2 -> HSDP optimizer")
