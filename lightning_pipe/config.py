@@ -191,7 +191,7 @@ class Topology:
     ``global rank = (replica * pipeline_size + pp_rank) * fsdp_size + shard``. Consecutive ranks share a node, so
     the innermost dimension gets the best links: FSDP's all-gathers and reduce-scatters run every micro-batch / batch
     over whole stages (the most traffic), pipeline P2P carries activations, and replicas all-reduce sharded
-    gradients once per step (the least). With ``fsdp_size=1`` this is exactly the pipeline x replicas order
+    gradients once per batch (the least). With ``fsdp_size=1`` this is exactly the pipeline x replicas order
     (``rank = replica * pipeline_size + pp_rank``), so that layout, its tests, plans and checkpoints are unchanged;
     global rank 0 (loggers, progress bar) holds the first stage of replica 0 (shard 0). A tensor-parallel dimension
     would go innermost, after ``dp_shard``, for the same reason (lightning_pipe/mesh.py).
