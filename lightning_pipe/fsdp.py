@@ -23,7 +23,7 @@ keeps in fp32; the sharded master weights and the optimizer stay fp32.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from weakref import WeakKeyDictionary
@@ -35,7 +35,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_pipe.config import config_error
-from lightning_pipe.stages import StageModule, TiedParameter
+from lightning_pipe.stages import StageModule, TiedParameter, init_layer
 
 
 @dataclass(frozen=True)
@@ -81,10 +81,13 @@ def check_ties(tied: Sequence[TiedParameter], layer_rank: Mapping[int, int]) -> 
 _SHARDED: WeakKeyDictionary[nn.Module, StageModule] = WeakKeyDictionary()
 
 
-def shard_stages(stage_modules: Sequence[StageModule], mesh: DeviceMesh, options: ShardingOptions
-                 ) -> list[StageModule]:
-    """``fully_shard`` every local layer that has parameters, then each stage root (in place: the stage modules
-    become ``FSDPModule`` s, their parameters sharded DTensors under the same names). Collective over ``mesh``.
+def shard_stages(module: nn.Module, stage_modules: Sequence[StageModule], mesh: DeviceMesh, options: ShardingOptions,
+                 device: torch.device, broadcast: Callable[[list[Tensor]], None] | None) -> list[StageModule]:
+    """Place and shard this rank's stages one layer at a time, so no more than one whole layer is resident besides
+    the shards: allocate a layer built on the meta device (and initialise it like ``stages.materialize``: the
+    module's ``reset_layer``) or move it to ``device``; ``broadcast`` its tensors (the data-parallel ranks start
+    identical; ``None`` when the module was placed before); ``fully_shard`` it. Then each stage root. The stage
+    modules become ``FSDPModule`` s, their parameters sharded DTensors under the same names. Collective.
 
     Returns the stage modules to run: these, or the ones sharded earlier in this process over the same layers.
     """
@@ -95,7 +98,14 @@ def shard_stages(stage_modules: Sequence[StageModule], mesh: DeviceMesh, options
         if earlier is not None and list(earlier.layers) == list(stage.layers):
             out.append(earlier)
             continue
-        for layer in stage.layers:
+        for index, layer in zip(stage.layer_indices, stage.layers):
+            if any(t.is_meta for t in list(layer.parameters()) + list(layer.buffers())):
+                layer.to_empty(device=device)
+                init_layer(module, index, layer)
+            else:
+                layer.to(device)
+            if broadcast is not None:
+                broadcast(list(layer.parameters()) + list(layer.buffers()))
             if any(True for _ in layer.parameters()):
                 fully_shard(layer, mesh=mesh, reshard_after_forward=options.reshard_after_forward, mp_policy=mp)
         fully_shard(stage, mesh=mesh, reshard_after_forward=options.reshard_after_forward, mp_policy=mp)

@@ -106,8 +106,8 @@ class GradientSync:
         if self.groups.dp is not None:
             for t in tensors:
                 dist.broadcast(t.data, group=self.groups.dp, group_src=0)
-        for param, tie_group in self.ties:
-            dist.broadcast(param.data, group=tie_group.group, group_src=0)
+        for param, tie_group in self.ties:  # (sharded copies: the same shard of each)
+            dist.broadcast(local_part(param.data), group=tie_group.group, group_src=0)
 
     def clip_grad_norm_(self, parameters: Sequence[nn.Parameter], max_norm: float, norm_type: float = 2.0) -> Tensor:
         """``torch.nn.utils.clip_grad_norm_`` with the norm taken over every stage of the pipeline."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from lightning_pipe.config import PipelineConfig, Topology
 from lightning_pipe.engine import PipelineEngine, PipelineModel
@@ -70,15 +71,24 @@ def build_engine(module: PipelineModel, config: PipelineConfig, plan: SchedulePl
     groups = ProcessGroups(topology, layout.tied, layout.ranges, plan, mesh=mesh)
     stage_modules = localize_layers(module, config.layers_attr, layout.ranges, local_ids, plan.stage_to_rank,
                                     config.recompute_every)
-    # Layers built on the meta device (configure_model) are allocated now, on this rank only.
-    materialize(module, config.layers_attr, stage_modules, layout.tied, device)
+    if mesh is not None:
+        # FSDP: allocated or moved, made identical over the data-parallel ranks and sharded layer by layer
+        dp = groups.dp
+
+        def broadcast(tensors: list[torch.Tensor]) -> None:
+            for t in tensors if dp is not None else ():
+                dist.broadcast(t.data, group=dp, group_src=0)
+
+        stage_modules = shard_stages(module, stage_modules, data_parallel_mesh(mesh, topology),
+                                     sharding or ShardingOptions(), device, broadcast if fresh else None)
+    else:
+        # Layers built on the meta device (configure_model) are allocated now, on this rank only.
+        materialize(module, config.layers_attr, stage_modules, layout.tied, device)
     module.to(device)
     if fresh:
-        # Before sharding: every data-parallel rank of a stage (replicas and shards) starts from the same values.
+        # Replicas start identical (FSDP: done per layer above), tied copies from their owner.
         params = list({id(p): p for sm in stage_modules for p in sm.parameters()}.values())
         GradientSync(module, params, groups, device).broadcast_initial_state(
-            [t for sm in stage_modules for t in list(sm.parameters()) + list(sm.buffers())])
-    if mesh is not None:
-        stage_modules = shard_stages(stage_modules, data_parallel_mesh(mesh, topology), sharding or ShardingOptions())
+            [] if mesh is not None else [t for sm in stage_modules for t in list(sm.parameters()) + list(sm.buffers())])
     engine = PipelineEngine(module, stage_modules, local_ids, plan, groups, device)
     return engine, layout
