@@ -48,6 +48,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     _strategy("stages_per_rank", "schedule.stages_per_rank"),
     _strategy("schedule_options", "schedule.options"),
     _strategy("data_parallel_size", "strategy.data_parallel_size"),
+    _strategy("fsdp_size", "strategy.fsdp_size"),
+    _strategy("fsdp_reshard_after_forward", "strategy.fsdp_reshard_after_forward"),
     _strategy("partition", "strategy.partition"),
     _strategy("layers_attr", "strategy.layers_attr"),
     _strategy("recompute", "strategy.recompute"),
@@ -93,7 +95,13 @@ class PipelineConfig:
     microbatches: int | None = None
     """Micro-batches per batch. ``None``: twice the number of stages (``custom``: read from the action lists)."""
     data_parallel_size: int = 1
-    """Replicas of the whole pipeline; pipeline size = world size / data_parallel_size."""
+    """Replicas of the whole pipeline; pipeline size = world size / (data_parallel_size x fsdp_size)."""
+    fsdp_size: int = 1
+    """Ranks each stage is sharded over with FSDP2 (``fully_shard``); 1: no FSDP. They read different data, like
+    replicas (README: "Bigger than one device per stage")."""
+    fsdp_reshard_after_forward: bool = False
+    """FSDP: free the gathered parameters after each micro-batch's forward (gather again for its backward): less
+    memory, one more all-gather per micro-batch. Default: keep them gathered until the batch's gradients are reduced."""
     partition: PartitionSpec = "uniform"
     """How layers go to stages: ``"uniform"`` (equal counts), ``"parameters"`` (balanced parameter counts),
     ``"time"`` / ``"memory"`` (measured at setup: the split of the chosen schedule with the fastest predicted step /
@@ -128,6 +136,13 @@ class PipelineConfig:
         if not _is_int(self.data_parallel_size) or self.data_parallel_size < 1:
             raise config_error("The data-parallel size must be a positive integer.",
                                f"data_parallel_size={self.data_parallel_size!r}", "data_parallel_size")
+        if not _is_int(self.fsdp_size) or self.fsdp_size < 1:
+            raise config_error("The FSDP size (ranks each stage is sharded over) must be a positive integer.",
+                               f"fsdp_size={self.fsdp_size!r}", "fsdp_size")
+        if not isinstance(self.fsdp_reshard_after_forward, bool):
+            raise config_error("fsdp_reshard_after_forward is true or false.",
+                               f"fsdp_reshard_after_forward={self.fsdp_reshard_after_forward!r}",
+                               "fsdp_reshard_after_forward")
         if self.stages_per_rank is not None and (not _is_int(self.stages_per_rank) or self.stages_per_rank < 1):
             raise config_error("stages_per_rank must be a positive integer or None.",
                                f"stages_per_rank={self.stages_per_rank!r}", "stages_per_rank")
@@ -188,39 +203,75 @@ def _options(value: Any) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Topology:
-    """How the world is cut: ``world = data_parallel_size x pipeline_size``, pipeline innermost.
+    """How the world is cut: ``world = data_parallel_size x pipeline_size x fsdp_size``.
 
-    Rank ``r`` is stage-rank ``r % pipeline_size`` of replica ``r // pipeline_size``, so global rank 0 (loggers,
-    progress bar) holds the first stage of replica 0.
+    [Note: rank order]
+    Mesh dimensions, outermost first: ``(dp_replicate, pipeline, dp_shard)``, so
+    ``global rank = (replica * pipeline_size + pp_rank) * fsdp_size + shard``. Consecutive ranks share a node, so
+    the innermost dimension gets the best links: FSDP's all-gathers and reduce-scatters run every micro-batch / batch
+    over whole stages (the most traffic), pipeline P2P carries activations, and replicas all-reduce sharded
+    gradients once per batch (the least). With ``fsdp_size=1`` this is exactly the pipeline x replicas order
+    (``rank = replica * pipeline_size + pp_rank``), so that layout, its tests, plans and checkpoints are unchanged;
+    global rank 0 (loggers, progress bar) holds the first stage of replica 0 (shard 0). A tensor-parallel dimension
+    would go innermost, after ``dp_shard``, for the same reason (lightning_pipe/mesh.py).
+
+    ``dp_rank`` / ``dp_degree`` count every rank that reads its own data for one stage (replicas x shards): they
+    shard the data (DistributedSampler) and average gradients.
     """
 
     world_size: int
     data_parallel_size: int
     global_rank: int
+    fsdp_size: int = 1
 
     @property
     def pipeline_size(self) -> int:
-        return self.world_size // self.data_parallel_size
+        return self.world_size // (self.data_parallel_size * self.fsdp_size)
 
     @property
     def pp_rank(self) -> int:
-        return self.global_rank % self.pipeline_size
+        return (self.global_rank // self.fsdp_size) % self.pipeline_size
+
+    @property
+    def replica_rank(self) -> int:
+        return self.global_rank // (self.pipeline_size * self.fsdp_size)
+
+    @property
+    def shard_rank(self) -> int:
+        return self.global_rank % self.fsdp_size
 
     @property
     def dp_rank(self) -> int:
-        return self.global_rank // self.pipeline_size
+        """Data-parallel index over replicas x shards (= the replica when ``fsdp_size=1``)."""
+        return self.replica_rank * self.fsdp_size + self.shard_rank
+
+    @property
+    def dp_degree(self) -> int:
+        """Data-parallel ranks per stage: replicas x shards."""
+        return self.data_parallel_size * self.fsdp_size
+
+    def rank_of(self, dp_rank: int, pp_rank: int) -> int:
+        """The global rank of data-parallel index ``dp_rank`` at pipeline rank ``pp_rank`` ([Note: rank order])."""
+        replica, shard = divmod(dp_rank, self.fsdp_size)
+        return (replica * self.pipeline_size + pp_rank) * self.fsdp_size + shard
 
     def pp_group_ranks(self, dp_rank: int) -> list[int]:
-        return [dp_rank * self.pipeline_size + i for i in range(self.pipeline_size)]
+        return [self.rank_of(dp_rank, i) for i in range(self.pipeline_size)]
 
     def dp_group_ranks(self, pp_rank: int) -> list[int]:
-        return [d * self.pipeline_size + pp_rank for d in range(self.data_parallel_size)]
+        return [self.rank_of(d, pp_rank) for d in range(self.dp_degree)]
 
     @classmethod
-    def create(cls, world_size: int, data_parallel_size: int, global_rank: int) -> Topology:
-        if world_size % data_parallel_size != 0:
+    def create(cls, world_size: int, data_parallel_size: int, global_rank: int, fsdp_size: int = 1) -> Topology:
+        if world_size % (data_parallel_size * fsdp_size) != 0:
+            if fsdp_size == 1:
+                raise config_error(
+                    "The world size must be divisible by the data-parallel size (pipeline size = world / dp).",
+                    f"world_size={world_size}, data_parallel_size={data_parallel_size}",
+                    "data_parallel_size", also=("devices",))
             raise config_error(
-                "The world size must be divisible by the data-parallel size (pipeline size = world / dp).",
-                f"world_size={world_size}, data_parallel_size={data_parallel_size}",
-                "data_parallel_size", also=("devices",))
-        return cls(world_size, data_parallel_size, global_rank)
+                "The world size must be divisible by data_parallel_size x fsdp_size (pipeline size = world / "
+                "(data_parallel_size x fsdp_size)).",
+                f"world_size={world_size}, data_parallel_size={data_parallel_size}, fsdp_size={fsdp_size}",
+                "fsdp_size", also=("data_parallel_size", "devices"))
+        return cls(world_size, data_parallel_size, global_rank, fsdp_size)

@@ -71,6 +71,7 @@ from lightning_pipe.batches import (
 )
 from lightning_pipe.config import config_error
 from lightning_pipe.dp_overlap import DataParallelOverlap, settle
+from lightning_pipe.fsdp import reshard
 from lightning_pipe.grads import GradientSync, ProcessGroups
 from lightning_pipe.schedules import SchedulePlan, build_torch_schedule
 from lightning_pipe.stages import StageModule
@@ -114,9 +115,10 @@ class PipelineEngine:
         self.parameters = list({id(p): p for sm in stage_modules for p in sm.parameters()}.values())
         self.grads = GradientSync(module, self.parameters, groups, device)
         # [Note: what the overlapped sync averages]; the strategy sets the two hints before each training batch.
-        # PipeDream averages each micro-batch's gradients in its own update (stashing.MicrobatchUpdate).
-        self.dp_overlap = (DataParallelOverlap(self.stages, self.parameters, groups.dp)
-                           if groups.dp is not None and not self.per_microbatch_updates else None)
+        # PipeDream averages each micro-batch's gradients in its own update (stashing.MicrobatchUpdate); FSDP
+        # stages average in their own reduce-scatter ([Note: FSDP under the pipeline schedule] in fsdp.py).
+        overlap = groups.dp is not None and groups.shard is None and not self.per_microbatch_updates
+        self.dp_overlap = DataParallelOverlap(self.stages, self.parameters, groups.dp) if overlap else None
         self.overlap_dp_sync = True  # off: one all-reduce after the schedule (bench/dp_overlap.py compares both)
         self.optimizer_step_follows = True
         self.zero_grad_follows = True
@@ -250,7 +252,7 @@ class PipelineEngine:
         loss, global_count = self._step_loss()
         self._grad_factor = None
         if global_count is not None:  # [Note: token-weighted loss]
-            self._grad_factor = elements * self.groups.topology.data_parallel_size / global_count.clamp_min(1)
+            self._grad_factor = elements * self.groups.topology.dp_degree / global_count.clamp_min(1)
         return loss
 
     def _begin_overlap(self, saved: list[Tensor | None], elements: float) -> tuple[DataParallelOverlap | None, float]:
@@ -350,12 +352,19 @@ class PipelineEngine:
             sig = known  # a short last batch: pad to the shape torch already knows
         self._use_signature(sig)
         padded = sig.rows * m
+        # Torch's shape inference for an FSDP stage clears its .grad (stage.py, _post_metadata_inference_cleanup):
+        # validation in the middle of gradient accumulation must not lose the accumulated gradients.
+        kept = [p.grad for p in self.parameters]
         # Lightning evaluates under inference_mode; torch's P2P buffers must stay ordinary tensors so that the
         # next training step can reuse them, so run under no_grad instead.
         with torch.inference_mode(False), torch.no_grad(), _compat.forward_only_actions(self.schedule):
             step_args = pad_rows(args, padded) if self.has_first else ()
             dummy_target = torch.zeros(padded, device=self.device) if self.has_last else None
             out = self.schedule.eval(*step_args, target=dummy_target)
+        # FSDP: gathered weights would be stale after the next step ([Note: FSDP under the pipeline schedule])
+        reshard(self.stage_modules)
+        for p, grad in zip(self.parameters, kept):
+            p.grad = grad
         return trim_rows(out, rows) if self.has_last else None
 
     def _eval_loss(self, module: PipelineModel, batch: Any) -> Tensor:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_pipe.config import Topology
+from lightning_pipe.fsdp import local as local_part
 from lightning_pipe.schedules import SchedulePlan
 from lightning_pipe.stages import TiedParameter
 
@@ -34,9 +35,12 @@ class ProcessGroups:
     """The groups one rank talks over. Built collectively: every rank creates every group, in the same order."""
 
     def __init__(self, topology: Topology, tied: Sequence[TiedParameter], ranges: Sequence[range],
-                 plan: SchedulePlan) -> None:
+                 plan: SchedulePlan, mesh: Any = None) -> None:
         self.topology = topology
-        p, d = topology.pipeline_size, topology.data_parallel_size
+        # FSDP (lightning_pipe/fsdp.py): the mesh, and the group each stage is sharded over (norms count shards once)
+        self.mesh = mesh
+        self.shard: dist.ProcessGroup | None = mesh.get_group("dp_shard") if mesh is not None else None
+        p, d = topology.pipeline_size, topology.dp_degree
         self.pp: dist.ProcessGroup | None = None
         self.dp: dist.ProcessGroup | None = None
         for dp_rank in range(d):
@@ -55,7 +59,7 @@ class ProcessGroups:
                 continue
             mine = None
             for dp_rank in range(d):
-                ranks = [dp_rank * p + h for h in holders]
+                ranks = [topology.rank_of(dp_rank, h) for h in holders]
                 group = dist.new_group(ranks)
                 if topology.global_rank in ranks:
                     mine = group
@@ -87,11 +91,12 @@ class GradientSync:
         """Average over data-parallel replicas (unless ``replicas=False``: the engine averaged them during the
         schedule), then sum the copies of tied parameters held by several stages."""
         grads = [p.grad for p in self.params if p.grad is not None]
-        if replicas and self.groups.dp is not None and grads:
+        # With FSDP the data-parallel average was FSDP's reduce ([Note: FSDP under the pipeline schedule]).
+        if replicas and self.groups.dp is not None and self.groups.shard is None and grads:
             all_reduce_coalesced(grads, self.groups.dp, average=True)
         for param, tie_group in self.ties:
-            if param.grad is not None:
-                dist.all_reduce(param.grad, group=tie_group.group)
+            if param.grad is not None:  # sharded copies: the same shard of each copy, summed
+                dist.all_reduce(local_part(param.grad), group=tie_group.group)
 
     def norm_excluded(self) -> set[int]:
         """Tied copies that another rank already counts in the global norm."""
@@ -102,14 +107,15 @@ class GradientSync:
         if self.groups.dp is not None:
             for t in tensors:
                 dist.broadcast(t.data, group=self.groups.dp, group_src=0)
-        for param, tie_group in self.ties:
-            dist.broadcast(param.data, group=tie_group.group, group_src=0)
+        for param, tie_group in self.ties:  # (sharded copies: the same shard of each)
+            dist.broadcast(local_part(param.data), group=tie_group.group, group_src=0)
 
     def clip_grad_norm_(self, parameters: Sequence[nn.Parameter], max_norm: float, norm_type: float = 2.0) -> Tensor:
         """``torch.nn.utils.clip_grad_norm_`` with the norm taken over every stage of the pipeline."""
         excluded = self.norm_excluded()
-        grads = [p.grad for p in parameters if p.grad is not None]
-        counted = [p.grad for p in parameters if p.grad is not None and id(p) not in excluded]
+        grads = [local_part(p.grad) for p in parameters if p.grad is not None]
+        # Sharded gradients: each rank counts its own shard, summed over the shard group below (each shard once).
+        counted = [local_part(p.grad) for p in parameters if p.grad is not None and id(p) not in excluded]
         norm_type = float(norm_type)
         pp, many = self.groups.pp, self.groups.topology.pipeline_size > 1
         zero = torch.zeros((), device=self.device)
@@ -117,12 +123,16 @@ class GradientSync:
             local = torch.stack([g.detach().abs().max().float() for g in counted]).max() if counted else zero
             if many:
                 dist.all_reduce(local, op=dist.ReduceOp.MAX, group=pp)
+            if self.groups.shard is not None:
+                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.groups.shard)
             total = local
         else:
             local = (torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type
                                   for g in counted]).sum() if counted else zero)
             if many:
                 dist.all_reduce(local, group=pp)
+            if self.groups.shard is not None:
+                dist.all_reduce(local, group=self.groups.shard)
             total = local ** (1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:

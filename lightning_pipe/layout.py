@@ -9,10 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from lightning_pipe.config import PipelineConfig, Topology
 from lightning_pipe.engine import PipelineEngine, PipelineModel
-from lightning_pipe.grads import ProcessGroups
+from lightning_pipe.fsdp import ShardingOptions, check_schedule, check_ties, shard_stages
+from lightning_pipe.grads import GradientSync, ProcessGroups
+from lightning_pipe.mesh import build_mesh, data_parallel_mesh
 from lightning_pipe.partition import layer_param_counts, partition_layers
 from lightning_pipe.schedules import SchedulePlan
 from lightning_pipe.stages import (
@@ -37,12 +40,14 @@ class PipelineLayout:
 
 
 def build_engine(module: PipelineModel, config: PipelineConfig, plan: SchedulePlan, topology: Topology,
-                 device: torch.device, layout: PipelineLayout | None = None) -> tuple[PipelineEngine, PipelineLayout]:
+                 device: torch.device, layout: PipelineLayout | None = None,
+                 sharding: ShardingOptions | None = None) -> tuple[PipelineEngine, PipelineLayout]:
     """Cut ``module``'s layer list for ``plan`` and build this rank's engine. Collective: every rank calls it.
 
     Other ranks' layers are replaced by placeholders (names kept); layers built on the meta device are allocated
     on ``device`` for this rank only; replicas and tied copies start identical. With ``layout`` (the module was
-    already cut in this process) the same cut is reused and nothing is broadcast again.
+    already cut in this process) the same cut is reused and nothing is broadcast again. With
+    ``topology.fsdp_size > 1`` the stages are then sharded with ``sharding`` (lightning_pipe/fsdp.py).
     """
     layers = find_layers(module, config.layers_attr)
     fresh = layout is None
@@ -58,14 +63,32 @@ def build_engine(module: PipelineModel, config: PipelineConfig, plan: SchedulePl
             "gone from this rank. Build a new module (or load it from a checkpoint) to use a different layout."
         )
     local_ids = plan.stages_of_rank(topology.pp_rank)
-    groups = ProcessGroups(topology, layout.tied, layout.ranges, plan)
+    mesh = None
+    if topology.fsdp_size > 1:
+        check_schedule(plan.spec.name, plan.spec.stage_class)
+        check_ties(layout.tied, {i: plan.stage_to_rank(s) for s, r in enumerate(layout.ranges) for i in r})
+        mesh = build_mesh(topology, device.type)
+    groups = ProcessGroups(topology, layout.tied, layout.ranges, plan, mesh=mesh)
     stage_modules = localize_layers(module, config.layers_attr, layout.ranges, local_ids, plan.stage_to_rank,
                                     config.recompute_every)
-    # Layers built on the meta device (configure_model) are allocated now, on this rank only.
-    materialize(module, config.layers_attr, stage_modules, layout.tied, device)
+    if mesh is not None:
+        # FSDP: allocated or moved, made identical over the data-parallel ranks and sharded layer by layer
+        dp = groups.dp
+
+        def broadcast(tensors: list[torch.Tensor]) -> None:
+            for t in tensors if dp is not None else ():
+                dist.broadcast(t.data, group=dp, group_src=0)
+
+        stage_modules = shard_stages(module, stage_modules, data_parallel_mesh(mesh, topology),
+                                     sharding or ShardingOptions(), device, broadcast if fresh else None)
+    else:
+        # Layers built on the meta device (configure_model) are allocated now, on this rank only.
+        materialize(module, config.layers_attr, stage_modules, layout.tied, device)
     module.to(device)
-    engine = PipelineEngine(module, stage_modules, local_ids, plan, groups, device)
     if fresh:
-        engine.grads.broadcast_initial_state(
-            [t for sm in stage_modules for t in list(sm.parameters()) + list(sm.buffers())])
+        # Replicas start identical (FSDP: done per layer above), tied copies from their owner.
+        params = list({id(p): p for sm in stage_modules for p in sm.parameters()}.values())
+        GradientSync(module, params, groups, device).broadcast_initial_state(
+            [] if mesh is not None else [t for sm in stage_modules for t in list(sm.parameters()) + list(sm.buffers())])
+    engine = PipelineEngine(module, stage_modules, local_ids, plan, groups, device)
     return engine, layout

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 from lightning_pipe import PipelineModule
@@ -73,7 +74,11 @@ class ToyRegressor(PipelineModule):
         if self.inf_grad_at_step is not None and self.trainer.global_step == self.inf_grad_at_step:
             layer = self.layers[len(self.layers) - 2]  # on the last stage only, under the pipeline
             if not isinstance(layer, RemoteLayer) and layer.fc.weight.grad is not None:
-                layer.fc.weight.grad[0, 0] = float("inf")
+                grad = layer.fc.weight.grad
+                # FSDP: write into this rank's shard (item assignment on a sharded DTensor changes nothing)
+                local = grad.to_local() if isinstance(grad, DTensor) else grad
+                if local.numel():
+                    local.view(-1)[0] = float("inf")
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         self.calls["on_before_optimizer_step"] += 1

@@ -183,7 +183,8 @@ def reset_schedule_shapes(schedule: Any) -> None:
 # ``has_backward``. So for eval we run the *forward part* of the lowered action list: every F, SEND_F and RECV_F in
 # its original order, the forward halves of OVERLAP_F_B, nothing else. Dropping actions only removes waits (a
 # backward waits on a RECV_B), never adds one, so the forward-only list cannot deadlock where the full one did not.
-_FORWARD_TYPES = ("F", "SEND_F", "RECV_F")
+# UNSHARD / RESHARD stay too (in order, so in pairs): an FSDP stage must be gathered for its forwards (local only).
+_FORWARD_TYPES = ("F", "SEND_F", "RECV_F", "UNSHARD", "RESHARD")
 
 
 def _forward_part(actions: list[Any]) -> list[Any]:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from lightning_pipe._compat import lightning as _compat
 from lightning_pipe.checkpoint import files
@@ -42,6 +43,7 @@ from lightning_pipe.checkpoint.format import (
     optimizer_entries,
 )
 from lightning_pipe.config import PipelineConfig, Topology
+from lightning_pipe.fsdp import full_values, shard_optimizer_state, shard_state_like
 
 T = TypeVar("T")
 NO_OPTIMIZER_STATE = ("The checkpoint holds no optimizer state (saved with weights_only=True), so training cannot "
@@ -117,13 +119,16 @@ class ShardedCheckpointer:
 
         ranks.agree(check_target)
         writes = self.topology.dp_rank == 0  # replicas hold the same values: replica 0 alone writes
-        model_sd = checkpoint.pop("state_dict", None) or {}
+        # FSDP-sharded stages: every shard rank gathers full tensors, so the format does not depend on the layout.
+        model_sd = full_values(checkpoint.pop("state_dict", None) or {})
         opt_states = checkpoint.pop("optimizer_states", None)
         state: dict[str, Any] = {}
+        for opt_state in opt_states or []:
+            flat = full_values(opt_state["flat"])
+            if writes:
+                state.update(flat)
         if writes:
             state.update({MODEL_PREFIX + k: v for k, v in model_sd.items()})
-            for opt_state in opt_states or []:
-                state.update(opt_state["flat"])
         groups = [s["groups"] for s in opt_states] if opt_states is not None else None
         tmp = files.partial_path(path, token)
         if ranks.rank == 0:
@@ -176,13 +181,16 @@ class ShardedCheckpointer:
         self._check_names(path, local_sd, available, shapes, module.strict_loading)
 
         if kind != "sharded":
-            module.load_state_dict({k: available[k] for k in local_sd if k in available}, strict=False)
+            module.load_state_dict(shard_state_like({k: available[k] for k in local_sd if k in available}, local_sd),
+                                   strict=False)
             if fitting:
                 self._load_positional_optimizers(ckpt, names)
             return {k: v for k, v in ckpt.items() if k not in ("state_dict", "optimizer_states")}
 
         saved_opts = meta["pipeline"].get("optimizers")
-        keys: dict[str, Any] = {MODEL_PREFIX + k: v for k, v in local_sd.items() if k in available}
+        # (a sharded parameter reads its full tensor, then keeps its own shard: shard_state_like)
+        keys: dict[str, Any] = {MODEL_PREFIX + k: None if isinstance(v, DTensor) else v for k, v in local_sd.items()
+                                if k in available}
         if fitting:
             ranks.agree(lambda: self._check_optimizers(saved_opts, names))
             for i, opt in enumerate(self.optimizers):
@@ -191,7 +199,8 @@ class ShardedCheckpointer:
                     for flat_key in entries.get(names.name_of[id(p)], {}).values():
                         keys[flat_key] = None
         loaded = ranks.agree(lambda: files.load_flat(path, keys, md))  # a failed read stops every rank
-        module.load_state_dict({k: loaded[MODEL_PREFIX + k] for k in local_sd if k in available}, strict=False)
+        module.load_state_dict(shard_state_like({k: loaded[MODEL_PREFIX + k] for k in local_sd if k in available},
+                                                local_sd), strict=False)
         if fitting:
             for i, opt in enumerate(self.optimizers):
                 entries = optimizer_entries(loaded, i)
@@ -199,7 +208,8 @@ class ShardedCheckpointer:
                 def state_of(name: str, e: dict[str, dict[str, str]] = entries) -> dict[str, Any] | None:
                     return {k: loaded[fk] for k, fk in e[name].items()} if name in e else None
 
-                opt.load_state_dict(build_local_optimizer_state(opt, names, saved_opts[i], state_of))
+                opt.load_state_dict(shard_optimizer_state(
+                    opt, build_local_optimizer_state(opt, names, saved_opts[i], state_of)))
         return {k: v for k, v in meta.items() if k != "pipeline"}
 
     def _check_names(self, path: Any, local_sd: dict[str, Any], available: Any, shapes: dict[str, tuple],
@@ -258,4 +268,4 @@ class ShardedCheckpointer:
                 return None if entries is None else {k: (v.clone() if isinstance(v, Tensor) else v)
                                                      for k, v in entries.items()}
 
-            opt.load_state_dict(build_local_optimizer_state(opt, names, groups, state_of))
+            opt.load_state_dict(shard_optimizer_state(opt, build_local_optimizer_state(opt, names, groups, state_of)))

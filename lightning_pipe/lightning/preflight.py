@@ -14,7 +14,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_pipe._compat import lightning as _compat
-from lightning_pipe.config import PartitionSpec, PipelineConfig, Topology, config_error
+from lightning_pipe.config import MEASURED_PARTITIONS, PartitionSpec, PipelineConfig, Topology, config_error
 from lightning_pipe.planner.auto import balance_on_ranks, plan_on_ranks
 from lightning_pipe.planner.plan import apply_plan, explain, load_plan
 from lightning_pipe.schedules import SchedulePlan, check_schedule_settings
@@ -35,8 +35,9 @@ class ResolvedSettings:
 def resolve_settings(schedule: str, microbatches: int | None, data_parallel_size: int, partition: PartitionSpec,
                      stages_per_rank: int | None, layers_attr: str, recompute: str | int,
                      schedule_options: dict[str, Any] | None, plan: str | os.PathLike | dict[str, Any] | None,
-                     memory_budget: int | str | None) -> ResolvedSettings:
-    """Fold a saved plan and ``schedule="auto"`` into one :class:`PipelineConfig`; checked before any rank starts."""
+                     memory_budget: int | str | None, **settings: Any) -> ResolvedSettings:
+    """Fold a saved plan and ``schedule="auto"`` into one :class:`PipelineConfig`; checked before any rank starts.
+    ``settings``: the other :class:`PipelineConfig` fields (FSDP, rebalancing), which no plan replaces."""
     plan_data = None if plan is None else load_plan(plan)
     if plan_data is not None:
         # A saved plan (python -m lightning_pipe.planner search) replaces the layout settings; its world size is
@@ -52,7 +53,14 @@ def resolve_settings(schedule: str, microbatches: int | None, data_parallel_size
         schedule, microbatches, stages_per_rank, partition, options = "1f1b", None, None, "uniform", {}
     config = PipelineConfig(schedule=schedule, microbatches=microbatches, data_parallel_size=data_parallel_size,
                             partition=partition, stages_per_rank=stages_per_rank, layers_attr=layers_attr,
-                            recompute=recompute, schedule_options=options)
+                            recompute=recompute, schedule_options=options, **settings)
+    measured = config.partition in MEASURED_PARTITIONS
+    if config.fsdp_size > 1 and (auto or plan_data is not None or measured):
+        used = ("a plan file" if plan_data is not None else "schedule='auto'" if auto
+                else f"partition={config.partition!r}")
+        raise config_error("The planner does not model FSDP yet: schedule='auto', plan files and partition='time' / "
+                           "'memory' take fsdp_size=1.", f"fsdp_size={config.fsdp_size} with {used}",
+                           "fsdp_size", also=("schedule", "plan", "partition"))
     # Unknown schedule names and options the schedule does not take fail here, not on the ranks after launch.
     check_schedule_settings(config)
     return ResolvedSettings(config, auto, budget, plan_data)
@@ -122,7 +130,8 @@ def log_layout(plan: SchedulePlan, topology: Topology, ranges: list[range], loca
     rows: list[Any] = [None] * topology.world_size
     dist.all_gather_object(rows, (topology.dp_rank, topology.pp_rank, local_ids, n_params))
     lines = [f"PipelineStrategy: schedule={plan.spec.name}, microbatches={plan.microbatches}, "
-             f"{plan.num_stages} stages on {topology.pipeline_size} ranks x {topology.data_parallel_size} replica(s)"]
+             f"{plan.num_stages} stages on {topology.pipeline_size} ranks x {topology.data_parallel_size} replica(s)"
+             + (f" x {topology.fsdp_size} FSDP shards (the counts are whole stages)" if topology.fsdp_size > 1 else "")]
     for dp_rank, pp_rank, stages, count in rows:
         if dp_rank == 0:
             spans = ", ".join(f"stage {s}: layers {ranges[s].start}-{ranges[s].stop - 1}" for s in stages)

@@ -14,7 +14,7 @@ from typing import Any
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_pipe.rebalance import RebalanceEvent, Rebalancer, check_rebalance
+from lightning_pipe.rebalance import RebalanceEvent, Rebalancer
 
 
 class StrategyRebalancer:
@@ -49,11 +49,10 @@ class StrategyRebalancer:
 
 
 def start(strategy: Any, trainer: Any) -> StrategyRebalancer | None:
-    """A rebalancer for this fit, when ``rebalance_every_n_steps`` is set (checked on every rank first)."""
+    """A rebalancer for this fit, when ``rebalance_every_n_steps`` is set (``set_world_ranks`` checked it)."""
     config = strategy.pipeline_config
     if config.rebalance_every_n_steps is None:
         return None
-    check_rebalance(config, strategy.plan)
     if trainer.state.fn != TrainerFn.FITTING:
         return None
     return StrategyRebalancer(strategy)

@@ -3,7 +3,6 @@ to the adapter's helpers (preflight, checkpointing, faults, precision)."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
@@ -27,6 +26,7 @@ from lightning_pipe._compat import lightning as _compat
 from lightning_pipe.checkpoint import remove as remove_checkpoint_files
 from lightning_pipe.config import MEASURED_PARTITIONS, PartitionSpec, Topology
 from lightning_pipe.engine import PipelineEngine
+from lightning_pipe.fsdp import ShardingOptions
 from lightning_pipe.layout import PipelineLayout, build_engine
 from lightning_pipe.lightning import world
 from lightning_pipe.lightning.checkpointing import RankGroup, ShardedCheckpointer
@@ -44,19 +44,20 @@ from lightning_pipe.lightning.rebalancing import StrategyRebalancer
 from lightning_pipe.lightning.rebalancing import start as start_rebalancing
 from lightning_pipe.lightning.stashing import attach_microbatch_updates
 from lightning_pipe.planner.plan import apply_plan
+from lightning_pipe.rebalance import check_rebalance
 from lightning_pipe.schedules import SchedulePlan, plan_schedule
 
 
 class PipelineStrategy(ParallelStrategy):
     """Pipeline parallelism (optionally times data parallelism) for a layer-list LightningModule.
 
-    ``world size = data_parallel_size x pipeline size``. The module's layer list is split into
+    ``world size = data_parallel_size x pipeline size x fsdp_size``. The module's layer list is split into
     ``pipeline size x stages_per_rank`` stages; each rank keeps only its own layers (parameter names unchanged) and
     torch.distributed.pipelining runs the schedule. Settings are those of :class:`~lightning_pipe.PipelineConfig`.
 
     Args:
-        schedule, microbatches, data_parallel_size, partition, stages_per_rank, layers_attr, recompute,
-            schedule_options: the layout settings, documented once on :class:`~lightning_pipe.PipelineConfig`
+        schedule, microbatches, data_parallel_size, fsdp_size, fsdp_reshard_after_forward, partition,
+            stages_per_rank, layers_attr, recompute, schedule_options: the layout settings, documented once on :class:`~lightning_pipe.PipelineConfig`
             (and in the README's settings table with their Hydra paths). ``schedule="auto"`` lets the planner
             choose at setup (README: "Let it plan").
         plan: a plan file (or its dict) from ``python -m lightning_pipe.planner search``: its schedule,
@@ -94,14 +95,18 @@ class PipelineStrategy(ParallelStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         rebalance_every_n_steps: int | None = None,
         rebalance_threshold: float = 0.05,
+        fsdp_size: int = 1,
+        fsdp_reshard_after_forward: bool = False,
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         resolved = resolve_settings(schedule, microbatches, data_parallel_size, partition, stages_per_rank,
-                                    layers_attr, recompute, schedule_options, plan, memory_budget)
-        self.pipeline_config = dataclasses.replace(resolved.config, rebalance_every_n_steps=rebalance_every_n_steps,
-                                                   rebalance_threshold=rebalance_threshold)
+                                    layers_attr, recompute, schedule_options, plan, memory_budget,
+                                    fsdp_size=fsdp_size, fsdp_reshard_after_forward=fsdp_reshard_after_forward,
+                                    rebalance_every_n_steps=rebalance_every_n_steps,
+                                    rebalance_threshold=rebalance_threshold)
+        self.pipeline_config = resolved.config
         self.rebalancer: StrategyRebalancer | None = None
         self._plan_source = resolved.plan
         self._auto, self._memory_budget = resolved.auto, resolved.memory_budget
@@ -148,9 +153,10 @@ class PipelineStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Shard by data-parallel rank only: every stage of one replica must read the same batches.
+        # Shard by data-parallel rank only (replicas x FSDP shards): every stage of one replica must read the same
+        # batches.
         topo = self._topology()
-        return {"num_replicas": topo.data_parallel_size, "rank": topo.dp_rank}
+        return {"num_replicas": topo.dp_degree, "rank": topo.dp_rank}
 
     @property
     def process_group_backend(self) -> str | None:
@@ -159,7 +165,7 @@ class PipelineStrategy(ParallelStrategy):
     def _topology(self) -> Topology:
         if self.topology is None:
             self.topology = Topology.create(self.world_size, self.pipeline_config.data_parallel_size,
-                                            self.global_rank)
+                                            self.global_rank, self.pipeline_config.fsdp_size)
         return self.topology
 
     @override
@@ -183,6 +189,7 @@ class PipelineStrategy(ParallelStrategy):
             apply_plan(self._plan_source, world_size=self.world_size)  # a plan is made for one world size
         # World-shape rules are checked here, before any process waits on another; the plan is resolved once.
         self.plan = plan_schedule(self.pipeline_config, self._topology().pipeline_size)
+        check_rebalance(self.pipeline_config, self.plan)  # before any rank waits on another
 
     @override
     def setup_environment(self) -> None:
@@ -241,13 +248,19 @@ class PipelineStrategy(ParallelStrategy):
         assert self.plan is not None, "set_world_ranks resolves the plan before setup"
         layout: PipelineLayout | None = getattr(module, "_pipeline_layout", None)
         engine, layout = build_engine(module, self.pipeline_config, self.plan, self._topology(), self.root_device,
-                                      layout)
+                                      layout, sharding=self._sharding_options())
         module._pipeline_layout = layout  # type: ignore[assignment]  # (nn.Module types attributes as tensors)
         module._pipeline_engine = engine  # type: ignore[assignment]
         topology = self._topology()
         log_layout(self.plan, topology, list(layout.ranges), self.plan.stages_of_rank(topology.pp_rank),
                    sum(p.numel() for p in engine.parameters))
         return engine
+
+    def _sharding_options(self) -> ShardingOptions:
+        """FSDP settings (used when fsdp_size > 1): bf16-mixed gathers weights in bf16, reduces in fp32."""
+        bf16 = self.precision_plugin.precision == "bf16-mixed"
+        return ShardingOptions(reshard_after_forward=self.pipeline_config.fsdp_reshard_after_forward,
+                               param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32 if bf16 else None)
 
     @contextmanager
     @override

@@ -37,6 +37,12 @@ each layer's time is the median over them."""
 
 def check_rebalance(config: PipelineConfig, plan: SchedulePlan) -> None:
     """What rebalancing cannot do, refused on plain data on every rank before any engine exists."""
+    if config.rebalance_every_n_steps is not None and config.fsdp_size > 1:
+        raise config_error(
+            "Rebalancing moves whole layers (parameters and optimizer state) between pipeline ranks; FSDP stages "
+            "hold shards, which it does not move.",
+            f"fsdp_size={config.fsdp_size} with rebalance_every_n_steps={config.rebalance_every_n_steps}",
+            "rebalance_every_n_steps", "set it to None, or fsdp_size=1", also=("fsdp_size",))
     if config.rebalance_every_n_steps is not None and plan.spec.stage_class is not None:
         raise config_error(
             "Rebalancing moves layers between ranks between steps; a schedule that keeps weight versions in its "

@@ -43,7 +43,7 @@ def assert_case_parity(results: Results, case_idx: int, case: TrainingCase) -> N
     """Train ``case`` on one device and compare: every parameter of every replica, the logged losses, validation and
     test losses, predictions, hook call counts and (``case.check_grad_norms``) the gradient norms before each step."""
     ref = run_training(case, pipeline=False)
-    for dp_rank in range(case.dp):
+    for dp_rank in range(case.dp * case.fsdp):  # every replica, every FSDP shard rank (gathered whole)
         got = merge_replica(results, case_idx, dp_rank)
         assert sorted(got) == sorted(ref["params"]), "every parameter lives on exactly one stage"
         for name, value in ref["params"].items():
@@ -73,13 +73,16 @@ def assert_case_parity(results: Results, case_idx: int, case: TrainingCase) -> N
                 torch.testing.assert_close(torch.tensor(r[key]), torch.tensor(ref[key]), atol=ATOL, rtol=0)
     if case.check_grad_norms:
         # on_before_optimizer_step sees the full gradients (not wiped by zero_grad): the squared norms of the
-        # stages of one replica add up to the single-device one, at every optimizer step
+        # stages of one replica add up to the single-device one, at every optimizer step (FSDP: the hook sees each
+        # rank's gradient shards, so the shard ranks of replica 0, data-parallel indices 0..fsdp-1, add up too)
         stage_sq = torch.tensor([r[case_idx]["grad_sq_before_step"] for r in results
-                                 if r[case_idx]["topology"][0] == 0]).sum(0)
+                                 if r[case_idx]["topology"][0] < case.fsdp]).sum(0)
         torch.testing.assert_close(stage_sq, torch.tensor(ref["grad_sq_before_step"]), rtol=1e-4, atol=1e-6)
     if case.predict:
-        torch.testing.assert_close(results[0][case_idx]["predictions"], ref["predictions"], atol=ATOL, rtol=0)
-        assert results[0][case_idx]["predictions"].shape[0] == 22
+        # rank 0 predicts its data-parallel share: every (dp x fsdp)-th sample (Lightning's DistributedSampler)
+        share = case.dp * case.fsdp
+        torch.testing.assert_close(results[0][case_idx]["predictions"], ref["predictions"][::share], atol=ATOL, rtol=0)
+        assert results[0][case_idx]["predictions"].shape[0] == 22 // share
         for res in results:
             torch.testing.assert_close(torch.tensor(res[case_idx]["val_loss_new_trainer"]),
                                        torch.tensor(ref["val_loss"]), atol=ATOL, rtol=0)

@@ -75,9 +75,10 @@ def check_consistency(cfg: DictConfig, whole_setup: bool = True) -> None:
         # the default config and the experiments must be.
         if whole_setup and isinstance(devices, int):
             ranks = devices * cfg.trainer.num_nodes
-            assert ranks % cfg.strategy.data_parallel_size == 0
+            dp = cfg.strategy.data_parallel_size * cfg.strategy.fsdp_size
+            assert ranks % dp == 0
             v = cfg.schedule.stages_per_rank or get_schedule_spec(cfg.schedule.name).default_stages_per_rank
-            stages = ranks // cfg.strategy.data_parallel_size * v
+            stages = ranks // dp * v
             assert stages <= cfg.model.n_layer + 3, "more stages than layers"
 
 
@@ -171,6 +172,8 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "schedule.stages_per_rank": (["schedule=interleaved_1f1b", "schedule.stages_per_rank=3"], 3),
     "schedule.options": (["schedule=custom", "schedule.options={csv: my.csv, actions: null}"], {"csv": "my.csv"}),
     "strategy.data_parallel_size": (["strategy.data_parallel_size=2"], 2),
+    "strategy.fsdp_size": (["strategy.fsdp_size=2"], 2),
+    "strategy.fsdp_reshard_after_forward": (["strategy.fsdp_reshard_after_forward=true"], True),
     "strategy.partition": (["strategy.partition=[3,4]"], (3, 4)),
     "strategy.layers_attr": (["strategy.layers_attr=blocks"], "blocks"),
     "strategy.recompute": (["strategy.recompute=all"], "all"),

@@ -10,13 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple, TypedDict
 
-from tests.distributed.scenarios import checkpoint, hardening, hf, pipedream, planner, rebalance, trace, training
+from tests.distributed.scenarios import checkpoint, fsdp, hardening, hf, pipedream, planner, rebalance, trace, training
 from tests.distributed.scenarios.checkpoint import CheckpointCase
 from tests.distributed.scenarios.trace import TraceCase
 from tests.distributed.scenarios.training import TrainingCase
 
 Case = (TrainingCase | CheckpointCase | TraceCase | hardening.HardeningCase | planner.SlowRankCase | hf.HFCase
-        | rebalance.RebalanceCase)
+        | rebalance.RebalanceCase | fsdp.FsdpCountCase)
 
 
 class Scenario(NamedTuple):
@@ -42,6 +42,7 @@ SCENARIOS: dict[str, Scenario] = {
     "hf": Scenario(hf.HFCase, hf.run_pipeline),  # issue 13: test_hf_parity.py
     "pipedream": Scenario(TrainingCase, pipedream.run_pipedream),  # issue 11: test_pipedream.py
     "rebalance": Scenario(rebalance.RebalanceCase, rebalance.run_rebalance),  # issue 15.8: test_rebalance.py
+    "fsdp_counts": Scenario(fsdp.FsdpCountCase, fsdp.run_counts),  # issue 12: test_fsdp.py
 }
 
 __all__ = ["Case", "CheckpointCase", "Failure", "SCENARIOS", "Scenario", "TraceCase", "TrainingCase"]

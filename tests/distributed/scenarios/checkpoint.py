@@ -22,7 +22,7 @@ from typing_extensions import NotRequired
 
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.checkpoint import ModuleNames, write_shards
-from tests.distributed.scenarios.training import LossRecorder
+from tests.distributed.scenarios.training import LossRecorder, full_tensor
 from tests.models import ToyRegressor, loader, reference_train_loader, regression_data
 
 
@@ -32,6 +32,7 @@ class CheckpointCase:
 
     schedule: str = "1f1b"
     dp: int = 1
+    fsdp: int = 1  # FSDP2 shards per stage (fsdp_size)
     stages_per_rank: int | None = None
     microbatches: int = 4
     n_layers: int = 8
@@ -70,7 +71,7 @@ class StateAtStart(Callback):
         self.optim: dict[str, Any] = {}
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.params = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+        self.params = {n: full_tensor(p) for n, p in pl_module.named_parameters()}
         self.optim = optimizer_by_name(pl_module, trainer.optimizers[0])
 
 
@@ -82,7 +83,7 @@ def optimizer_by_name(module: torch.nn.Module, optimizer: torch.optim.Optimizer)
     for p, st in optimizer.state.items():
         if id(p) in names.owned or layout is None:
             for k, v in st.items():
-                out[f"{names.name_of[id(p)]}.{k}"] = v.detach().clone() if isinstance(v, torch.Tensor) else v
+                out[f"{names.name_of[id(p)]}.{k}"] = full_tensor(v) if isinstance(v, torch.Tensor) else v
     return out
 
 
@@ -96,16 +97,17 @@ def _run(case: CheckpointCase, ckpt_path: str | Path | None = None,
          callbacks: tuple[Callback, ...] = ()) -> CheckpointRun:
     torch.manual_seed(1234)
     model = ToyRegressor(n_layers=case.n_layers, optimizer=case.optimizer, tied=case.tied)
-    n_data = case.steps_per_epoch * case.batch * case.dp
+    n_data = case.steps_per_epoch * case.batch * case.dp * case.fsdp
     recorder, start = LossRecorder(), StateAtStart()
     strategy = PipelineStrategy(schedule=case.schedule, microbatches=case.microbatches,
-                                data_parallel_size=case.dp, stages_per_rank=case.stages_per_rank)
+                                data_parallel_size=case.dp, stages_per_rank=case.stages_per_rank,
+                                fsdp_size=case.fsdp)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=int(os.environ["TEST_WORLD_SIZE"]),
                         max_steps=case.steps, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                         callbacks=[recorder, start, *callbacks], enable_checkpointing=bool(callbacks))
     trainer.fit(model, loader(regression_data(n_data), case.batch), ckpt_path=ckpt_path)
-    return CheckpointRun(params={n: p.detach().clone() for n, p in model.named_parameters()},
+    return CheckpointRun(params={n: full_tensor(p) for n, p in model.named_parameters()},
                          losses=recorder.losses, start_params=start.params, start_optim=start.optim,
                          global_step=trainer.global_step,
                          topology=(trainer.strategy.topology.dp_rank, trainer.strategy.topology.pp_rank))
@@ -178,8 +180,8 @@ def run_reference(case: CheckpointCase, ckpt_path: str | Path | None = None, ste
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
                         limit_val_batches=0, callbacks=[recorder, start])
-    n = case.steps_per_epoch * case.batch * case.dp
-    trainer.fit(model, reference_train_loader(regression_data(n), case.batch * case.dp), ckpt_path=ckpt_path)
+    n = case.steps_per_epoch * case.batch * case.dp * case.fsdp
+    trainer.fit(model, reference_train_loader(regression_data(n), case.batch * case.dp * case.fsdp), ckpt_path=ckpt_path)
     run = CheckpointRun(params={k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)},
                         losses=recorder.losses, start_params=start.params, start_optim=start.optim,
                         global_step=trainer.global_step)

@@ -16,6 +16,7 @@ import lightning.pytorch as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
+from torch.distributed.tensor import DTensor
 from torch.utils.data import TensorDataset
 from typing_extensions import NotRequired
 
@@ -37,6 +38,8 @@ class TrainingCase:
     schedule: str = "1f1b"
     microbatches: int | None = 4
     dp: int = 1
+    fsdp: int = 1  # FSDP2 shards per stage (fsdp_size); replicas x shards read different data
+    fsdp_reshard: bool = False  # fsdp_reshard_after_forward
     stages_per_rank: int | None = None
     partition: str | list[int] = "uniform"
     schedule_options: dict[str, Any] | None = None
@@ -176,7 +179,8 @@ def _trainer(case: TrainingCase, pipeline: bool, recorder: Callback, *extra: Cal
         strategy = PipelineStrategy(schedule=case.schedule, microbatches=case.microbatches,
                                     data_parallel_size=case.dp, partition=case.partition,
                                     stages_per_rank=case.stages_per_rank, schedule_options=case.schedule_options,
-                                    recompute=case.recompute)
+                                    recompute=case.recompute, fsdp_size=case.fsdp,
+                                    fsdp_reshard_after_forward=case.fsdp_reshard)
         devices = int(os.environ["TEST_WORLD_SIZE"])  # Lightning deletes WORLD_SIZE at teardown
     else:
         strategy, devices = "auto", 1
@@ -196,7 +200,7 @@ def run_training(case: TrainingCase, pipeline: bool) -> TrainingResult:
     torch.manual_seed(1234)
     model = MODELS[case.model](case)
     data = DATA.get(case.model, regression_data)(case.n_data)
-    batch = case.batch * (1 if pipeline else case.dp)
+    batch = case.batch * (1 if pipeline else case.dp * case.fsdp)
     recorder = LossRecorder()
     dp_sync = DataParallelSync(case)
     trainer = _trainer(case, pipeline, recorder, *([dp_sync] if pipeline else []))
@@ -204,7 +208,7 @@ def run_training(case: TrainingCase, pipeline: bool) -> TrainingResult:
     train_loader = loader(data, batch) if pipeline else reference_train_loader(data, batch)
     trainer.fit(model, train_loader, loader(data, batch) if case.validate else None)
     out = TrainingResult(
-        params={n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)},
+        params={n: full_tensor(p) for n, p in model.named_parameters(remove_duplicate=False)},
         losses=recorder.losses, fit_val_losses=recorder.val_losses, scales=recorder.scales,
         calls=dict(getattr(model, "calls", {})), grad_sq_before_step=list(getattr(model, "grad_norms_before_step", [])))
     if case.validate:
@@ -227,6 +231,11 @@ def run_training(case: TrainingCase, pipeline: bool) -> TrainingResult:
     if callback is not None and case.monitor_dir is not None:
         out["best"] = (callback.best_model_path, float(callback.best_model_score))
     return out
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A detached copy; an FSDP-sharded DTensor gathered whole (collective: every shard rank calls it in turn)."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
 def run_pipeline(case: TrainingCase) -> TrainingResult:

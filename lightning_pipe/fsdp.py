@@ -1,0 +1,158 @@
+"""FSDP2 per pipeline stage: ``fully_shard`` each local layer and the stage root over the data-parallel mesh.
+
+[Note: FSDP under the pipeline schedule]
+Torch's ``PipelineStage`` drives an ``FSDPModule`` stage itself: every micro-batch's backward runs with
+``set_requires_gradient_sync(False)``, ``set_reshard_after_backward(False)`` and ``set_is_last_backward(False)``, so
+gradients accumulate unsharded; after the last micro-batch, ``perform_reduce_grad`` (the single-stage schedules' end,
+the ``REDUCE_GRAD`` action of the action-list runtime) turns the flags on and runs FSDP's post-backward once: one
+reduce-scatter (and, for HSDP, one all-reduce over replicas) per stage per batch, then a reshard. FSDP averages over
+every data-parallel rank, so the engine's data-parallel all-reduce is skipped (``GradientSync``), and our
+``scale_grads=False`` loss scaling ([Note: loss scaling] in engine.py) is untouched: FSDP divides by the
+data-parallel size only. The fresh gradients are sharded DTensors; the engine's pointer swap around Lightning's
+zero_grad moves those objects like any other ``.grad`` (FSDP adds into an existing sharded ``.grad``, and the swap
+leaves it ``None`` for the step).
+
+``reshard_after_forward=False`` (default) keeps each stage gathered from its first forward to its reduce: one
+all-gather per stage per batch; ``True`` gathers again for every micro-batch's backward. A forward-only pass leaves
+the parameters gathered, which would go stale after the next optimizer step: :func:`reshard` runs after each.
+
+Mixed precision: under ``bf16-mixed`` FSDP gathers parameters in bf16 (``MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)``: half the all-gather traffic, gradients reduced in fp32) while autocast still keeps the ops it
+keeps in fp32; the sharded master weights and the optimizer stay fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+from weakref import WeakKeyDictionary
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from lightning_pipe.config import config_error
+from lightning_pipe.stages import StageModule, TiedParameter, init_layer
+
+
+@dataclass(frozen=True)
+class ShardingOptions:
+    """How the stages are sharded (from ``PipelineConfig`` and the precision)."""
+
+    reshard_after_forward: bool = False
+    param_dtype: torch.dtype | None = None
+    """Dtype FSDP gathers parameters in and runs the forward with (``None``: theirs)."""
+    reduce_dtype: torch.dtype | None = None
+
+
+def check_schedule(schedule: str, stage_class: type | None) -> None:
+    """Refuse schedules whose stages run other weights than the module's (weight versions: PipeDream-2BW), which
+    would bypass FSDP's gathered parameters."""
+    if stage_class is not None:
+        raise config_error(
+            f"Schedule {schedule!r} runs its stages on stashed weight versions ({stage_class.__name__}), which "
+            "FSDP's sharded parameters do not support.", f"schedule={schedule!r} with fsdp_size > 1", "fsdp_size",
+            also=("schedule",))
+
+
+def check_ties(tied: Sequence[TiedParameter], layer_rank: Mapping[int, int]) -> None:
+    """Refuse a tied parameter used by two layers of one pipeline rank: FSDP cannot shard one parameter in two units.
+
+    Ties across ranks are supported (each rank shards its own copy; the copies' local shards are summed like any
+    tie's gradients). Plain data, the same on every rank: raised before any rank waits on another.
+    """
+    for tie in tied:
+        ranks = [layer_rank[i] for i in tie.layer_indices]
+        shared = sorted({r for r in ranks if ranks.count(r) > 1})
+        if shared:
+            raise config_error(
+                "With FSDP (fsdp_size > 1) a tied parameter must be used by layers on different pipeline ranks: "
+                "FSDP cannot shard one parameter in two layers of one rank.",
+                f"fsdp_size > 1 and {list(tie.names)} on pipeline rank(s) {shared}", "fsdp_size",
+                "or pick a schedule / partition that puts those layers on different ranks (V schedules put the first "
+                "and the last stage on rank 0)", fix="Untie the weights")
+
+
+# Sharded stage roots by their first layer. A later Trainer on the same module (validate after fit) cuts the same
+# stages again: FSDP's root is fixed at its first forward, so that Trainer must run the root it already has.
+_SHARDED: WeakKeyDictionary[nn.Module, StageModule] = WeakKeyDictionary()
+
+
+def shard_stages(module: nn.Module, stage_modules: Sequence[StageModule], mesh: DeviceMesh, options: ShardingOptions,
+                 device: torch.device, broadcast: Callable[[list[Tensor]], None] | None) -> list[StageModule]:
+    """Place and shard this rank's stages one layer at a time, so no more than one whole layer is resident besides
+    the shards: allocate a layer built on the meta device (and initialise it like ``stages.materialize``: the
+    module's ``reset_layer``) or move it to ``device``; ``broadcast`` its tensors (the data-parallel ranks start
+    identical; ``None`` when the module was placed before); ``fully_shard`` it. Then each stage root. The stage
+    modules become ``FSDPModule`` s, their parameters sharded DTensors under the same names. Collective.
+
+    Returns the stage modules to run: these, or the ones sharded earlier in this process over the same layers.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype)
+    out = []
+    for stage in stage_modules:
+        earlier = _SHARDED.get(stage.layers[0])
+        if earlier is not None and list(earlier.layers) == list(stage.layers):
+            out.append(earlier)
+            continue
+        for index, layer in zip(stage.layer_indices, stage.layers):
+            if any(t.is_meta for t in list(layer.parameters()) + list(layer.buffers())):
+                layer.to_empty(device=device)
+                init_layer(module, index, layer)
+            else:
+                layer.to(device)
+            if broadcast is not None:
+                broadcast(list(layer.parameters()) + list(layer.buffers()))
+            if any(True for _ in layer.parameters()):
+                fully_shard(layer, mesh=mesh, reshard_after_forward=options.reshard_after_forward, mp_policy=mp)
+        fully_shard(stage, mesh=mesh, reshard_after_forward=options.reshard_after_forward, mp_policy=mp)
+        _SHARDED[stage.layers[0]] = stage
+        out.append(stage)
+    return out
+
+
+def reshard(stage_modules: Iterable[nn.Module]) -> None:
+    """Free gathered parameters (no-op for sharded or non-FSDP stages): see [Note: FSDP under the pipeline schedule]."""
+    for stage in stage_modules:
+        for module in stage.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+
+def local(tensor: Tensor) -> Tensor:
+    """This rank's part of a DTensor (the tensor itself otherwise): what per-rank collectives and norms see."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def full_values(state: Mapping[str, Any]) -> dict[str, Any]:
+    """DTensor values gathered to full CPU tensors, one at a time; everything else as is. Collective: every rank
+    holding a DTensor of a stage calls it with the same keys in the same order (a checkpoint save)."""
+    return {k: v.full_tensor().detach().cpu() if isinstance(v, DTensor) else v for k, v in state.items()}
+
+
+def shard_like(value: Any, like: Any) -> Any:
+    """A full tensor cut like the DTensor ``like`` (this rank's chunk, no communication); anything else as is."""
+    if isinstance(like, DTensor) and isinstance(value, Tensor) and not isinstance(value, DTensor):
+        return distribute_tensor(value.detach().to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+    return value
+
+
+def shard_state_like(values: Mapping[str, Any], local_sd: Mapping[str, Any]) -> dict[str, Any]:
+    """Full tensors read from a checkpoint -> what ``load_state_dict`` of a module with sharded parameters takes."""
+    return {k: shard_like(v, local_sd.get(k)) for k, v in values.items()}
+
+
+def shard_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer ``state_dict`` with full per-parameter tensors (e.g. Adam's moments) cut like their DTensor
+    parameters; scalars (``step``) stay as they are."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for idx, entries in state_dict["state"].items():
+        param = params[idx]
+        if isinstance(param, DTensor):
+            for key, value in entries.items():
+                if isinstance(value, Tensor) and tuple(value.shape) == tuple(param.shape):
+                    entries[key] = shard_like(value, param)
+    return state_dict
