@@ -117,8 +117,9 @@ class PipelineEngine:
         # [Note: what the overlapped sync averages]; the strategy sets the two hints before each training batch.
         # PipeDream averages each micro-batch's gradients in its own update (stashing.MicrobatchUpdate); FSDP
         # stages average in their own reduce-scatter ([Note: FSDP under the pipeline schedule] in fsdp.py).
-        overlap = groups.dp is not None and groups.shard is None and not self.per_microbatch_updates
-        self.dp_overlap = DataParallelOverlap(self.stages, self.parameters, groups.dp) if overlap else None
+        self.dp_overlap = (DataParallelOverlap(self.stages, self.parameters, groups.dp)
+                           if groups.dp is not None and groups.shard is None and not self.per_microbatch_updates
+                           else None)
         self.overlap_dp_sync = True  # off: one all-reduce after the schedule (bench/dp_overlap.py compares both)
         self.optimizer_step_follows = True
         self.zero_grad_follows = True
@@ -326,7 +327,7 @@ class PipelineEngine:
     def sync_gradients(self) -> None:
         """Before the optimizer step: average over replicas what is not averaged yet, sum tied copies."""
         self.grads.sync(replicas=not self._grads_averaged)
-        if not self._grads_averaged and self.groups.dp is not None:
+        if not self._grads_averaged and self.dp_overlap is not None:  # (FSDP averages in its reduce-scatter)
             self.dp_sync_counts["after_schedule"] += 1
         self._grads_averaged = True
 
