@@ -6,6 +6,7 @@ The Lightning strategy calls :func:`build_engine` at setup (collectively, on eve
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,17 @@ class PipelineLayout:
     plan: SchedulePlan
 
 
+def engine_class(plan: SchedulePlan) -> type[PipelineEngine]:
+    """``PipelineEngine``, or the subclass the schedule names (``ScheduleSpec.engine``: ``"module:Class"``)."""
+    if plan.spec.engine is None:
+        return PipelineEngine
+    module_name, _, name = plan.spec.engine.partition(":")
+    cls = getattr(importlib.import_module(module_name), name)
+    if not (isinstance(cls, type) and issubclass(cls, PipelineEngine)):
+        raise TypeError(f"schedule {plan.spec.name!r}: engine {plan.spec.engine!r} is not a PipelineEngine subclass")
+    return cls
+
+
 def build_engine(module: PipelineModel, config: PipelineConfig, plan: SchedulePlan, topology: Topology,
                  device: torch.device, layout: PipelineLayout | None = None) -> tuple[PipelineEngine, PipelineLayout]:
     """Cut ``module``'s layer list for ``plan`` and build this rank's engine. Collective: every rank calls it.
@@ -64,7 +76,7 @@ def build_engine(module: PipelineModel, config: PipelineConfig, plan: SchedulePl
     # Layers built on the meta device (configure_model) are allocated now, on this rank only.
     materialize(module, config.layers_attr, stage_modules, layout.tied, device)
     module.to(device)
-    engine = PipelineEngine(module, stage_modules, local_ids, plan, groups, device)
+    engine = engine_class(plan)(module, stage_modules, local_ids, plan, groups, device)
     if fresh:
         engine.grads.broadcast_initial_state(
             [t for sm in stage_modules for t in list(sm.parameters()) + list(sm.buffers())])

@@ -311,3 +311,34 @@ _c10d = _module("torch.distributed.distributed_c10d")
 default_store = _resolve(_c10d, "_get_default_store", _c10d.__name__)
 """``default_store()``: the store of the default process group (needs an initialised process group)."""
 PRIVATE_TORCH_API["_get_default_store"] = default_store
+
+
+# --------------------------------------------------------------------------- a runtime of our own over torch's pieces
+# Chimera (lightning_pipe/chimera.py) drives two single-stage pipelines from one thread. It uses torch's own P2P
+# batching and a torch schedule per pipeline for the P2P warm-up and shape inference; these are private names.
+# The P2P helpers are looked up in torch's module at every call, so the trace recorder's wrappers see them.
+_resolve(_torch_schedules, "_batch_p2p", _WHERE)
+_resolve(_torch_schedules, "_wait_batch_p2p", _WHERE)
+_resolve(_torch_schedules.PipelineScheduleSingle, "_initialize_stage", f"{_WHERE}.PipelineScheduleSingle")
+
+
+def batch_p2p(ops: list[Any], desc: str) -> list[Any]:
+    """Torch's ``_batch_p2p``: post the P2P ops (send / receive work handles)."""
+    return _torch_schedules._batch_p2p(ops, desc=desc)
+
+
+def wait_batch_p2p(works: list[Any]) -> None:
+    """Torch's ``_wait_batch_p2p``."""
+    _torch_schedules._wait_batch_p2p(works)
+
+
+def initialize_stage(schedule: Any, args: tuple[Any, ...], target: Any) -> None:
+    """A single-stage torch schedule's first-step set-up of its stage (P2P warm-up, forward and backward shape
+    inference), without running a step; a no-op once done (until ``reset_schedule_shapes`` or a train/eval switch)."""
+    schedule._initialize_stage(args, {}, target)
+
+
+PRIVATE_TORCH_API.update({"_batch_p2p": _torch_schedules._batch_p2p,
+                          "_wait_batch_p2p": _torch_schedules._wait_batch_p2p,
+                          "PipelineScheduleSingle._initialize_stage":
+                              _torch_schedules.PipelineScheduleSingle._initialize_stage})

@@ -1,0 +1,119 @@
+"""Chimera (Li & Hoefler, SC'21, "Chimera: Efficiently Training Large-Scale Neural Networks with Bidirectional
+Pipelines"): two synchronous pipelines over the same ranks, in opposite directions.
+
+[Note: Chimera placement and semantics]
+With p even, the layer list is cut into p stages as usual. The *down* pipeline places stage s on rank s, the *up*
+pipeline places it on rank p-1-s ("mirror" placement), so rank r holds two stages, r and p-1-r: two different
+layer ranges, so two stages' weights per rank. Of each batch's m micro-batches (m even) the down pipeline runs
+0..m/2-1 and the up pipeline m/2..m-1, each micro-batch loss scaled by 1/m as everywhere ([Note: loss scaling] in
+engine.py). The two copies of stage s (ranks s and p-1-s) start identical and *sum* their gradients over the pair's
+own process group before the optimizer step, which gives every copy the gradient of the batch-mean loss over all m
+micro-batches; both copies then take the same optimizer step and stay identical. So a step equals plain mini-batch
+training (parity with one device), like every synchronous schedule. Data parallelism averages on top, ties sum
+once over every rank holding a copy (both pipelines), and the global-norm clip counts each stage once.
+
+[Note: the merged order]
+Both pipelines run from one thread, so each rank needs one order over its two stages' actions.
+:func:`chimera_order` builds it by list scheduling both pipelines' actions in the ideal cost model (F = 1, B = 2):
+whenever a rank is free it starts the ready action with the longest remaining path to the end of the batch
+(critical path first), each stage runs its micro-batches' forwards and backwards in order (P2P messages carry no
+tag: the order of sends must be the order of receives), and at most p - s forwards are in flight on stage s of a
+pipeline (1F1B's memory bound). The order is plain data: actions are torch ``_Action`` with the *global* micro-batch
+index, so ``compute_order`` and the simulator (:func:`~lightning_pipe.schedules.simulate.simulate`, whose deadlock
+check accepts it) read it like any schedule's; the up pipeline is the one with micro-batches >= m/2.
+
+Bubble: the paper's basic schedule has (p - 2) / (2m + p - 2) (Table 2; D = p stages, N = m micro-batches), against
+1F1B's (p - 1) / (m + p - 1); that is what ``theoretical_bubble`` reports. Our greedy order simulates a little above
+it (p = 4, m = 8: 0.172 with F = 1, B = 2, against 0.111 in the paper and 0.273 for 1F1B); p = 2 has no bubble.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_pipe._compat import torch as _compat
+from lightning_pipe.config import PipelineConfig, config_error
+from lightning_pipe.schedules.chimera_runtime import ChimeraRuntime
+from lightning_pipe.schedules.plan import SchedulePlan, ScheduleSpec
+
+DOWN, UP = 0, 1  # the pipelines, as in chimera_runtime
+
+
+def stage_rank(pipeline: int, stage: int, p: int) -> int:
+    """Where a pipeline places a stage: down on rank ``stage``, up on rank ``p - 1 - stage``."""
+    return stage if pipeline == DOWN else p - 1 - stage
+
+
+def pipeline_of(microbatch: int, m: int) -> int:
+    """The pipeline that runs a (global) micro-batch: the first half goes down, the second half up."""
+    return DOWN if microbatch < m // 2 else UP
+
+
+def chimera_order(p: int, m: int, f: float = 1.0, b: float = 2.0) -> dict[int, list[Any]]:
+    """Per-rank merged compute order of both pipelines ([Note: the merged order]); global micro-batch indices."""
+    half = m // 2
+    next_f = {(q, s): 0 for q in (DOWN, UP) for s in range(p)}
+    next_b = dict(next_f)
+    finish: dict[tuple[int, str, int], float] = {}
+    free = [0.0] * p
+    order: dict[int, list[Any]] = {r: [] for r in range(p)}
+    for _ in range(4 * p * half):
+        best: tuple[float, float, int, int, str, int] | None = None
+        for q in (DOWN, UP):
+            for s in range(p):
+                rank, i, j = stage_rank(q, s, p), next_f[(q, s)], next_b[(q, s)]
+                candidates = []
+                if i < half and i - j < p - s:  # the next forward, within 1F1B's in-flight bound
+                    mb = q * half + i
+                    ready = 0.0 if s == 0 else finish.get((s - 1, "F", mb))
+                    if ready is not None:
+                        candidates.append((max(free[rank], ready), -((p - 1 - s) * f + p * b), q, s, "F", mb))
+                if j < i:  # the next backward, once its forward ran and the next stage's backward did
+                    mb = q * half + j
+                    ready = finish[(s, "F", mb)] if s == p - 1 else finish.get((s + 1, "B", mb))
+                    if ready is not None:
+                        candidates.append((max(free[rank], ready, finish[(s, "F", mb)]), -(s * b), q, s, "B", mb))
+                for c in candidates:
+                    best = c if best is None or c < best else best
+        assert best is not None, "chimera_order: no action is ready (cannot happen: each pipeline is a 1F1B)"
+        start, _, q, s, kind, mb = best
+        rank = stage_rank(q, s, p)
+        free[rank] = finish[(s, kind, mb)] = start + (f if kind == "F" else b)
+        (next_f if kind == "F" else next_b)[(q, s)] += 1
+        order[rank].append(_compat.parse_action(f"{s}{kind}{mb}"))
+    return order
+
+
+def bubble_chimera(p: int, v: int, m: int) -> float:
+    """The Chimera paper's bubble ratio of its basic bidirectional schedule: (p - 2) / (2m + p - 2)."""
+    return (p - 2) / (2 * m + p - 2)
+
+
+def resolve(spec: ScheduleSpec, config: PipelineConfig, pipeline_size: int) -> SchedulePlan:
+    """p even (each rank pairs stage r with stage p-1-r), one stage per rank per pipeline, m even (two halves)."""
+    p = pipeline_size
+    if p % 2 or p < 2:
+        raise config_error(
+            "Schedule 'chimera' needs an even pipeline size: rank r holds stage r of the down pipeline and stage "
+            "p-1-r of the up pipeline, which must be different stages.",
+            f"pipeline size={p}", "devices", "an even number of pipeline ranks (devices / data_parallel_size)",
+            also=("data_parallel_size", "schedule"))
+    if config.stages_per_rank not in (None, 1):
+        raise config_error("Schedule 'chimera' runs one stage per rank in each of its two pipelines.",
+                           f"stages_per_rank={config.stages_per_rank}", "stages_per_rank", "leave it unset or 1")
+    m = config.microbatches if config.microbatches is not None else 2 * p
+    if m % 2 or m < 2:
+        raise config_error("Schedule 'chimera' splits each batch's micro-batches in two halves (one per pipeline), "
+                           "so it needs an even micro-batch count.", f"microbatches={m}", "microbatches",
+                           f"e.g. {m + 1 if m % 2 else 2}")
+    return SchedulePlan(spec, p, 1, m)
+
+
+def order(plan: SchedulePlan) -> dict[int, list[Any]]:
+    return chimera_order(plan.pipeline_size, plan.microbatches)
+
+
+CHIMERA = ScheduleSpec(
+    "chimera", ChimeraRuntime,
+    "Chimera: two synchronous 1F1B pipelines in opposite directions on the same ranks (p even)",
+    placement="mirror", theory_bubble=bubble_chimera, resolve=resolve, order=order, engine="lightning_pipe.chimera:ChimeraEngine")
