@@ -32,15 +32,25 @@ def check(results: list[list[dict[str, Any]]], cases: list[TrainingCase]) -> Non
                 torch.testing.assert_close(value, mirror[name], atol=0, rtol=0)
 
 
-@pytest.mark.timeout(300)
-def test_chimera_p2_matches_single_device(tmp_path) -> None:
-    """p = 2: each rank holds both stages (rank 0: down 0 + up 1; rank 1: down 1 + up 0). SGD; AdamW with
-    accumulation and clipping (the norm counts each stage once); a weight tied across the two stages."""
+@pytest.mark.timeout(420)
+def test_chimera_matches_single_device(tmp_path) -> None:
+    """One launch of 4 ranks (process start-up dominates on a small machine), two layouts:
+
+    - p = 4 (rank r: down stage r + up stage 3-r; stage pairs {0, 3} and {1, 2}): SGD with validation and predict
+      over the down pipeline (8 micro-batches); AdamW with accumulation and clipping (the norm counts each stage
+      once); the recipe's GPT, whose embedding and head are tied across stages 0 and 3 (one object on ranks 0 and
+      3, used by both pipelines).
+    - 2 replicas x p = 2 (each rank holds both stages): the pairs sum, then the replicas average; a weight tied
+      across the two stages; AdamW, clipping over the whole model.
+    """
     cases = [
-        TrainingCase(schedule="chimera", microbatches=4, check_grad_norms=False, predict=True),
+        TrainingCase(schedule="chimera", microbatches=8, check_grad_norms=False, predict=True),
         TrainingCase(schedule="chimera", microbatches=4, acc=2, clip=0.05, optimizer="adamw", validate=False,
                      check_grad_norms=False),
-        TrainingCase(schedule="chimera", microbatches=4, tied=True, optimizer="adamw", clip=0.05, validate=False,
+        TrainingCase(model="gpt", n_layers=7, schedule="chimera", microbatches=4, tied=True, optimizer="adamw",
+                     clip=0.5, validate=False, check_grad_norms=False),
+        TrainingCase(schedule="chimera", dp=2, microbatches=4, clip=0.05, optimizer="adamw", tied=True,
                      check_grad_norms=False),
+        TrainingCase(schedule="chimera", dp=2, microbatches=4, acc=2, validate=False, check_grad_norms=False),
     ]
-    check(launch("training", 2, cases, tmp_path, timeout=240), cases)
+    check(launch("training", 4, cases, tmp_path, timeout=360), cases)
