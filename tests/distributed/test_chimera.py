@@ -7,14 +7,19 @@ Ranks r and p-1-r hold copies of the same two stages: they must also agree exact
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.distributed.launcher import launch
-from tests.distributed.parity import assert_case_parity
-from tests.distributed.scenarios import TrainingCase
+from lightning_pipe import checkpoint as ckpt_lib
+from tests.distributed.launcher import launch_runs
+from tests.distributed.parity import ATOL, assert_case_parity, assert_same, merge_replica
+from tests.distributed.scenarios import CheckpointCase, TrainingCase
+from tests.distributed.scenarios.checkpoint import optimizer_by_name, run_reference
+from tests.models import ToyRegressor
 
 pytestmark = [pytest.mark.parity, pytest.mark.distributed]
 
@@ -53,4 +58,39 @@ def test_chimera_matches_single_device(tmp_path) -> None:
                      check_grad_norms=False),
         TrainingCase(schedule="chimera", dp=2, microbatches=4, acc=2, validate=False, check_grad_norms=False),
     ]
-    check(launch("training", 4, cases, tmp_path, timeout=360), cases)
+    # checkpoints: ranks r and 3-r hold the same layers with the same values; both write them (the checkpoint
+    # writer keeps one copy per key) and both read them back
+    ckpt = CheckpointCase(schedule="chimera", dir=str(tmp_path / "chimera"),
+                          resume_from=str(tmp_path / "chimera" / STEP4))
+    # the same checkpoint resumed by another layout: 1F1B on 2 replicas x 2 stages
+    other = CheckpointCase(schedule="1f1b", dp=2, resume_from=ckpt.resume_from)
+    runs = [("training", c) for c in cases] + [("ckpt_train", ckpt), ("ckpt_resume", other)]
+    results = launch_runs(4, runs, tmp_path / "out", timeout=400)
+    check(results, cases)
+    check_checkpoints(results, len(cases), ckpt, Path(ckpt.dir or ""))
+
+
+STEP4 = "epoch=0-step=4.ckpt"
+
+
+def check_checkpoints(results: list[list[Any]], i: int, case: CheckpointCase, root: Path) -> None:
+    """Stopped after 4 of 8 steps and resumed == uninterrupted == one device; the checkpoint holds every parameter
+    once (the plain module loads it); another layout resumes from it as from any checkpoint."""
+    reference, _, _ = run_reference(replace(case, dir=None, resume_from=None))
+    for rank in results:
+        full, resumed = rank[i]["full"], rank[i]["resumed"]
+        assert resumed["global_step"] == 8
+        assert_same(resumed["params"], full["params"], 1e-6, "chimera resumed params")
+        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][4:]), atol=1e-6,
+                                   rtol=0)
+    assert_same(merge_replica(results, i, run="full"), reference["params"], ATOL, "chimera vs one device")
+    plain = ToyRegressor.load_from_checkpoint(ckpt_lib.as_file(root / STEP4), optimizer="adamw")
+    params = {n: p.detach() for n, p in plain.named_parameters(remove_duplicate=False)}
+    assert_same(merge_replica(results, i, run="resumed", key="start_params"), params, 0, "chimera loaded params")
+    ckpt = ckpt_lib.consolidated(root / STEP4)
+    opt = torch.optim.AdamW(plain.parameters(), lr=0.05, weight_decay=0.1)
+    opt.load_state_dict(ckpt["optimizer_states"][0])
+    assert_same(merge_replica(results, i, run="resumed", key="start_optim"), optimizer_by_name(plain, opt), 0,
+                "chimera loaded optimizer state")
+    resharded = merge_replica(results, i + 1, key="start_params")
+    assert_same(resharded, params, 0, "1F1B dp2 x pp2 loaded from a Chimera checkpoint")
