@@ -15,9 +15,11 @@ import pytest
 import torch
 
 from lightning_pipe import checkpoint as ckpt_lib
+from lightning_pipe.config import PipelineConfig
+from lightning_pipe.schedules import compute_order, plan_schedule
 from tests.distributed.launcher import launch_runs
 from tests.distributed.parity import ATOL, assert_case_parity, assert_same, merge_replica
-from tests.distributed.scenarios import CheckpointCase, TrainingCase
+from tests.distributed.scenarios import CheckpointCase, TraceCase, TrainingCase
 from tests.distributed.scenarios.checkpoint import optimizer_by_name, run_reference
 from tests.models import ToyRegressor
 
@@ -65,9 +67,27 @@ def test_chimera_matches_single_device(tmp_path) -> None:
     # the same checkpoint resumed by another layout: 1F1B on 2 replicas x 2 stages
     other = CheckpointCase(schedule="1f1b", dp=2, resume_from=ckpt.resume_from)
     runs = [("training", c) for c in cases] + [("ckpt_train", ckpt), ("ckpt_resume", other)]
+    runs.append(("trace", TraceCase(schedule="chimera", microbatches=4, steps=2)))  # PipelineTimeline
     results = launch_runs(4, runs, tmp_path / "out", timeout=400)
     check(results, cases)
     check_checkpoints(results, len(cases), ckpt, Path(ckpt.dir or ""))
+    check_trace(results, len(cases) + 2)
+
+
+def check_trace(results: list[list[Any]], i: int) -> None:
+    """PipelineTimeline records what each rank ran: both stages' calls in the merged order (each pipeline numbers
+    its own micro-batches: the up pipeline's 0 is the batch's m/2), and a bubble metric."""
+    m = 4
+    order = compute_order(plan_schedule(PipelineConfig(schedule="chimera", microbatches=m), 4))
+    for rank, rank_results in enumerate(results):
+        (record,) = rank_results[i]["records"]
+        ran = [f"{s['stage']}{s['kind']}{s['mb']}" for s in record["slices"] if s["kind"] in "FB"]
+        want = [f"{a.stage_index}{a.computation_type.value}{a.microbatch_index % (m // 2)}" for a in order[rank]]
+        assert ran == want, f"rank {rank}"
+        assert sorted(record["stages"]) == sorted({rank, 3 - rank})
+        assert rank_results[i]["last_bubble"] is not None
+        # the Chimera paper's (p - 2) / (2m + p - 2), logged next to the measured bubble
+        assert rank_results[i]["seen"][-1]["pipeline/bubble_theory"] == pytest.approx(2 / 10)
 
 
 STEP4 = "epoch=0-step=4.ckpt"
