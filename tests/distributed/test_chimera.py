@@ -21,6 +21,8 @@ from tests.distributed.launcher import launch_runs
 from tests.distributed.parity import ATOL, assert_case_parity, assert_same, merge_replica
 from tests.distributed.scenarios import CheckpointCase, TraceCase, TrainingCase
 from tests.distributed.scenarios.checkpoint import optimizer_by_name, run_reference
+from tests.distributed.scenarios.hardening import HardeningCase
+from tests.distributed.test_hardening import MASKED, VARLEN, assert_parity
 from tests.models import ToyRegressor
 
 pytestmark = [pytest.mark.parity, pytest.mark.distributed]
@@ -49,6 +51,9 @@ def test_chimera_matches_single_device(tmp_path) -> None:
       3, used by both pipelines).
     - 2 replicas x p = 2 (each rank holds both stages): the pairs sum, then the replicas average; a weight tied
       across the two stages; AdamW, clipping over the whole model.
+
+    In the same processes: a checkpoint save / exact resume / reshard, a PipelineTimeline trace, and the hardening
+    cases (variable sequence lengths; a token-weighted (sum, count) loss over 2 replicas with accumulation).
     """
     cases = [
         TrainingCase(schedule="chimera", microbatches=8, check_grad_norms=False, predict=True),
@@ -58,7 +63,6 @@ def test_chimera_matches_single_device(tmp_path) -> None:
                      clip=0.5, validate=False, check_grad_norms=False),
         TrainingCase(schedule="chimera", dp=2, microbatches=4, clip=0.05, optimizer="adamw", tied=True,
                      check_grad_norms=False),
-        TrainingCase(schedule="chimera", dp=2, microbatches=4, acc=2, validate=False, check_grad_norms=False),
     ]
     # checkpoints: ranks r and 3-r hold the same layers with the same values; both write them (the checkpoint
     # writer keeps one copy per key) and both read them back
@@ -68,10 +72,16 @@ def test_chimera_matches_single_device(tmp_path) -> None:
     other = CheckpointCase(schedule="1f1b", dp=2, resume_from=ckpt.resume_from)
     runs = [("training", c) for c in cases] + [("ckpt_train", ckpt), ("ckpt_resume", other)]
     runs.append(("trace", TraceCase(schedule="chimera", microbatches=4, steps=2)))  # PipelineTimeline
+    # variable sequence lengths (re-inference of both pipelines' shapes, validate, predict), p = 4; a token-weighted
+    # (sum, count) loss with uneven counts per micro-batch, pipeline and replica, 2 x p = 2
+    hardening = [HardeningCase(**VARLEN, schedule="chimera"), HardeningCase(**MASKED, schedule="chimera", dp=2, acc=2)]
+    runs += [("hardening", c) for c in hardening]
     results = launch_runs(4, runs, tmp_path / "out", timeout=400)
     check(results, cases)
     check_checkpoints(results, len(cases), ckpt, Path(ckpt.dir or ""))
     check_trace(results, len(cases) + 2)
+    for j, case in enumerate(hardening):
+        assert_parity(results, len(cases) + 3 + j, case)
 
 
 def check_trace(results: list[list[Any]], i: int) -> None:
