@@ -7,6 +7,7 @@ Ranks r and p-1-r hold copies of the same two stages: they must also agree exact
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import torch
 from lightning_pipe import checkpoint as ckpt_lib
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.schedules import compute_order, plan_schedule
-from tests.distributed.launcher import launch_runs
+from tests.distributed.launcher import launch, launch_runs
 from tests.distributed.parity import ATOL, assert_case_parity, assert_same, merge_replica
 from tests.distributed.scenarios import CheckpointCase, TraceCase, TrainingCase
 from tests.distributed.scenarios.checkpoint import optimizer_by_name, run_reference
@@ -124,3 +125,13 @@ def check_checkpoints(results: list[list[Any]], i: int, case: CheckpointCase, ro
                 "chimera loaded optimizer state")
     resharded = merge_replica(results, i + 1, key="start_params")
     assert_same(resharded, params, 0, "1F1B dp2 x pp2 loaded from a Chimera checkpoint")
+
+
+@pytest.mark.skipif(os.environ.get("LIGHTNING_PIPE_8_RANKS") != "1",
+                    reason="8 processes (~35 s on 2 idle cores): set LIGHTNING_PIPE_8_RANKS=1 to run")
+@pytest.mark.timeout(600)
+def test_chimera_p4_with_data_parallel_matches_single_device(tmp_path) -> None:
+    """2 replicas x p = 4: four stage-pair groups, two up-pipeline groups, then the replicas average."""
+    cases = [TrainingCase(schedule="chimera", dp=2, microbatches=4, clip=0.05, optimizer="adamw", tied=True,
+                          check_grad_norms=False, steps=2)]
+    check(launch("training", 8, cases, tmp_path, timeout=500), cases)
