@@ -23,7 +23,9 @@ from tests.distributed.parity import ATOL, assert_case_parity, assert_same, merg
 from tests.distributed.scenarios import CheckpointCase, TraceCase, TrainingCase
 from tests.distributed.scenarios.checkpoint import optimizer_by_name, run_reference
 from tests.distributed.scenarios.hardening import HardeningCase
+from tests.distributed.scenarios.training import run_training
 from tests.distributed.test_hardening import MASKED, VARLEN, assert_parity
+from tests.distributed.test_precision import FP16_TOL
 from tests.models import ToyRegressor
 
 pytestmark = [pytest.mark.parity, pytest.mark.distributed]
@@ -53,8 +55,9 @@ def test_chimera_matches_single_device(tmp_path) -> None:
     - 2 replicas x p = 2 (each rank holds both stages): the pairs sum, then the replicas average; a weight tied
       across the two stages; AdamW, clipping over the whole model.
 
-    In the same processes: a checkpoint save / exact resume / reshard, a PipelineTimeline trace, and the hardening
-    cases (variable sequence lengths; a token-weighted (sum, count) loss over 2 replicas with accumulation).
+    In the same processes: a checkpoint save / exact resume / reshard, a PipelineTimeline trace, the hardening
+    cases (variable sequence lengths; a token-weighted (sum, count) loss over 2 replicas with accumulation) and
+    fp16 AMP with an injected overflow.
     """
     cases = [
         TrainingCase(schedule="chimera", microbatches=8, check_grad_norms=False, predict=True),
@@ -77,12 +80,25 @@ def test_chimera_matches_single_device(tmp_path) -> None:
     # (sum, count) loss with uneven counts per micro-batch, pipeline and replica, 2 x p = 2
     hardening = [HardeningCase(**VARLEN, schedule="chimera"), HardeningCase(**MASKED, schedule="chimera", dp=2, acc=2)]
     runs += [("hardening", c) for c in hardening]
+    # fp16 AMP with an overflow in the last stage at the second step (both of its copies: every rank skips it), p = 4
+    fp16 = TrainingCase(precision="16-mixed", schedule="chimera", inf_grad_at_step=1, steps=4, clip=0.05,
+                        validate=False, check_grad_norms=False)
+    runs.append(("training", fp16))
     results = launch_runs(4, runs, tmp_path / "out", timeout=400)
     check(results, cases)
     check_checkpoints(results, len(cases), ckpt, Path(ckpt.dir or ""))
     check_trace(results, len(cases) + 2)
     for j, case in enumerate(hardening):
         assert_parity(results, len(cases) + 3 + j, case)
+    check_fp16(results, len(cases) + 5, fp16)
+
+
+def check_fp16(results: list[list[Any]], i: int, case: TrainingCase) -> None:
+    """As tests/distributed/test_precision.py: 2 fp16 ulps, and every rank's loss scale moves as on one device."""
+    ref = run_training(case, pipeline=False)
+    assert_same(merge_replica(results, i), ref["params"], FP16_TOL, "chimera fp16")
+    for rank in results:
+        assert rank[i]["scales"] == ref["scales"] and ref["scales"][:2] == [2.0**16, 2.0**15]
 
 
 def check_trace(results: list[list[Any]], i: int) -> None:
