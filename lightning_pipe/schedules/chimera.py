@@ -15,10 +15,12 @@ once over every rank holding a copy (both pipelines), and the global-norm clip c
 [Note: the merged order]
 Both pipelines run from one thread, so each rank needs one order over its two stages' actions.
 :func:`chimera_order` builds it by list scheduling both pipelines' actions in the ideal cost model (F = 1, B = 2):
-whenever a rank is free it starts the ready action with the longest remaining path to the end of the batch
-(critical path first), each stage runs its micro-batches' forwards and backwards in order (P2P messages carry no
-tag: the order of sends must be the order of receives), and at most p - s forwards are in flight on stage s of a
-pipeline (1F1B's memory bound). The order is plain data: actions are torch ``_Action`` with the *global* micro-batch
+whenever a rank is free it starts the earliest ready action, ties broken by one of three rules (longest remaining
+path first; backwards first, then that; oldest micro-batch first), and the rule whose order the simulator finds
+shortest wins (no rule is best for every p and m). Each stage runs its micro-batches' forwards and backwards in order
+(P2P messages carry no tag: the order of sends must be the order of receives), and at most p - s forwards are in
+flight on stage s of a pipeline (1F1B's memory bound; allowing p in flight reaches the paper's bubble at p = 4,
+m = 8 but holds up to 2p micro-batches' activations on the middle ranks). The order is plain data: actions are torch ``_Action`` with the *global* micro-batch
 index, so ``compute_order`` and the simulator (:func:`~lightning_pipe.schedules.simulate.simulate`, whose deadlock
 check accepts it) read it like any schedule's; the up pipeline is the one with micro-batches >= m/2.
 
@@ -29,12 +31,14 @@ it (p = 4, m = 8: 0.172 with F = 1, B = 2, against 0.111 in the paper and 0.273 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from lightning_pipe._compat import torch as _compat
 from lightning_pipe.config import PipelineConfig, config_error
 from lightning_pipe.schedules.chimera_runtime import ChimeraRuntime
 from lightning_pipe.schedules.plan import SchedulePlan, ScheduleSpec
+from lightning_pipe.schedules.simulate import simulate
 
 DOWN, UP = 0, 1  # the pipelines, as in chimera_runtime
 
@@ -49,16 +53,44 @@ def pipeline_of(microbatch: int, m: int) -> int:
     return DOWN if microbatch < m // 2 else UP
 
 
+# Tie-breaks among actions ready at the same time, tried in turn (see [Note: the merged order]): the longest
+# remaining path first, the same with backwards before forwards, the oldest micro-batch first.
+PRIORITIES: dict[str, Callable[[str, int, int, int, float, float], tuple[float, ...]]] = {
+    # (kind, p, stage, index of the micro-batch in its pipeline, F cost, B cost) -> sort key
+    "critical_path": lambda kind, p, s, i, f, b: (_remaining(kind, p, s, f, b),),
+    "backward_first": lambda kind, p, s, i, f, b: (kind == "F", _remaining(kind, p, s, f, b)),
+    "oldest_first": lambda kind, p, s, i, f, b: (i, kind == "F"),
+}
+
+
+def _remaining(kind: str, p: int, s: int, f: float, b: float) -> float:
+    """Minus the work left on the micro-batch's path after this action starts (longest first)."""
+    return -((p - 1 - s) * f + p * b) if kind == "F" else -(s * b)
+
+
 def chimera_order(p: int, m: int, f: float = 1.0, b: float = 2.0) -> dict[int, list[Any]]:
-    """Per-rank merged compute order of both pipelines ([Note: the merged order]); global micro-batch indices."""
-    half = m // 2
+    """Per-rank merged compute order of both pipelines ([Note: the merged order]); global micro-batch indices.
+    The best of :data:`PRIORITIES` in the simulator (F = ``f``, B = ``b``); ties go to the first."""
+    best: tuple[float, dict[int, list[Any]]] | None = None
+    for rule in PRIORITIES:
+        order = list_schedule(p, m, rule, f, b)
+        span = simulate(order, p, f, b).makespan
+        if best is None or span < best[0] - 1e-9:
+            best = (span, order)
+    assert best is not None
+    return best[1]
+
+
+def list_schedule(p: int, m: int, rule: str, f: float = 1.0, b: float = 2.0) -> dict[int, list[Any]]:
+    """Both pipelines' actions list-scheduled with one tie-break rule of :data:`PRIORITIES`."""
+    priority, half = PRIORITIES[rule], m // 2
     next_f = {(q, s): 0 for q in (DOWN, UP) for s in range(p)}
     next_b = dict(next_f)
     finish: dict[tuple[int, str, int], float] = {}
     free = [0.0] * p
     order: dict[int, list[Any]] = {r: [] for r in range(p)}
     for _ in range(4 * p * half):
-        best: tuple[float, float, int, int, str, int] | None = None
+        best: tuple[Any, ...] | None = None
         for q in (DOWN, UP):
             for s in range(p):
                 rank, i, j = stage_rank(q, s, p), next_f[(q, s)], next_b[(q, s)]
@@ -67,15 +99,16 @@ def chimera_order(p: int, m: int, f: float = 1.0, b: float = 2.0) -> dict[int, l
                     mb = q * half + i
                     ready = 0.0 if s == 0 else finish.get((s - 1, "F", mb))
                     if ready is not None:
-                        candidates.append((max(free[rank], ready), -((p - 1 - s) * f + p * b), q, s, "F", mb))
+                        candidates.append((max(free[rank], ready), priority("F", p, s, i, f, b), q, s, "F", mb))
                 if j < i:  # the next backward, once its forward ran and the next stage's backward did
                     mb = q * half + j
                     ready = finish[(s, "F", mb)] if s == p - 1 else finish.get((s + 1, "B", mb))
                     if ready is not None:
-                        candidates.append((max(free[rank], ready, finish[(s, "F", mb)]), -(s * b), q, s, "B", mb))
+                        start = max(free[rank], ready, finish[(s, "F", mb)])
+                        candidates.append((start, priority("B", p, s, j, f, b), q, s, "B", mb))
                 for c in candidates:
                     best = c if best is None or c < best else best
-        assert best is not None, "chimera_order: no action is ready (cannot happen: each pipeline is a 1F1B)"
+        assert best is not None, "list_schedule: no action is ready (cannot happen: each pipeline is a 1F1B)"
         start, _, q, s, kind, mb = best
         rank = stage_rank(q, s, p)
         free[rank] = finish[(s, kind, mb)] = start + (f if kind == "F" else b)

@@ -8,7 +8,14 @@ import pytest
 
 from lightning_pipe.config import PipelineConfig, PipelineConfigError
 from lightning_pipe.schedules import available_schedules, compute_order, plan_schedule, simulate
-from lightning_pipe.schedules.chimera import bubble_chimera, chimera_order, pipeline_of, stage_rank
+from lightning_pipe.schedules.chimera import (
+    PRIORITIES,
+    bubble_chimera,
+    chimera_order,
+    list_schedule,
+    pipeline_of,
+    stage_rank,
+)
 
 
 def plan(p: int = 4, m: int | None = 8, **settings):
@@ -47,7 +54,17 @@ def test_merged_order_is_complete_in_order_and_deadlock_free(p: int, m: int) -> 
     # each stage of each pipeline runs its micro-batches in order (untagged P2P: sends and receives must match)
     for (q, _, _), mbs in per_stage.items():
         assert mbs == sorted(mbs) == list(range(q * m // 2, (q + 1) * m // 2))
+    # at most p - s micro-batches in flight on stage s of each pipeline (1F1B's activation bound)
+    for actions in order.values():
+        live: dict[tuple[int, int], int] = {}
+        for a in actions:
+            key = (pipeline_of(a.microbatch_index, m), a.stage_index)
+            live[key] = live.get(key, 0) + (1 if a.computation_type.value == "F" else -1)
+            assert live[key] <= p - a.stage_index
     simulate(order, p)  # raises ScheduleDeadlock otherwise
+    # the best of the tie-break rules
+    spans = [simulate(list_schedule(p, m, rule), p).makespan for rule in PRIORITIES]
+    assert simulate(order, p).makespan == pytest.approx(min(spans))
 
 
 @pytest.mark.parametrize(("p", "m"), [(4, 4), (4, 8), (4, 16), (6, 12), (8, 16)])
