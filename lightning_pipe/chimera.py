@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from lightning_pipe._compat import torch as _compat
 from lightning_pipe.batches import LossParts
+from lightning_pipe.config import config_error
 from lightning_pipe.engine import PipelineEngine, PipelineModel
 from lightning_pipe.grads import GradientSync, ProcessGroups, all_reduce_coalesced
 from lightning_pipe.schedules import SchedulePlan, compute_order
@@ -86,6 +87,13 @@ class ChimeraEngine(PipelineEngine):
 
     def __init__(self, module: PipelineModel, stage_modules: list[StageModule], local_stage_ids: list[int],
                  plan: SchedulePlan, groups: ProcessGroups, device: torch.device) -> None:
+        if device.type != "cpu":  # every rank has the same device type: all refuse together, before any group
+            raise config_error(
+                "Schedule 'chimera' runs on CPU (gloo) only for now: its runtime posts each send right after its "
+                "compute and waits on it at the end of the step, which cannot block on gloo but can on NCCL, whose "
+                "sends and receives between two ranks share one stream ([Note: driving two pipelines from one "
+                "thread] in lightning_pipe/schedules/chimera_runtime.py); that path is not built and tested yet.",
+                f"device {device}", "schedule", "e.g. 1f1b, zbv or dualpipev on GPUs")
         self.up_group: dist.ProcessGroup | None = None
         self.pair_group: dist.ProcessGroup | None = None
         super().__init__(module, stage_modules, local_stage_ids, plan, groups, device)

@@ -11,6 +11,9 @@ only the loop over the merged order:
 - after it, its sends are posted and *not* waited until the end of the step. So a rank only ever blocks on an
   input, which is exactly the dependency model of the simulator's deadlock check: an order the simulator accepts
   cannot hang here. (Waiting on a send early could: its receiver may be blocked on our other pipeline.)
+- That holds on gloo, where a posted send progresses on its own. On NCCL a send and a later receive between the same
+  two ranks queue on one stream, so two neighbours can each wait behind their own send (torch's 1F1B fuses sends
+  with the next receives for this reason): the engine refuses non-CPU devices until that path is built and tested.
 - P2P messages carry no tag, so the two pipelines use two process groups, and each stage runs its micro-batches'
   forwards and backwards in order: on each (group, sender, receiver) the sends and receives then match one to one.
 

@@ -90,3 +90,13 @@ def test_refuses_what_cannot_hold(p: int, settings: dict, names: list[str]) -> N
         plan_schedule(config, p)
     for name in names:
         assert name in str(err.value)
+
+
+def test_refuses_non_cpu_devices_before_any_group() -> None:
+    import torch
+
+    from lightning_pipe.chimera import ChimeraEngine
+
+    with pytest.raises(PipelineConfigError) as err:  # raised before it touches the module, groups or stages
+        ChimeraEngine(None, [], [], plan(4), None, torch.device("meta"))  # type: ignore[arg-type]
+    assert "CPU (gloo) only" in str(err.value) and "device meta" in str(err.value)
