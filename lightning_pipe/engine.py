@@ -92,16 +92,11 @@ class PipelineEngine:
         self.groups = groups
         self.device = device
         self.stage_modules = stage_modules
-        self.stages = [
-            (plan.spec.stage_class or _compat.GuardedPipelineStage)(
-                sm, s, plan.num_stages, device, group=groups.pp, inference_guard=self._inference_guard)
-            for sm, s in zip(stage_modules, local_stage_ids)
-        ]
+        self.stages, self.schedule = self._build_runtime(stage_modules, local_stage_ids)
         # PipeDream: the optimizer steps inside the schedule, per micro-batch ([Note: PipeDream weight stashing])
         self.per_microbatch_updates = any(getattr(st, "updates_per_microbatch", False) for st in self.stages)
         self.has_first = any(st.is_first for st in self.stages)
         self.has_last = any(st.is_last for st in self.stages)
-        self.schedule = build_torch_schedule(plan, self.stages, self._schedule_loss)
         self.phase: str | None = None
         self.batch_idx: int | None = None
         self.accumulate_grad_batches = 1
@@ -133,6 +128,15 @@ class PipelineEngine:
         self._owner = type(module).__name__
         # Context managers entered around every training schedule step (see lightning_pipe.memory / trace).
         self.step_contexts: list[Callable[[], contextlib.AbstractContextManager]] = []
+
+    def _build_runtime(self, stage_modules: list[StageModule], local_stage_ids: list[int]) -> tuple[list[Any], Any]:
+        """This rank's torch stages and the schedule that drives them (a subclass may run several pipelines)."""
+        stages = [
+            (self.plan.spec.stage_class or _compat.GuardedPipelineStage)(
+                sm, s, self.plan.num_stages, self.device, group=self.groups.pp, inference_guard=self._inference_guard)
+            for sm, s in zip(stage_modules, local_stage_ids)
+        ]
+        return stages, build_torch_schedule(self.plan, stages, self._schedule_loss)
 
     # ------------------------------------------------------------------ phase plumbing
     @contextlib.contextmanager
@@ -214,8 +218,15 @@ class PipelineEngine:
         """[Note: re-inference on a new shape]."""
         if sig != self._signature:
             if self._signature is not None:
-                _compat.reset_schedule_shapes(self.schedule)
+                self._reset_shapes()
             self._signature = sig
+
+    def _reset_shapes(self) -> None:
+        _compat.reset_schedule_shapes(self.schedule)
+
+    def _run_schedule(self, args: tuple[Tensor, ...], target: Tensor) -> None:
+        """One training step of the schedule over this batch (inputs where a first stage is, target at a last)."""
+        self.schedule.step(*(args if self.has_first else ()), target=target if self.has_last else None)
 
     def _train_step(self, module: PipelineModel, batch: Any) -> Tensor:
         inputs, target = module.split_batch(batch)
@@ -236,7 +247,7 @@ class PipelineEngine:
             for make_context in self.step_contexts:  # measurement (memory meter, trace recorder), off by default
                 stack.enter_context(make_context())
             try:
-                self.schedule.step(*(args if self.has_first else ()), target=target if self.has_last else None)
+                self._run_schedule(args, target)
             except BaseException:
                 if overlap is not None:  # nothing waits on a failed step's collectives (the run stops)
                     overlap.abandon()

@@ -54,7 +54,7 @@ class ProcessGroups:
         # Tied parameters held by several pipeline ranks: one group per tie and replica, over the holding ranks.
         self.tied: list[TieGroup] = []
         for tie in tied:
-            holders = sorted({plan.stage_to_rank(_stage_of(ranges, i)) for i in tie.layer_indices})
+            holders = sorted({r for i in tie.layer_indices for r in plan.ranks_of_stage(_stage_of(ranges, i))})
             if len(holders) < 2:
                 continue
             mine = None

@@ -6,6 +6,7 @@ The Lightning strategy calls :func:`build_engine` at setup (collectively, on eve
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,7 @@ import torch.distributed as dist
 from lightning_pipe.config import PipelineConfig, Topology
 from lightning_pipe.engine import PipelineEngine, PipelineModel
 from lightning_pipe.fsdp import ShardingOptions, check_schedule, check_ties, shard_stages
-from lightning_pipe.grads import GradientSync, ProcessGroups
+from lightning_pipe.grads import ProcessGroups
 from lightning_pipe.mesh import build_mesh, data_parallel_mesh
 from lightning_pipe.partition import layer_param_counts, partition_layers
 from lightning_pipe.schedules import SchedulePlan
@@ -37,6 +38,17 @@ class PipelineLayout:
     ranges: tuple[range, ...]
     tied: tuple[TiedParameter, ...]
     plan: SchedulePlan
+
+
+def engine_class(plan: SchedulePlan) -> type[PipelineEngine]:
+    """``PipelineEngine``, or the subclass the schedule names (``ScheduleSpec.engine``: ``"module:Class"``)."""
+    if plan.spec.engine is None:
+        return PipelineEngine
+    module_name, _, name = plan.spec.engine.partition(":")
+    cls = getattr(importlib.import_module(module_name), name)
+    if not (isinstance(cls, type) and issubclass(cls, PipelineEngine)):
+        raise TypeError(f"schedule {plan.spec.name!r}: engine {plan.spec.engine!r} is not a PipelineEngine subclass")
+    return cls
 
 
 def build_engine(module: PipelineModel, config: PipelineConfig, plan: SchedulePlan, topology: Topology,
@@ -85,10 +97,10 @@ def build_engine(module: PipelineModel, config: PipelineConfig, plan: SchedulePl
         # Layers built on the meta device (configure_model) are allocated now, on this rank only.
         materialize(module, config.layers_attr, stage_modules, layout.tied, device)
     module.to(device)
+    engine = engine_class(plan)(module, stage_modules, local_ids, plan, groups, device)
     if fresh:
-        # Replicas start identical (FSDP: done per layer above), tied copies from their owner.
-        params = list({id(p): p for sm in stage_modules for p in sm.parameters()}.values())
-        GradientSync(module, params, groups, device).broadcast_initial_state(
+        # Replicas start identical (FSDP: done per layer above), tied copies from their owner; the engine's own
+        # sync knows every copy (Chimera: a stage's two pipelines, lightning_pipe/chimera.py).
+        engine.grads.broadcast_initial_state(
             [] if mesh is not None else [t for sm in stage_modules for t in list(sm.parameters()) + list(sm.buffers())])
-    engine = PipelineEngine(module, stage_modules, local_ids, plan, groups, device)
     return engine, layout

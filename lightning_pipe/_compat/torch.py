@@ -319,3 +319,34 @@ def tensor_version(tensor: torch.Tensor) -> int:
     """Autograd's counter of in-place changes to ``tensor`` (``Tensor._version``): tells whether Lightning's
     ``zero_grad`` touched a gradient the overlapped sync averaged early ([Note: overlapped data-parallel sync])."""
     return int(tensor._version)
+
+
+# --------------------------------------------------------------------------- a runtime of our own over torch's pieces
+# Chimera (lightning_pipe/chimera.py) drives two single-stage pipelines from one thread. It uses torch's own P2P
+# batching and a torch schedule per pipeline for the P2P warm-up and shape inference; these are private names.
+# The P2P helpers are looked up in torch's module at every call, so the trace recorder's wrappers see them.
+_resolve(_torch_schedules, "_batch_p2p", _WHERE)
+_resolve(_torch_schedules, "_wait_batch_p2p", _WHERE)
+_resolve(_torch_schedules.PipelineScheduleSingle, "_initialize_stage", f"{_WHERE}.PipelineScheduleSingle")
+
+
+def batch_p2p(ops: list[Any], desc: str) -> list[Any]:
+    """Torch's ``_batch_p2p``: post the P2P ops (send / receive work handles)."""
+    return _torch_schedules._batch_p2p(ops, desc=desc)
+
+
+def wait_batch_p2p(works: list[Any]) -> None:
+    """Torch's ``_wait_batch_p2p``."""
+    _torch_schedules._wait_batch_p2p(works)
+
+
+def initialize_stage(schedule: Any, args: tuple[Any, ...], target: Any) -> None:
+    """A single-stage torch schedule's first-step set-up of its stage (P2P warm-up, forward and backward shape
+    inference), without running a step; a no-op once done (until ``reset_schedule_shapes`` or a train/eval switch)."""
+    schedule._initialize_stage(args, {}, target)
+
+
+PRIVATE_TORCH_API.update({"_batch_p2p": _torch_schedules._batch_p2p,
+                          "_wait_batch_p2p": _torch_schedules._wait_batch_p2p,
+                          "PipelineScheduleSingle._initialize_stage":
+                              _torch_schedules.PipelineScheduleSingle._initialize_stage})

@@ -37,6 +37,12 @@ each layer's time is the median over them."""
 
 def check_rebalance(config: PipelineConfig, plan: SchedulePlan) -> None:
     """What rebalancing cannot do, refused on plain data on every rank before any engine exists."""
+    if config.rebalance_every_n_steps is not None and plan.spec.engine is not None:
+        raise config_error(
+            f"Rebalancing rebuilds a one-pipeline engine; schedule {plan.spec.name!r} runs its own engine "
+            f"({plan.spec.engine}) with its own placement of stages.",
+            f"schedule={plan.spec.name!r} with rebalance_every_n_steps={config.rebalance_every_n_steps}",
+            "rebalance_every_n_steps", "set it to None for this schedule", also=("schedule",))
     if config.rebalance_every_n_steps is not None and config.fsdp_size > 1:
         raise config_error(
             "Rebalancing moves whole layers (parameters and optimizer state) between pipeline ranks; FSDP stages "

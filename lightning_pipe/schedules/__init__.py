@@ -3,6 +3,7 @@
 A new schedule is one file here plus a Hydra config: a :class:`ScheduleSpec` registered below.
 """
 
+from lightning_pipe.schedules.chimera import CHIMERA
 from lightning_pipe.schedules.custom import CUSTOM
 from lightning_pipe.schedules.pipedream import PIPEDREAM, PIPEDREAM_2BW
 from lightning_pipe.schedules.plan import (
@@ -21,6 +22,7 @@ from lightning_pipe.schedules.simulate import ScheduleDeadlock, SimulatedStep, s
 register_schedule(CUSTOM)
 register_schedule(PIPEDREAM_2BW)
 register_schedule(PIPEDREAM)
+register_schedule(CHIMERA)
 
 __all__ = [
     "ScheduleDeadlock",

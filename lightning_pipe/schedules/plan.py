@@ -20,7 +20,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from lightning_pipe._compat import torch as _compat
 from lightning_pipe.config import PipelineConfig, config_error
 
-Placement = Literal["loop", "v", "given"]
+Placement = Literal["loop", "v", "given", "mirror"]
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,8 @@ class ScheduleSpec:
     multi_stage: bool = False
     """Built from a list of local stages (PipelineScheduleMulti family) rather than one stage."""
     placement: Placement = "loop"
-    """``loop``: rank r holds stages r, r+p, r+2p, ...; ``v``: rank r holds r and 2p-1-r."""
+    """``loop``: rank r holds stages r, r+p, r+2p, ...; ``v``: rank r holds r and 2p-1-r; ``mirror`` (Chimera): rank
+    r holds stage r of one pipeline and stage p-1-r of a second one, so every stage lives on two ranks."""
     default_stages_per_rank: int = 1
     allowed_stages_per_rank: tuple[int, ...] | None = (1,)
     """``None``: any value >= ``min_stages_per_rank``."""
@@ -56,6 +57,10 @@ class ScheduleSpec:
     stage_class: type | None = None
     """The ``PipelineStage`` subclass the engine builds this schedule's stages with (same constructor as
     ``_compat.GuardedPipelineStage``); ``None``: that class. Weight versions: ``lightning_pipe/versioned.py``."""
+    engine: str | None = None
+    """``"module:Class"`` of a ``PipelineEngine`` subclass that builds this rank's runtime instead (same arguments),
+    for schedules that run more than one torch pipeline per rank (Chimera: ``lightning_pipe.chimera:ChimeraEngine``).
+    A name, not the class: the engine imports this package, so the spec cannot import the engine."""
 
 
 def _bubble_flush(p: int, v: int, m: int) -> float:
@@ -177,6 +182,8 @@ class SchedulePlan:
         return self.pipeline_size * self.stages_per_rank
 
     def stage_to_rank(self, stage: int) -> int:
+        """The rank holding ``stage`` (with ``mirror`` placement: its copy in the first pipeline, see
+        :meth:`ranks_of_stage`)."""
         p = self.pipeline_size
         if self.stage_ranks is not None:
             return self.stage_ranks[stage]
@@ -185,7 +192,15 @@ class SchedulePlan:
         return stage % p
 
     def stages_of_rank(self, pp_rank: int) -> list[int]:
+        if self.spec.placement == "mirror":
+            return sorted({pp_rank, self.pipeline_size - 1 - pp_rank})
         return [s for s in range(self.num_stages) if self.stage_to_rank(s) == pp_rank]
+
+    def ranks_of_stage(self, stage: int) -> list[int]:
+        """Every rank holding a copy of ``stage``: one, or two with ``mirror`` placement."""
+        if self.spec.placement == "mirror":
+            return sorted({stage, self.pipeline_size - 1 - stage})
+        return [self.stage_to_rank(stage)]
 
     def theoretical_bubble(self) -> float | None:
         fn = self.spec.theory_bubble

@@ -1,0 +1,171 @@
+"""Chimera's engine: two pipelines per rank, their process groups, and the gradient rules that make a step exact.
+
+See [Note: Chimera placement and semantics] in ``schedules/chimera.py`` for what is computed, and
+[Note: driving two pipelines from one thread] in ``schedules/chimera_runtime.py`` for how it runs.
+
+[Note: Chimera's process groups]
+P2P messages carry no tag, so the up pipeline cannot share the down pipeline's group (two pipelines sharing one group
+swap messages): it gets a group of its own over the same ranks. ``dist.new_group`` numbers a group's members in sorted
+order, so in both groups pipeline rank q is group rank q; the down stage s is at group rank s (torch's default), the
+up stage s at group rank p-1-s, which we tell the stage explicitly (``stage_index_to_group_rank``). Each stage pair
+{i, p-1-i} gets its own group too, for the gradient sum and the initial broadcast (a pair group shared with other
+traffic corrupted training in a prototype). All groups are created by every rank in the same order, per replica.
+
+[Note: Chimera's gradient sync]
+Before the optimizer step, in this order: (1) every parameter that is not tied sums its gradient over its stage
+pair (the two copies hold the gradients of the two halves of the batch: the sum is the batch-mean gradient);
+(2) data-parallel replicas average, as always; (3) tied parameters sum over every rank holding a copy in either
+pipeline (the tie group already spans both copies of both stages, so they skip (1): summing twice would double them).
+The global norm counts the down pipeline's stages (each stage once); a tied parameter is counted by its tie group's
+first rank only, whichever pipeline's stage holds it there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_pipe._compat import torch as _compat
+from lightning_pipe.batches import LossParts
+from lightning_pipe.config import config_error
+from lightning_pipe.engine import PipelineEngine, PipelineModel
+from lightning_pipe.grads import GradientSync, ProcessGroups, all_reduce_coalesced
+from lightning_pipe.schedules import SchedulePlan, compute_order
+from lightning_pipe.schedules.chimera_runtime import ChimeraRuntime
+from lightning_pipe.stages import StageModule
+
+
+class ChimeraGradientSync(GradientSync):
+    """:class:`GradientSync` plus the stage-pair sum ([Note: Chimera's gradient sync])."""
+
+    def __init__(self, module: nn.Module, params: list[nn.Parameter], groups: ProcessGroups, device: torch.device,
+                 pair: dist.ProcessGroup | None, pair_stages: list[tuple[list[Tensor], int]],
+                 up_only: set[int]) -> None:
+        super().__init__(module, params, groups, device)
+        self.pair = pair
+        self.pair_stages = pair_stages
+        """Per local stage, in stage order: its parameters and buffers, and the pair-group rank of its down copy."""
+        self.up_only = up_only
+        """Parameters only the up pipeline's stage holds on this rank (the down stage of another rank counts them)."""
+
+    def sync(self, replicas: bool = True) -> None:
+        if self.pair is not None:
+            tied = {id(param) for param, _ in self.ties}
+            grads = [p.grad for p in self.params if p.grad is not None and id(p) not in tied]
+            if grads:
+                all_reduce_coalesced(grads, self.pair, average=False)
+        super().sync(replicas)
+
+    def norm_excluded(self) -> set[int]:
+        tied = {id(param) for param, _ in self.ties}
+        return super().norm_excluded() | (self.up_only - tied)
+
+    def broadcast_initial_state(self, tensors: Any) -> None:
+        """Replicas from data-parallel rank 0, then each stage's up copy from its down copy, then tied copies."""
+        if self.groups.dp is not None:
+            for t in tensors:
+                dist.broadcast(t.data, group=self.groups.dp, group_src=0)
+        if self.pair is not None:
+            for stage_tensors, src in self.pair_stages:
+                for t in stage_tensors:
+                    dist.broadcast(t.data, group=self.pair, group_src=src)
+        for param, tie_group in self.ties:
+            dist.broadcast(param.data, group=tie_group.group, group_src=0)
+
+
+class ChimeraEngine(PipelineEngine):
+    """A rank's engine under ``schedule=chimera``: a down and an up stage, one :class:`ChimeraRuntime`.
+
+    Evaluation and prediction run the down pipeline only, so ``has_first`` / ``has_last`` (what the inherited
+    forward-only path and the loss broadcast read) are the down stage's.
+    """
+
+    schedule: ChimeraRuntime
+
+    def __init__(self, module: PipelineModel, stage_modules: list[StageModule], local_stage_ids: list[int],
+                 plan: SchedulePlan, groups: ProcessGroups, device: torch.device) -> None:
+        if device.type != "cpu":  # every rank has the same device type: all refuse together, before any group
+            raise config_error(
+                "Schedule 'chimera' runs on CPU (gloo) only for now: its runtime posts each send right after its "
+                "compute and waits on it at the end of the step, which cannot block on gloo but can on NCCL, whose "
+                "sends and receives between two ranks share one stream ([Note: driving two pipelines from one "
+                "thread] in lightning_pipe/schedules/chimera_runtime.py); that path is not built and tested yet.",
+                f"device {device}", "schedule", "e.g. 1f1b, zbv or dualpipev on GPUs")
+        if groups.topology.fsdp_size > 1:
+            raise config_error(
+                "Schedule 'chimera' keeps two replicas of each stage on two ranks and sums their gradients itself; "
+                "FSDP-sharded stages are not built for it yet.", f"fsdp_size={groups.topology.fsdp_size}",
+                "fsdp_size", "set it to 1 (or use data_parallel_size for replicas)", also=("schedule",))
+        self.up_group: dist.ProcessGroup | None = None
+        self.pair_group: dist.ProcessGroup | None = None
+        super().__init__(module, stage_modules, local_stage_ids, plan, groups, device)
+        down, up = self.stages
+        self.has_first, self.has_last = down.is_first, down.is_last
+        by_id = dict(zip(local_stage_ids, stage_modules))
+        down_params = {id(p) for p in by_id[down.stage_index].parameters()}
+        up_only = {id(p) for p in by_id[up.stage_index].parameters() if id(p) not in down_params}
+        p = plan.pipeline_size
+        low = min(groups.topology.pp_rank, p - 1 - groups.topology.pp_rank)
+        pair_stages = [(list(sm.parameters()) + list(sm.buffers()), 0 if s == low else 1)
+                       for s, sm in sorted(by_id.items())]
+        self.grads = ChimeraGradientSync(module, self.parameters, groups, device, self.pair_group, pair_stages,
+                                         up_only)
+        # Each stage runs m/2 micro-batches, not the m the overlap counts to: replicas are averaged after the step.
+        self.dp_overlap = None
+
+    def _build_runtime(self, stage_modules: list[StageModule], local_stage_ids: list[int]) -> tuple[list[Any], Any]:
+        """[Note: Chimera's process groups]; collective (every rank creates every group, in the same order)."""
+        topo, p = self.groups.topology, self.plan.pipeline_size
+        for dp_rank in range(topo.data_parallel_size):
+            ranks = topo.pp_group_ranks(dp_rank)
+            up_group = dist.new_group(ranks)
+            if dp_rank == topo.dp_rank:
+                self.up_group = up_group
+            for i in range(p // 2):
+                pair = dist.new_group([ranks[i], ranks[p - 1 - i]])
+                if topo.global_rank in (ranks[i], ranks[p - 1 - i]):
+                    self.pair_group = pair
+        r = topo.pp_rank
+        by_id = dict(zip(local_stage_ids, stage_modules))
+        down = _compat.GuardedPipelineStage(by_id[r], r, p, self.device, group=self.groups.pp,
+                                            inference_guard=self._inference_guard)
+        up = _compat.GuardedPipelineStage(by_id[p - 1 - r], p - 1 - r, p, self.device, group=self.up_group,
+                                          inference_guard=self._inference_guard)
+        up.stage_index_to_group_rank = {s: p - 1 - s for s in range(p)}
+        runtime = ChimeraRuntime(down, up, compute_order(self.plan)[r], self.plan.microbatches, self._schedule_loss)
+        return [down, up], runtime
+
+    def _reset_shapes(self) -> None:
+        self.schedule.reset_shapes()
+
+    def _run_schedule(self, args: tuple[Tensor, ...], target: Tensor) -> None:
+        self.schedule.step(*args, target=target)
+
+    def _step_loss(self) -> tuple[Tensor, Tensor | None]:
+        """This replica's batch loss from both last stages (rank p-1: down, rank 0: up), on every rank."""
+        # (sum of means, number of means, sum of (sum, count) sums, their counts, number of pairs)
+        packed = torch.zeros(5, dtype=torch.float64, device=self.device)
+        for r in self._records:
+            if r.count is None:
+                packed[0] += r.value.double()
+                packed[1] += 1
+            else:
+                packed[2] += r.value.double()
+                packed[3] += r.count.double()
+                packed[4] += 1
+        dist.all_reduce(packed, group=self.groups.pp)
+        m = self.plan.microbatches
+        if int(packed[1]) + int(packed[4]) != m or (packed[1] > 0 and packed[4] > 0):
+            raise TypeError(
+                f"{self._owner}.loss_fn must return the same kind of loss for every micro-batch (a mean, or a (sum, "
+                f"count) pair); got {int(packed[1])} means and {int(packed[4])} pairs for {m} micro-batches.")
+        if packed[1] > 0:
+            return (packed[0] / m).float(), None
+        loss = LossParts(packed[2], packed[3]).reduced().float()
+        count = packed[3].clone()
+        if self.groups.dp is not None:
+            dist.all_reduce(count, group=self.groups.dp)
+        return loss, count
