@@ -113,8 +113,7 @@ class ChimeraEngine(PipelineEngine):
                        for s, sm in sorted(by_id.items())]
         self.grads = ChimeraGradientSync(module, self.parameters, groups, device, self.pair_group, pair_stages,
                                          up_only)
-        # Each stage runs m/2 micro-batches, not the m the overlap counts to: replicas are averaged after the step.
-        self.dp_overlap = None
+        self.microbatches_per_stage = plan.microbatches // 2  # each pipeline runs half the batch (data-parallel overlap)
 
     def _build_runtime(self, stage_modules: list[StageModule], local_stage_ids: list[int]) -> tuple[list[Any], Any]:
         """[Note: Chimera's process groups]; collective (every rank creates every group, in the same order)."""

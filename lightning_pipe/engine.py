@@ -116,6 +116,7 @@ class PipelineEngine:
                            if groups.dp is not None and groups.shard is None and not self.per_microbatch_updates
                            else None)
         self.overlap_dp_sync = True  # off: one all-reduce after the schedule (bench/dp_overlap.py compares both)
+        self.microbatches_per_stage = plan.microbatches  # backwards after which a stage's gradients are final
         self.optimizer_step_follows = True
         self.zero_grad_follows = True
         self._grads_averaged = True
@@ -281,7 +282,7 @@ class PipelineEngine:
         dist.all_reduce(mean, group=self.groups.dp)
         elements = float(mean) / self.groups.topology.data_parallel_size
         carry = not self._grads_averaged and not self.zero_grad_follows
-        overlap.begin(self.plan.microbatches, carry=saved if carry else None)
+        overlap.begin(self.microbatches_per_stage, carry=saved if carry else None)
         return overlap, elements
 
     def _step_loss(self) -> tuple[Tensor, Tensor | None]:
