@@ -53,6 +53,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_pipe._compat import torch as _compat
+from lightning_pipe.versioned import parameter_slots
 
 
 def pipedream_version(stage: int, pipeline_size: int, microbatches: int, batch: int, microbatch: int) -> int:
@@ -82,11 +83,7 @@ class StashingPipelineStage(_compat.GuardedPipelineStage):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        named = list(self.submod.named_parameters(remove_duplicate=False))
-        unique = {id(p): p for _, p in named}
-        self._live: list[Tensor] = list(unique.values())
-        slot = {key: i for i, key in enumerate(unique)}
-        self._slots = [(name, slot[id(p)]) for name, p in named]  # a tie inside the stage: one stashed tensor
+        self._live, self._slots = parameter_slots(self.submod)
         self.version = 0
         self._stashes: dict[int, list[Tensor]] = {}  # version -> stashed tensors
         self._chunk_version: dict[int, int] = {}  # micro-batch in flight -> the version its forward used

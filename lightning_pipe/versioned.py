@@ -27,6 +27,15 @@ from torch import Tensor
 from lightning_pipe._compat import torch as _compat
 
 
+def parameter_slots(submod: torch.nn.Module) -> tuple[list[Tensor], list[tuple[str, int]]]:
+    """A stage module's distinct parameters and, per parameter name, its slot among them: a tie inside the stage
+    keeps both names on one stashed tensor (``functional_call``'s ``tie_weights`` checks it)."""
+    named = list(submod.named_parameters(remove_duplicate=False))
+    unique = {id(p): p for _, p in named}
+    slot = {key: i for i, key in enumerate(unique)}
+    return list(unique.values()), [(name, slot[id(p)]) for name, p in named]
+
+
 class VersionedPipelineStage(_compat.GuardedPipelineStage):
     """A stage whose training forward/backward run on one stashed version of its parameters.
 
@@ -37,12 +46,7 @@ class VersionedPipelineStage(_compat.GuardedPipelineStage):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        named = list(self.submod.named_parameters(remove_duplicate=False))
-        unique = {id(p): p for _, p in named}
-        self._live: list[Tensor] = list(unique.values())
-        slot = {key: i for i, key in enumerate(unique)}
-        # A tie inside the stage keeps both names on one stashed tensor (functional_call's tie_weights checks it).
-        self._slots = [(name, slot[id(p)]) for name, p in named]
+        self._live, self._slots = parameter_slots(self.submod)
         self._stash: list[Tensor] | None = None
 
     def _version(self) -> dict[str, Tensor]:
