@@ -59,7 +59,7 @@ def check_module(module: nn.Module, tied: Sequence[TiedParameter], tensor_parall
             f"Tensor parallelism needs the module to say how to split a layer: {type(module).__name__} has no "
             f"`{HOOK}(index, layer, tp_mesh)` method.", f"tensor_parallel_size={tensor_parallel_size}",
             "tensor_parallel_size", "or set it to 1",
-            fix=f"Implement `{HOOK}` (README: \"Bigger than one device per stage\"; recipes/gpt/model.py has one)")
+            fix=f"Implement `{HOOK}` (README: \"Bigger than one device per stage\")")
 
 
 def parallelize_stages(module: nn.Module, stage_modules: Sequence[StageModule], tp_mesh: DeviceMesh,

@@ -3,18 +3,22 @@
 One 4-rank launch: each stage's layers split by the module's ``parallelize_layer`` hook (column-wise input
 projection, column-wise / row-wise MLPs; LayerNorms, a row-wise bias and the head replicated), with gradient
 accumulation and global-norm clipping (split gradients summed over the tensor group, replicated ones counted once),
-then what is refused.
+then a checkpoint (whole tensors gathered per stage) that resumes exactly and loads on one device, then what
+is refused.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from lightning_pipe import checkpoint as ckpt_lib
 from tests.distributed.launcher import launch_runs
-from tests.distributed.parity import assert_case_parity
-from tests.distributed.scenarios import TrainingCase
+from tests.distributed.parity import assert_case_parity, assert_same, merge_replica
+from tests.distributed.scenarios import CheckpointCase, TrainingCase
+from tests.distributed.scenarios.checkpoint import run_reference
 
 pytestmark = [pytest.mark.parity, pytest.mark.distributed]
 
@@ -35,11 +39,23 @@ ERRORS = [
 ]
 
 
+STEP4 = "epoch=0-step=4.ckpt"
+
+
 @pytest.fixture(scope="module")
-def pp2_tp2(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict[str, Any]]]:
+def pp2_tp2_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("tp")
+    saved = root / "pp2_tp2"
     runs: list[tuple[str, Any]] = [("training", case) for case in TRAINING]
     runs += [("training", case) for case, _ in ERRORS]
-    return launch_runs(4, runs, tmp_path_factory.mktemp("tp") / "out", timeout=300)
+    runs.append(("ckpt_train", CheckpointCase(tp=2, dir=str(saved), resume_from=str(saved / STEP4))))
+    return {"saved": saved, "results": launch_runs(4, runs, root / "out", timeout=300)}
+
+
+@pytest.fixture(scope="module")
+def pp2_tp2(pp2_tp2_run: dict[str, Any]) -> list[list[dict[str, Any]]]:
+    results: list[list[dict[str, Any]]] = pp2_tp2_run["results"]
+    return results
 
 
 @pytest.mark.timeout(400)
@@ -58,3 +74,18 @@ def test_tensor_parallel_refuses_what_it_cannot_do(pp2_tp2: list[list[dict[str, 
         for res in pp2_tp2:
             assert not res[i]["ok"] and needle in res[i]["error"], res[i]
             assert "tensor_parallel_size" in res[i]["error"]
+
+
+@pytest.mark.timeout(400)
+def test_checkpoint_pp2_tp2_resumes_and_loads_on_one_device(pp2_tp2_run: dict[str, Any], tmp_path: Path) -> None:
+    res, saved = pp2_tp2_run["results"], pp2_tp2_run["saved"]
+    i = len(TRAINING) + len(ERRORS)
+    for rank in res:  # stopped at step 4 and resumed == uninterrupted (every rank's gathered parameters)
+        full, resumed = rank[i]["full"], rank[i]["resumed"]
+        assert resumed["global_step"] == 8
+        assert_same(resumed["params"], full["params"], 1e-6, "pp2 x tp2 resumed")
+    # the checkpoint holds whole tensors: one device resumes from the consolidated file and trains on the same
+    uninterrupted = merge_replica(res, i, run="full")
+    case = CheckpointCase(tp=2)
+    ref, _, _ = run_reference(case, ckpt_lib.consolidate(saved / STEP4, tmp_path / "one.ckpt"))
+    assert_same(ref["params"], uninterrupted, 1e-5, "pp2 x tp2 -> one device")
