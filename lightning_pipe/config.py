@@ -98,7 +98,8 @@ class PipelineConfig:
     microbatches: int | None = None
     """Micro-batches per batch. ``None``: twice the number of stages (``custom``: read from the action lists)."""
     data_parallel_size: int = 1
-    """Replicas of the whole pipeline; pipeline size = world size / (data_parallel_size x fsdp_size)."""
+    """Replicas of the whole pipeline; pipeline size = world size / (data_parallel_size x fsdp_size x
+    tensor_parallel_size)."""
     fsdp_size: int = 1
     """Ranks each stage is sharded over with FSDP2 (``fully_shard``); 1: no FSDP. They read different data, like
     replicas (README: "Bigger than one device per stage")."""

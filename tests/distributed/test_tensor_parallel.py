@@ -9,6 +9,7 @@ is refused.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -89,3 +90,15 @@ def test_checkpoint_pp2_tp2_resumes_and_loads_on_one_device(pp2_tp2_run: dict[st
     case = CheckpointCase(tp=2)
     ref, _, _ = run_reference(case, ckpt_lib.consolidate(saved / STEP4, tmp_path / "one.ckpt"))
     assert_same(ref["params"], uninterrupted, 1e-5, "pp2 x tp2 -> one device")
+
+
+@pytest.mark.skipif(os.environ.get("LIGHTNING_PIPE_8_RANKS") != "1",
+                    reason="8 processes (~70 s on 2 loaded cores): set LIGHTNING_PIPE_8_RANKS=1 to run")
+@pytest.mark.timeout(600)
+def test_pipeline2_x_replicas2_x_tensor2_matches_single_device(tmp_path: Path) -> None:
+    """Replicas average each tensor rank's parts with the same tensor rank of the other replica."""
+    case = TrainingCase(model="tp", schedule="1f1b", dp=2, tp=2, acc=2, clip=0.05, optimizer="adamw", validate=False)
+    res = launch_runs(8, [("training", case)], tmp_path / "out", timeout=500)
+    for rank in res:
+        assert rank[0]["sharded_params"] > 0
+    assert_case_parity(res, 0, case)
