@@ -14,6 +14,8 @@ from typing import Any
 PartitionSpec = str | Sequence[int]
 PARTITION_METHODS = ("uniform", "parameters", "time", "memory")
 MEASURED_PARTITIONS = ("time", "memory")
+TENSOR_PARALLEL_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+"""Schedules verified with tensor-parallel stages (tests/distributed/test_tensor_parallel.py)."""
 """Partitions the strategy measures at setup (the planner's profile), then replaces by per-stage layer counts."""
 
 
@@ -50,6 +52,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     _strategy("data_parallel_size", "strategy.data_parallel_size"),
     _strategy("fsdp_size", "strategy.fsdp_size"),
     _strategy("fsdp_reshard_after_forward", "strategy.fsdp_reshard_after_forward"),
+    _strategy("tensor_parallel_size", "strategy.tensor_parallel_size"),
     _strategy("partition", "strategy.partition"),
     _strategy("layers_attr", "strategy.layers_attr"),
     _strategy("recompute", "strategy.recompute"),
@@ -95,13 +98,17 @@ class PipelineConfig:
     microbatches: int | None = None
     """Micro-batches per batch. ``None``: twice the number of stages (``custom``: read from the action lists)."""
     data_parallel_size: int = 1
-    """Replicas of the whole pipeline; pipeline size = world size / (data_parallel_size x fsdp_size)."""
+    """Replicas of the whole pipeline; pipeline size = world size / (data_parallel_size x fsdp_size x
+    tensor_parallel_size)."""
     fsdp_size: int = 1
     """Ranks each stage is sharded over with FSDP2 (``fully_shard``); 1: no FSDP. They read different data, like
     replicas (README: "Bigger than one device per stage")."""
     fsdp_reshard_after_forward: bool = False
     """FSDP: free the gathered parameters after each micro-batch's forward (gather again for its backward): less
     memory, one more all-gather per micro-batch. Default: keep them gathered until the batch's gradients are reduced."""
+    tensor_parallel_size: int = 1
+    """Ranks each layer is split over with tensor parallelism (the module's ``parallelize_layer`` hook, DTensor
+    ``parallelize_module``); 1: none. They read the same data (README: "Bigger than one device per stage")."""
     partition: PartitionSpec = "uniform"
     """How layers go to stages: ``"uniform"`` (equal counts), ``"parameters"`` (balanced parameter counts),
     ``"time"`` / ``"memory"`` (measured at setup: the split of the chosen schedule with the fastest predicted step /
@@ -139,6 +146,21 @@ class PipelineConfig:
         if not _is_int(self.fsdp_size) or self.fsdp_size < 1:
             raise config_error("The FSDP size (ranks each stage is sharded over) must be a positive integer.",
                                f"fsdp_size={self.fsdp_size!r}", "fsdp_size")
+        if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
+            raise config_error("The tensor-parallel size (ranks each layer is split over) must be a positive integer.",
+                               f"tensor_parallel_size={self.tensor_parallel_size!r}", "tensor_parallel_size")
+        if self.tensor_parallel_size > 1 and self.fsdp_size > 1:
+            raise config_error("Tensor parallelism with FSDP in the same run is not supported yet (parameters "
+                               "sharded over both mesh dimensions).",
+                               f"tensor_parallel_size={self.tensor_parallel_size}, fsdp_size={self.fsdp_size}",
+                               "tensor_parallel_size", "set one of them to 1", also=("fsdp_size",))
+        if self.tensor_parallel_size > 1 and self.schedule not in TENSOR_PARALLEL_SCHEDULES:
+            raise config_error(
+                f"Tensor parallelism runs with the schedules {list(TENSOR_PARALLEL_SCHEDULES)} (whole backward per "
+                "micro-batch, one pipeline per rank); split input/weight backward, weight stashing and Chimera are "
+                "not verified with DTensor layers yet.",
+                f"schedule={self.schedule!r}, tensor_parallel_size={self.tensor_parallel_size}", "schedule",
+                also=("tensor_parallel_size",))
         if not isinstance(self.fsdp_reshard_after_forward, bool):
             raise config_error("fsdp_reshard_after_forward is true or false.",
                                f"fsdp_reshard_after_forward={self.fsdp_reshard_after_forward!r}",
@@ -203,42 +225,51 @@ def _options(value: Any) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Topology:
-    """How the world is cut: ``world = data_parallel_size x pipeline_size x fsdp_size``.
+    """How the world is cut: ``world = data_parallel_size x pipeline_size x fsdp_size x tensor_parallel_size``.
 
     [Note: rank order]
-    Mesh dimensions, outermost first: ``(dp_replicate, pipeline, dp_shard)``, so
-    ``global rank = (replica * pipeline_size + pp_rank) * fsdp_size + shard``. Consecutive ranks share a node, so
-    the innermost dimension gets the best links: FSDP's all-gathers and reduce-scatters run every micro-batch / batch
-    over whole stages (the most traffic), pipeline P2P carries activations, and replicas all-reduce sharded
-    gradients once per batch (the least). With ``fsdp_size=1`` this is exactly the pipeline x replicas order
+    Mesh dimensions, outermost first: ``(dp_replicate, pipeline, dp_shard, tensor)``, so
+    ``global rank = ((replica * pipeline_size + pp_rank) * fsdp_size + shard) * tensor_parallel_size + t``.
+    Consecutive ranks share a node, so the innermost dimension gets the best links: tensor parallelism
+    all-reduces activations inside every layer's forward and backward (the most, and the most latency-bound,
+    traffic), FSDP's all-gathers and reduce-scatters run every micro-batch / batch over whole stages, pipeline P2P
+    carries activations between stages, and replicas all-reduce gradients once per batch (the least). With
+    ``fsdp_size=1`` and ``tensor_parallel_size=1`` this is exactly the pipeline x replicas order
     (``rank = replica * pipeline_size + pp_rank``), so that layout, its tests, plans and checkpoints are unchanged;
-    global rank 0 (loggers, progress bar) holds the first stage of replica 0 (shard 0). A tensor-parallel dimension
-    would go innermost, after ``dp_shard``, for the same reason (lightning_pipe/mesh.py).
+    global rank 0 (loggers, progress bar) holds the first stage of replica 0 (shard 0, tensor rank 0).
 
     ``dp_rank`` / ``dp_degree`` count every rank that reads its own data for one stage (replicas x shards): they
-    shard the data (DistributedSampler) and average gradients.
+    shard the data (DistributedSampler) and average gradients. The tensor ranks of one (replica, shard) read the
+    same data and hold different parts of the same layers: they are not data-parallel. A pipeline (P2P) group is
+    the ranks with equal (replica, shard, tensor rank): each tensor rank talks to the same tensor rank of the next
+    stage, and every one of them sends and receives whole activations (the layers' outputs are full tensors).
     """
 
     world_size: int
     data_parallel_size: int
     global_rank: int
     fsdp_size: int = 1
+    tensor_parallel_size: int = 1
 
     @property
     def pipeline_size(self) -> int:
-        return self.world_size // (self.data_parallel_size * self.fsdp_size)
+        return self.world_size // (self.data_parallel_size * self.fsdp_size * self.tensor_parallel_size)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.global_rank % self.tensor_parallel_size
 
     @property
     def pp_rank(self) -> int:
-        return (self.global_rank // self.fsdp_size) % self.pipeline_size
+        return (self.global_rank // (self.fsdp_size * self.tensor_parallel_size)) % self.pipeline_size
 
     @property
     def replica_rank(self) -> int:
-        return self.global_rank // (self.pipeline_size * self.fsdp_size)
+        return self.global_rank // (self.pipeline_size * self.fsdp_size * self.tensor_parallel_size)
 
     @property
     def shard_rank(self) -> int:
-        return self.global_rank % self.fsdp_size
+        return (self.global_rank // self.tensor_parallel_size) % self.fsdp_size
 
     @property
     def dp_rank(self) -> int:
@@ -250,19 +281,28 @@ class Topology:
         """Data-parallel ranks per stage: replicas x shards."""
         return self.data_parallel_size * self.fsdp_size
 
-    def rank_of(self, dp_rank: int, pp_rank: int) -> int:
-        """The global rank of data-parallel index ``dp_rank`` at pipeline rank ``pp_rank`` ([Note: rank order])."""
+    def rank_of(self, dp_rank: int, pp_rank: int, tp_rank: int = 0) -> int:
+        """The global rank of data-parallel index ``dp_rank`` at pipeline rank ``pp_rank`` and tensor rank
+        ``tp_rank`` ([Note: rank order])."""
         replica, shard = divmod(dp_rank, self.fsdp_size)
-        return (replica * self.pipeline_size + pp_rank) * self.fsdp_size + shard
+        return ((replica * self.pipeline_size + pp_rank) * self.fsdp_size + shard) * self.tensor_parallel_size + tp_rank
 
-    def pp_group_ranks(self, dp_rank: int) -> list[int]:
-        return [self.rank_of(dp_rank, i) for i in range(self.pipeline_size)]
+    def pp_group_ranks(self, dp_rank: int, tp_rank: int = 0) -> list[int]:
+        return [self.rank_of(dp_rank, i, tp_rank) for i in range(self.pipeline_size)]
 
-    def dp_group_ranks(self, pp_rank: int) -> list[int]:
-        return [self.rank_of(d, pp_rank) for d in range(self.dp_degree)]
+    def dp_group_ranks(self, pp_rank: int, tp_rank: int = 0) -> list[int]:
+        return [self.rank_of(d, pp_rank, tp_rank) for d in range(self.dp_degree)]
 
     @classmethod
-    def create(cls, world_size: int, data_parallel_size: int, global_rank: int, fsdp_size: int = 1) -> Topology:
+    def create(cls, world_size: int, data_parallel_size: int, global_rank: int, fsdp_size: int = 1,
+               tensor_parallel_size: int = 1) -> Topology:
+        if tensor_parallel_size > 1 and world_size % (data_parallel_size * fsdp_size * tensor_parallel_size) != 0:
+            raise config_error(
+                "The world size must be divisible by data_parallel_size x fsdp_size x tensor_parallel_size "
+                "(pipeline size = world / their product).",
+                f"world_size={world_size}, data_parallel_size={data_parallel_size}, fsdp_size={fsdp_size}, "
+                f"tensor_parallel_size={tensor_parallel_size}",
+                "tensor_parallel_size", also=("data_parallel_size", "devices"))
         if world_size % (data_parallel_size * fsdp_size) != 0:
             if fsdp_size == 1:
                 raise config_error(
@@ -274,4 +314,4 @@ class Topology:
                 "(data_parallel_size x fsdp_size)).",
                 f"world_size={world_size}, data_parallel_size={data_parallel_size}, fsdp_size={fsdp_size}",
                 "fsdp_size", also=("data_parallel_size", "devices"))
-        return cls(world_size, data_parallel_size, global_rank, fsdp_size)
+        return cls(world_size, data_parallel_size, global_rank, fsdp_size, tensor_parallel_size)

@@ -113,7 +113,8 @@ class PipelineEngine:
         # PipeDream averages each micro-batch's gradients in its own update (stashing.MicrobatchUpdate); FSDP
         # stages average in their own reduce-scatter ([Note: FSDP under the pipeline schedule] in fsdp.py).
         self.dp_overlap = (DataParallelOverlap(self.stages, self.parameters, groups.dp)
-                           if groups.dp is not None and groups.shard is None and not self.per_microbatch_updates
+                           if groups.dp is not None and groups.shard is None and groups.tensor is None
+                           and not self.per_microbatch_updates
                            else None)
         self.overlap_dp_sync = True  # off: one all-reduce after the schedule (bench/dp_overlap.py compares both)
         self.microbatches_per_stage = plan.microbatches  # backwards after which a stage's gradients are final

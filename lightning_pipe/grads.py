@@ -19,6 +19,7 @@ from lightning_pipe.config import Topology
 from lightning_pipe.fsdp import local as local_part
 from lightning_pipe.schedules import SchedulePlan
 from lightning_pipe.stages import TiedParameter
+from lightning_pipe.tensor_parallel import is_sharded
 
 
 @dataclass(frozen=True)
@@ -39,18 +40,26 @@ class ProcessGroups:
         self.topology = topology
         # FSDP (lightning_pipe/fsdp.py): the mesh, and the group each stage is sharded over (norms count shards once)
         self.mesh = mesh
-        self.shard: dist.ProcessGroup | None = mesh.get_group("dp_shard") if mesh is not None else None
-        p, d = topology.pipeline_size, topology.dp_degree
+        self.shard: dist.ProcessGroup | None = (mesh.get_group("dp_shard")
+                                               if mesh is not None and topology.fsdp_size > 1 else None)
+        # Tensor parallelism (lightning_pipe/tensor_parallel.py): the group each layer is split over
+        self.tensor: dist.ProcessGroup | None = (mesh.get_group("tensor")
+                                                if mesh is not None and topology.tensor_parallel_size > 1 else None)
+        p, d, tp = topology.pipeline_size, topology.dp_degree, topology.tensor_parallel_size
         self.pp: dist.ProcessGroup | None = None
         self.dp: dist.ProcessGroup | None = None
+        # [Note: rank order]: one pipeline per (data-parallel index, tensor rank), one data-parallel group per
+        # (pipeline rank, tensor rank). Every rank creates every group, in the same order.
         for dp_rank in range(d):
-            group = dist.new_group(topology.pp_group_ranks(dp_rank))
-            if dp_rank == topology.dp_rank:
-                self.pp = group
+            for t in range(tp):
+                group = dist.new_group(topology.pp_group_ranks(dp_rank, t))
+                if dp_rank == topology.dp_rank and t == topology.tp_rank:
+                    self.pp = group
         for pp_rank in range(p):
-            group = dist.new_group(topology.dp_group_ranks(pp_rank)) if d > 1 else None
-            if pp_rank == topology.pp_rank:
-                self.dp = group
+            for t in range(tp):
+                group = dist.new_group(topology.dp_group_ranks(pp_rank, t)) if d > 1 else None
+                if pp_rank == topology.pp_rank and t == topology.tp_rank:
+                    self.dp = group
         # Tied parameters held by several pipeline ranks: one group per tie and replica, over the holding ranks.
         self.tied: list[TieGroup] = []
         for tie in tied:
@@ -59,10 +68,11 @@ class ProcessGroups:
                 continue
             mine = None
             for dp_rank in range(d):
-                ranks = [topology.rank_of(dp_rank, h) for h in holders]
-                group = dist.new_group(ranks)
-                if topology.global_rank in ranks:
-                    mine = group
+                for t in range(tp):
+                    ranks = [topology.rank_of(dp_rank, h, t) for h in holders]
+                    group = dist.new_group(ranks)
+                    if topology.global_rank in ranks:
+                        mine = group
             if mine is not None:
                 self.tied.append(TieGroup(tie, mine, topology.pp_rank == holders[0]))
 
@@ -90,7 +100,8 @@ class GradientSync:
     def sync(self, replicas: bool = True) -> None:
         """Average over data-parallel replicas (unless ``replicas=False``: the engine averaged them during the
         schedule), then sum the copies of tied parameters held by several stages."""
-        grads = [p.grad for p in self.params if p.grad is not None]
+        # (tensor parallel: each rank's local part, averaged with the same tensor rank of the other replicas)
+        grads = [local_part(p.grad) for p in self.params if p.grad is not None]
         # With FSDP the data-parallel average was FSDP's reduce ([Note: FSDP under the pipeline schedule]).
         if replicas and self.groups.dp is not None and self.groups.shard is None and grads:
             all_reduce_coalesced(grads, self.groups.dp, average=True)
@@ -106,7 +117,7 @@ class GradientSync:
         """Start identical: replicas from data-parallel rank 0 (as DDP does), tied copies from their owner."""
         if self.groups.dp is not None:
             for t in tensors:
-                dist.broadcast(t.data, group=self.groups.dp, group_src=0)
+                dist.broadcast(local_part(t.data), group=self.groups.dp, group_src=0)
         for param, tie_group in self.ties:  # (sharded copies: the same shard of each)
             dist.broadcast(local_part(param.data), group=tie_group.group, group_src=0)
 
@@ -115,7 +126,13 @@ class GradientSync:
         excluded = self.norm_excluded()
         grads = [local_part(p.grad) for p in parameters if p.grad is not None]
         # Sharded gradients: each rank counts its own shard, summed over the shard group below (each shard once).
-        counted = [local_part(p.grad) for p in parameters if p.grad is not None and id(p) not in excluded]
+        counted_grads = [p.grad for p in parameters if p.grad is not None and id(p) not in excluded]
+        tensor = self.groups.tensor
+        if tensor is not None and self.groups.topology.tp_rank != 0:
+            # [Note: tensor parallel stages]: a split gradient counts its part on every tensor rank (summed over
+            # the tensor group below), a replicated one (plain, or a Replicate DTensor) once, on tensor rank 0
+            counted_grads = [g for g in counted_grads if is_sharded(g)]
+        counted = [local_part(g) for g in counted_grads]
         norm_type = float(norm_type)
         pp, many = self.groups.pp, self.groups.topology.pipeline_size > 1
         zero = torch.zeros((), device=self.device)
@@ -123,16 +140,18 @@ class GradientSync:
             local = torch.stack([g.detach().abs().max().float() for g in counted]).max() if counted else zero
             if many:
                 dist.all_reduce(local, op=dist.ReduceOp.MAX, group=pp)
-            if self.groups.shard is not None:
-                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.groups.shard)
+            for group in (self.groups.shard, tensor):
+                if group is not None:
+                    dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
             total = local
         else:
             local = (torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type
                                   for g in counted]).sum() if counted else zero)
             if many:
                 dist.all_reduce(local, group=pp)
-            if self.groups.shard is not None:
-                dist.all_reduce(local, group=self.groups.shard)
+            for group in (self.groups.shard, tensor):
+                if group is not None:
+                    dist.all_reduce(local, group=group)
             total = local ** (1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:

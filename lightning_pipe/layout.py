@@ -16,7 +16,7 @@ from lightning_pipe.config import PipelineConfig, Topology
 from lightning_pipe.engine import PipelineEngine, PipelineModel
 from lightning_pipe.fsdp import ShardingOptions, check_schedule, check_ties, shard_stages
 from lightning_pipe.grads import ProcessGroups
-from lightning_pipe.mesh import build_mesh, data_parallel_mesh
+from lightning_pipe.mesh import TENSOR, build_mesh, data_parallel_mesh
 from lightning_pipe.partition import layer_param_counts, partition_layers
 from lightning_pipe.schedules import SchedulePlan
 from lightning_pipe.stages import (
@@ -28,6 +28,8 @@ from lightning_pipe.stages import (
     materialize,
     warn_batch_norm,
 )
+from lightning_pipe.tensor_parallel import check_module as check_tensor_parallel
+from lightning_pipe.tensor_parallel import parallelize_stages
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,9 @@ def build_engine(module: PipelineModel, config: PipelineConfig, plan: SchedulePl
     Other ranks' layers are replaced by placeholders (names kept); layers built on the meta device are allocated
     on ``device`` for this rank only; replicas and tied copies start identical. With ``layout`` (the module was
     already cut in this process) the same cut is reused and nothing is broadcast again. With
-    ``topology.fsdp_size > 1`` the stages are then sharded with ``sharding`` (lightning_pipe/fsdp.py).
+    ``topology.fsdp_size > 1`` the stages are then sharded with ``sharding`` (lightning_pipe/fsdp.py); with
+    ``topology.tensor_parallel_size > 1`` each layer is split by the module's ``parallelize_layer`` hook
+    (lightning_pipe/tensor_parallel.py).
     """
     layers = find_layers(module, config.layers_attr)
     fresh = layout is None
@@ -80,10 +84,14 @@ def build_engine(module: PipelineModel, config: PipelineConfig, plan: SchedulePl
         check_schedule(plan.spec.name, plan.spec.stage_class)
         check_ties(layout.tied, {i: plan.stage_to_rank(s) for s, r in enumerate(layout.ranges) for i in r})
         mesh = build_mesh(topology, device.type)
+    if topology.tensor_parallel_size > 1:
+        check_tensor_parallel(module, layout.tied, topology.tensor_parallel_size)
+        mesh = build_mesh(topology, device.type)
     groups = ProcessGroups(topology, layout.tied, layout.ranges, plan, mesh=mesh)
     stage_modules = localize_layers(module, config.layers_attr, layout.ranges, local_ids, plan.stage_to_rank,
                                     config.recompute_every)
-    if mesh is not None:
+    if topology.fsdp_size > 1:
+        assert mesh is not None
         # FSDP: allocated or moved, made identical over the data-parallel ranks and sharded layer by layer
         dp = groups.dp
 
@@ -96,11 +104,16 @@ def build_engine(module: PipelineModel, config: PipelineConfig, plan: SchedulePl
     else:
         # Layers built on the meta device (configure_model) are allocated now, on this rank only.
         materialize(module, config.layers_attr, stage_modules, layout.tied, device)
+    if topology.tensor_parallel_size > 1:
+        # split each local layer in place (identical over the tensor group first): [Note: tensor parallel stages]
+        assert mesh is not None
+        module.to(device)
+        parallelize_stages(module, stage_modules, mesh[TENSOR], groups.tensor if fresh else None)
     module.to(device)
     engine = engine_class(plan)(module, stage_modules, local_ids, plan, groups, device)
     if fresh:
         # Replicas start identical (FSDP: done per layer above), tied copies from their owner; the engine's own
         # sync knows every copy (Chimera: a stage's two pipelines, lightning_pipe/chimera.py).
         engine.grads.broadcast_initial_state(
-            [] if mesh is not None else [t for sm in stage_modules for t in list(sm.parameters()) + list(sm.buffers())])
+            [] if topology.fsdp_size > 1 else [t for sm in stage_modules for t in list(sm.parameters()) + list(sm.buffers())])
     return engine, layout

@@ -2,8 +2,9 @@
 
 [Note: rank order] (config.py) says why the dimensions are ``(dp_replicate, pipeline, dp_shard)``, outermost first.
 The mesh exists when a dimension needs torch's composable APIs (FSDP2's ``fully_shard`` over ``dp_shard``, HSDP's
-replicate dimension); the pipeline x replicas layout keeps its plain process groups (lightning_pipe/grads.py), so
-nothing changes for it. A tensor-parallel dimension joins innermost (after ``dp_shard``) when it is built.
+replicate dimension, DTensor ``parallelize_module`` over ``tensor``); the pipeline x replicas layout keeps its plain
+process groups (lightning_pipe/grads.py), so nothing changes for it. The ``tensor`` dimension is innermost and
+exists only with ``tensor_parallel_size > 1`` (lightning_pipe/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -12,18 +13,23 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_pipe.config import Topology
 
-REPLICATE, PIPELINE, SHARD = "dp_replicate", "pipeline", "dp_shard"
+REPLICATE, PIPELINE, SHARD, TENSOR = "dp_replicate", "pipeline", "dp_shard", "tensor"
 MESH_DIMS = (REPLICATE, PIPELINE, SHARD)
 """Mesh dimension names, outermost first ([Note: rank order])."""
 
 
 def build_mesh(topology: Topology, device_type: str) -> DeviceMesh:
-    """The world as a ``(dp_replicate, pipeline, dp_shard)`` mesh. Collective: every rank calls it."""
-    shape = (topology.data_parallel_size, topology.pipeline_size, topology.fsdp_size)
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    """The world as a ``(dp_replicate, pipeline, dp_shard[, tensor])`` mesh (``tensor`` with
+    ``tensor_parallel_size > 1``). Collective: every rank calls it."""
+    shape: tuple[int, ...] = (topology.data_parallel_size, topology.pipeline_size, topology.fsdp_size)
+    names: tuple[str, ...] = MESH_DIMS
+    expected = [topology.replica_rank, topology.pp_rank, topology.shard_rank]
+    if topology.tensor_parallel_size > 1:
+        shape, names = (*shape, topology.tensor_parallel_size), (*names, TENSOR)
+        expected.append(topology.tp_rank)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
     # The mesh must agree with the Topology's arithmetic, which the samplers, checkpoints and groups use.
     coords = list(mesh.get_coordinate() or ())
-    expected = [topology.replica_rank, topology.pp_rank, topology.shard_rank]
     if coords != expected:  # pragma: no cover - a torch change in mesh layout
         raise RuntimeError(f"DeviceMesh coordinates {coords} of rank {topology.global_rank} differ from the "
                            f"topology's {expected} ([Note: rank order]).")

@@ -114,6 +114,50 @@ class MetaBuiltRegressor(ToyRegressor):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
 
 
+class MLPBlock(nn.Module):
+    """A pre-norm residual MLP: the column-wise / row-wise pair of Megatron's tensor-parallel MLP."""
+
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, hidden)
+        self.fc2 = nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(self.norm(x))))
+
+
+class TensorParallelRegressor(ToyRegressor):
+    """Input projection, MLP blocks, head; ``parallelize_layer`` splits the projection column-wise (its output
+    gathered) and each block's MLP column-wise then row-wise. The LayerNorms and the head stay replicated."""
+
+    def __init__(self, n_layers: int = 8, width: int = WIDTH, seed: int = 0, **kwargs: Any) -> None:
+        super().__init__(n_layers=n_layers, width=width, seed=seed, **kwargs)
+        if kwargs.get("tied"):
+            raise ValueError("TensorParallelRegressor has no tied weights")
+        torch.manual_seed(seed)
+        layers: list[nn.Module] = [nn.Linear(4, width)]
+        layers += [MLPBlock(width, 2 * width) for _ in range(n_layers - 2)]
+        layers.append(nn.Linear(width, 4))
+        self.layers = nn.Sequential(*layers)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        # whole gradients (a split DTensor gathered over the tensor group: collective, same order on every rank)
+        self.calls["on_before_optimizer_step"] += 1
+        grads = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                 for p in self.parameters() if p.grad is not None]
+        self.grad_norms_before_step.append(sum(float(g.pow(2).sum()) for g in grads))
+
+    def parallelize_layer(self, index: int, layer: nn.Module, tp_mesh: Any) -> None:
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        if isinstance(layer, MLPBlock):
+            parallelize_module(layer, tp_mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        elif index == 0:
+            parallelize_module(layer, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
+
+
 def regression_data(n: int = 96, seed: int = 1) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 4, generator=g)

@@ -118,8 +118,10 @@ class ShardedCheckpointer:
                     f"Refusing to save a checkpoint over {str(path)!r}: it is a directory that is not a checkpoint.")
 
         ranks.agree(check_target)
-        writes = self.topology.dp_rank == 0  # replicas hold the same values: replica 0 alone writes
-        # FSDP-sharded stages: every shard rank gathers full tensors, so the format does not depend on the layout.
+        # replicas hold the same values: replica 0 alone writes; tensor ranks gather the same whole tensors: rank 0
+        writes = self.topology.dp_rank == 0 and self.topology.tp_rank == 0
+        # FSDP-sharded / tensor-parallel stages: every rank of the mesh gathers full tensors, so the format does not
+        # depend on the layout.
         model_sd = full_values(checkpoint.pop("state_dict", None) or {})
         opt_states = checkpoint.pop("optimizer_states", None)
         state: dict[str, Any] = {}

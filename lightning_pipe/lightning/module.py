@@ -63,6 +63,12 @@ class PipelineModule(pl.LightningModule):
     ``val_loss`` and ``test_loss``; override them freely, as long as they take the loss from
     :meth:`compute_loss` (and predictions from :meth:`compute_output`).
 
+    Optional hooks the strategy calls when present: ``reset_layer(index, layer)`` (initialise a layer built on the
+    meta device) and ``parallelize_layer(index, layer, tp_mesh)`` (required with ``tensor_parallel_size > 1``):
+    split layer ``index`` of the layer list in place over the 1-D ``tp_mesh`` (DTensor ``parallelize_module`` with
+    ``ColwiseParallel`` / ``RowwiseParallel``); the layer's inputs and outputs must stay plain whole tensors
+    (``use_local_output=True``), so the pipeline's P2P is unchanged (lightning_pipe/tensor_parallel.py).
+
     Example::
 
         class Regressor(PipelineModule):

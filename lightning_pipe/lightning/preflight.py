@@ -61,6 +61,14 @@ def resolve_settings(schedule: str, microbatches: int | None, data_parallel_size
         raise config_error("The planner does not model FSDP yet: schedule='auto', plan files and partition='time' / "
                            "'memory' take fsdp_size=1.", f"fsdp_size={config.fsdp_size} with {used}",
                            "fsdp_size", also=("schedule", "plan", "partition"))
+    if config.tensor_parallel_size > 1 and (auto or plan_data is not None or measured
+                                            or config.rebalance_every_n_steps is not None):
+        used = ("a plan file" if plan_data is not None else "schedule='auto'" if auto
+                else f"partition={config.partition!r}" if measured else "rebalance_every_n_steps")
+        raise config_error("The planner does not model tensor parallelism yet: schedule='auto', plan files, "
+                           "partition='time' / 'memory' and rebalancing take tensor_parallel_size=1.",
+                           f"tensor_parallel_size={config.tensor_parallel_size} with {used}", "tensor_parallel_size",
+                           also=("schedule", "plan", "partition", "rebalance_every_n_steps"))
     # Unknown schedule names and options the schedule does not take fail here, not on the ranks after launch.
     check_schedule_settings(config)
     return ResolvedSettings(config, auto, budget, plan_data)

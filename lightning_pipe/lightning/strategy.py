@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from lightning_pipe._compat import lightning as _compat
 from lightning_pipe.checkpoint import remove as remove_checkpoint_files
-from lightning_pipe.config import MEASURED_PARTITIONS, PartitionSpec, Topology
+from lightning_pipe.config import MEASURED_PARTITIONS, PartitionSpec, Topology, config_error
 from lightning_pipe.engine import PipelineEngine
 from lightning_pipe.fsdp import ShardingOptions
 from lightning_pipe.layout import PipelineLayout, build_engine
@@ -56,7 +56,8 @@ class PipelineStrategy(ParallelStrategy):
     torch.distributed.pipelining runs the schedule. Settings are those of :class:`~lightning_pipe.PipelineConfig`.
 
     Args:
-        schedule, microbatches, data_parallel_size, fsdp_size, fsdp_reshard_after_forward, partition,
+        schedule, microbatches, data_parallel_size, fsdp_size, fsdp_reshard_after_forward, tensor_parallel_size,
+            partition,
             stages_per_rank, layers_attr, recompute, schedule_options: the layout settings, documented once on :class:`~lightning_pipe.PipelineConfig`
             (and in the README's settings table with their Hydra paths). ``schedule="auto"`` lets the planner
             choose at setup (README: "Let it plan").
@@ -97,6 +98,7 @@ class PipelineStrategy(ParallelStrategy):
         rebalance_threshold: float = 0.05,
         fsdp_size: int = 1,
         fsdp_reshard_after_forward: bool = False,
+        tensor_parallel_size: int = 1,
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -104,6 +106,7 @@ class PipelineStrategy(ParallelStrategy):
         resolved = resolve_settings(schedule, microbatches, data_parallel_size, partition, stages_per_rank,
                                     layers_attr, recompute, schedule_options, plan, memory_budget,
                                     fsdp_size=fsdp_size, fsdp_reshard_after_forward=fsdp_reshard_after_forward,
+                                    tensor_parallel_size=tensor_parallel_size,
                                     rebalance_every_n_steps=rebalance_every_n_steps,
                                     rebalance_threshold=rebalance_threshold)
         self.pipeline_config = resolved.config
@@ -153,8 +156,8 @@ class PipelineStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Shard by data-parallel rank only (replicas x FSDP shards): every stage of one replica must read the same
-        # batches.
+        # Shard by data-parallel rank only (replicas x FSDP shards): every stage and every tensor rank of one replica
+        # must read the same batches.
         topo = self._topology()
         return {"num_replicas": topo.dp_degree, "rank": topo.dp_rank}
 
@@ -165,7 +168,8 @@ class PipelineStrategy(ParallelStrategy):
     def _topology(self) -> Topology:
         if self.topology is None:
             self.topology = Topology.create(self.world_size, self.pipeline_config.data_parallel_size,
-                                            self.global_rank, self.pipeline_config.fsdp_size)
+                                            self.global_rank, self.pipeline_config.fsdp_size,
+                                            self.pipeline_config.tensor_parallel_size)
         return self.topology
 
     @override
@@ -223,6 +227,10 @@ class PipelineStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         check_module(module)
+        if self.pipeline_config.tensor_parallel_size > 1 and self.precision_plugin.precision == "16-mixed":
+            raise config_error("fp16 loss scaling is not verified with tensor-parallel (DTensor) gradients yet.",
+                               f"precision='16-mixed', tensor_parallel_size={self.pipeline_config.tensor_parallel_size}",
+                               "precision", "use 'bf16-mixed' or '32-true'", also=("tensor_parallel_size",))
         if self._auto and self.auto_plan is None:
             self.auto_plan, self.pipeline_config = plan_automatically(
                 trainer, module, self.pipeline_config, self._memory_budget, self.world_size, self.root_device)

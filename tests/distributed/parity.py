@@ -62,7 +62,7 @@ def assert_case_parity(results: Results, case_idx: int, case: TrainingCase) -> N
         # hooks fire as on one device: zero_grad per optimizer step, backward per batch
         assert r["calls"] == ref["calls"], (r["calls"], ref["calls"])
         assert r["meta_tensors"] == 0
-        if case.dp > 1 and case.fsdp == 1 and case.dp_overlap is True and "dp_sync" in r:
+        if case.dp > 1 and case.fsdp == 1 and case.tp == 1 and case.dp_overlap is True and "dp_sync" in r:
             # every optimizer step's gradients were averaged during the schedule: no all-reduce after it
             steps = ref["calls"].get("on_before_optimizer_step", r["dp_sync"]["overlapped"])
             assert r["dp_sync"] == {"overlapped": steps, "after_schedule": 0} and steps > 0, (case, r["dp_sync"])
@@ -75,8 +75,10 @@ def assert_case_parity(results: Results, case_idx: int, case: TrainingCase) -> N
         # on_before_optimizer_step sees the full gradients (not wiped by zero_grad): the squared norms of the
         # stages of one replica add up to the single-device one, at every optimizer step (FSDP: the hook sees each
         # rank's gradient shards, so the shard ranks of replica 0, data-parallel indices 0..fsdp-1, add up too)
+        # (tensor parallel: the hook's norm of a split DTensor is the whole one, on every tensor rank: count rank 0)
         stage_sq = torch.tensor([r[case_idx]["grad_sq_before_step"] for r in results
-                                 if r[case_idx]["topology"][0] < case.fsdp]).sum(0)
+                                 if r[case_idx]["topology"][0] < case.fsdp and r[case_idx].get("tp_rank", 0) == 0
+                                 ]).sum(0)
         torch.testing.assert_close(stage_sq, torch.tensor(ref["grad_sq_before_step"]), rtol=1e-4, atol=1e-6)
     if case.predict:
         # rank 0 predicts its data-parallel share: every (dp x fsdp)-th sample (Lightning's DistributedSampler)

@@ -75,7 +75,7 @@ def check_consistency(cfg: DictConfig, whole_setup: bool = True) -> None:
         # the default config and the experiments must be.
         if whole_setup and isinstance(devices, int):
             ranks = devices * cfg.trainer.num_nodes
-            dp = cfg.strategy.data_parallel_size * cfg.strategy.fsdp_size
+            dp = cfg.strategy.data_parallel_size * cfg.strategy.fsdp_size * cfg.strategy.tensor_parallel_size
             assert ranks % dp == 0
             v = cfg.schedule.stages_per_rank or get_schedule_spec(cfg.schedule.name).default_stages_per_rank
             stages = ranks // dp * v
@@ -174,6 +174,7 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "strategy.data_parallel_size": (["strategy.data_parallel_size=2"], 2),
     "strategy.fsdp_size": (["strategy.fsdp_size=2"], 2),
     "strategy.fsdp_reshard_after_forward": (["strategy.fsdp_reshard_after_forward=true"], True),
+    "strategy.tensor_parallel_size": (["strategy.tensor_parallel_size=2"], 2),
     "strategy.partition": (["strategy.partition=[3,4]"], (3, 4)),
     "strategy.layers_attr": (["strategy.layers_attr=blocks"], "blocks"),
     "strategy.recompute": (["strategy.recompute=all"], "all"),

@@ -23,7 +23,7 @@ from typing_extensions import NotRequired
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.checkpoint import ModuleNames, write_shards
 from tests.distributed.scenarios.training import LossRecorder, full_tensor
-from tests.models import ToyRegressor, loader, reference_train_loader, regression_data
+from tests.models import TensorParallelRegressor, ToyRegressor, loader, reference_train_loader, regression_data
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class CheckpointCase:
     schedule: str = "1f1b"
     dp: int = 1
     fsdp: int = 1  # FSDP2 shards per stage (fsdp_size)
+    tp: int = 1  # tensor_parallel_size (> 1: the model is a TensorParallelRegressor, on every side)
     stages_per_rank: int | None = None
     microbatches: int = 4
     n_layers: int = 8
@@ -87,6 +88,11 @@ def optimizer_by_name(module: torch.nn.Module, optimizer: torch.optim.Optimizer)
     return out
 
 
+def _model(case: CheckpointCase) -> ToyRegressor:
+    cls = TensorParallelRegressor if case.tp > 1 else ToyRegressor
+    return cls(n_layers=case.n_layers, optimizer=case.optimizer, tied=case.tied)
+
+
 def _require(case: CheckpointCase, scenario: str, *fields: str) -> None:
     missing = [f for f in fields if getattr(case, f) is None]
     if missing:
@@ -96,12 +102,12 @@ def _require(case: CheckpointCase, scenario: str, *fields: str) -> None:
 def _run(case: CheckpointCase, ckpt_path: str | Path | None = None,
          callbacks: tuple[Callback, ...] = ()) -> CheckpointRun:
     torch.manual_seed(1234)
-    model = ToyRegressor(n_layers=case.n_layers, optimizer=case.optimizer, tied=case.tied)
+    model = _model(case)
     n_data = case.steps_per_epoch * case.batch * case.dp * case.fsdp
     recorder, start = LossRecorder(), StateAtStart()
     strategy = PipelineStrategy(schedule=case.schedule, microbatches=case.microbatches,
                                 data_parallel_size=case.dp, stages_per_rank=case.stages_per_rank,
-                                fsdp_size=case.fsdp)
+                                fsdp_size=case.fsdp, tensor_parallel_size=case.tp)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=int(os.environ["TEST_WORLD_SIZE"]),
                         max_steps=case.steps, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
@@ -175,7 +181,7 @@ def run_reference(case: CheckpointCase, ckpt_path: str | Path | None = None, ste
                   ) -> tuple[CheckpointRun, L.LightningModule, L.Trainer]:
     """The same module on one device, global batch, optionally resumed from a single-file checkpoint."""
     torch.manual_seed(1234)
-    model = ToyRegressor(n_layers=case.n_layers, optimizer=case.optimizer, tied=case.tied)
+    model = _model(case)
     recorder, start = LossRecorder(), StateAtStart()
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,

@@ -21,7 +21,14 @@ from torch.utils.data import TensorDataset
 from typing_extensions import NotRequired
 
 from lightning_pipe import PipelinePrecision, PipelineStrategy
-from tests.models import MetaBuiltRegressor, ToyRegressor, loader, reference_train_loader, regression_data
+from tests.models import (
+    MetaBuiltRegressor,
+    TensorParallelRegressor,
+    ToyRegressor,
+    loader,
+    reference_train_loader,
+    regression_data,
+)
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,7 @@ class TrainingCase:
     dp: int = 1
     fsdp: int = 1  # FSDP2 shards per stage (fsdp_size); replicas x shards read different data
     fsdp_reshard: bool = False  # fsdp_reshard_after_forward
+    tp: int = 1  # tensor_parallel_size: ranks each layer is split over (they read the same data)
     stages_per_rank: int | None = None
     partition: str | list[int] = "uniform"
     schedule_options: dict[str, Any] | None = None
@@ -82,6 +90,8 @@ class TrainingResult(TypedDict):
     topology: NotRequired[tuple[int, int]]  # pipeline only: (dp_rank, pp_rank)
     best: NotRequired[tuple[str, float]]  # with monitor_dir: ModelCheckpoint's best path and score
     dp_sync: NotRequired[dict[str, int]]  # pipeline only: batches whose gradients were averaged each way
+    tp_rank: NotRequired[int]  # pipeline only
+    sharded_params: NotRequired[int]  # pipeline only: parameters held as split DTensors (FSDP / tensor parallel)
 
 
 class NoLayerList(ToyRegressor):
@@ -127,7 +137,8 @@ def token_data(n: int, seed: int = 1) -> TensorDataset:
 
 
 MODELS: dict[str, Callable[[TrainingCase], L.LightningModule]] = {
-    "toy": toy(ToyRegressor), "no_layers": toy(NoLayerList), "meta": toy(MetaBuiltRegressor), "gpt": tiny_gpt}
+    "toy": toy(ToyRegressor), "no_layers": toy(NoLayerList), "meta": toy(MetaBuiltRegressor), "gpt": tiny_gpt,
+    "tp": toy(TensorParallelRegressor)}
 DATA: dict[str, Callable[[int], TensorDataset]] = {"gpt": token_data}
 
 
@@ -180,7 +191,7 @@ def _trainer(case: TrainingCase, pipeline: bool, recorder: Callback, *extra: Cal
                                     data_parallel_size=case.dp, partition=case.partition,
                                     stages_per_rank=case.stages_per_rank, schedule_options=case.schedule_options,
                                     recompute=case.recompute, fsdp_size=case.fsdp,
-                                    fsdp_reshard_after_forward=case.fsdp_reshard)
+                                    fsdp_reshard_after_forward=case.fsdp_reshard, tensor_parallel_size=case.tp)
         devices = int(os.environ["TEST_WORLD_SIZE"])  # Lightning deletes WORLD_SIZE at teardown
     else:
         strategy, devices = "auto", 1
@@ -227,6 +238,9 @@ def run_training(case: TrainingCase, pipeline: bool) -> TrainingResult:
         out["meta_tensors"] = sum(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
         out["topology"] = (trainer.strategy.topology.dp_rank, trainer.strategy.topology.pp_rank)
         out["dp_sync"] = dp_sync.counts
+        out["tp_rank"] = trainer.strategy.topology.tp_rank
+        out["sharded_params"] = sum(isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)
+                                    for p in model.parameters())
     callback = trainer.checkpoint_callback
     if callback is not None and case.monitor_dir is not None:
         out["best"] = (callback.best_model_path, float(callback.best_model_score))

@@ -1,0 +1,63 @@
+"""Tensor-parallel settings and the mesh's rank order with a ``tensor`` dimension, on plain data: no launch."""
+
+import lightning.pytorch as L
+import pytest
+
+from lightning_pipe import PipelineConfig, PipelineConfigError, PipelineStrategy
+from lightning_pipe.config import Topology
+from lightning_pipe.stages import TiedParameter
+from lightning_pipe.tensor_parallel import check_module
+from tests.models import TensorParallelRegressor, ToyRegressor
+
+
+def test_rank_order_puts_tensor_innermost():
+    """[Note: rank order]: rank = ((replica * p + pp) * fsdp + shard) * tp + t; tensor ranks are not data-parallel."""
+    world = 8
+    seen = set()
+    for rank in range(world):
+        t = Topology.create(world, data_parallel_size=2, global_rank=rank, tensor_parallel_size=2)
+        assert t.pipeline_size == 2 and t.dp_degree == 2
+        assert rank == (t.replica_rank * 2 + t.pp_rank) * 2 + t.tp_rank
+        assert t.dp_rank == t.replica_rank
+        assert t.rank_of(t.dp_rank, t.pp_rank, t.tp_rank) == rank
+        assert rank in t.pp_group_ranks(t.dp_rank, t.tp_rank) and rank in t.dp_group_ranks(t.pp_rank, t.tp_rank)
+        seen.add((t.dp_rank, t.pp_rank, t.tp_rank))
+    assert len(seen) == world
+    t = Topology.create(world, 2, global_rank=0, tensor_parallel_size=2)
+    # a pipeline: equal (replica, tensor rank); replicas: equal (stage, tensor rank)
+    assert t.pp_group_ranks(0, 0) == [0, 2] and t.pp_group_ranks(0, 1) == [1, 3] and t.pp_group_ranks(1, 1) == [5, 7]
+    assert t.dp_group_ranks(0, 0) == [0, 4] and t.dp_group_ranks(1, 1) == [3, 7]
+    # tensor_parallel_size=1: the pipeline x replicas order
+    for rank in range(6):
+        t = Topology.create(6, 3, global_rank=rank)
+        assert (t.dp_rank, t.pp_rank, t.tp_rank) == (rank // 2, rank % 2, 0)
+
+
+def test_tensor_parallel_settings_are_checked_early():
+    with pytest.raises(PipelineConfigError, match=r"tensor_parallel_size=0.*Hydra: strategy.tensor_parallel_size"):
+        PipelineConfig(tensor_parallel_size=0)
+    with pytest.raises(PipelineConfigError, match="with FSDP"):
+        PipelineConfig(tensor_parallel_size=2, fsdp_size=2)
+    for schedule in ("zbv", "zb_h1", "pipedream", "chimera"):
+        with pytest.raises(PipelineConfigError, match="Tensor parallelism runs with the schedules"):
+            PipelineConfig(tensor_parallel_size=2, schedule=schedule)
+    with pytest.raises(PipelineConfigError, match="planner does not model tensor parallelism"):
+        PipelineStrategy(schedule="auto", tensor_parallel_size=2)
+    with pytest.raises(PipelineConfigError, match="planner does not model tensor parallelism"):
+        PipelineStrategy(tensor_parallel_size=2, rebalance_every_n_steps=5)
+    with pytest.raises(PipelineConfigError, match="data_parallel_size x fsdp_size x tensor_parallel_size"):
+        L.Trainer(strategy=PipelineStrategy(tensor_parallel_size=4), accelerator="cpu", devices=6, logger=False)
+
+
+def test_sampler_counts_replicas_not_tensor_ranks():
+    strategy = PipelineStrategy(data_parallel_size=2, tensor_parallel_size=2)
+    L.Trainer(strategy=strategy, accelerator="cpu", devices=8, logger=False)
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
+
+
+def test_module_without_hook_or_with_ties_is_refused():
+    with pytest.raises(PipelineConfigError, match="parallelize_layer"):
+        check_module(ToyRegressor(), (), 2)
+    with pytest.raises(PipelineConfigError, match="tied parameters"):
+        check_module(TensorParallelRegressor(), (TiedParameter(("a", "b"), (0, 3)),), 2)
+    check_module(TensorParallelRegressor(), (), 2)
