@@ -34,41 +34,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench._models import residual_mlp  # noqa: E402
 from bench._ranks import run_ranks  # noqa: E402
 
 MICROBATCHES = (2, 4, 8, 16, 32)
 SCHEDULES = ("gpipe", "1f1b")
 MEASURABLE = 0.05  # theory below this: excluded from max_rel_error (see the module docstring)
-
-
-def _model(width: int, blocks: int):
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-
-    from lightning_pipe import PipelineModule
-
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(width, width)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + torch.tanh(self.fc(x))
-
-    class MLP(PipelineModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.layers = nn.Sequential(*[Block() for _ in range(blocks)])
-
-        def loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            return F.mse_loss(output, target)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=1e-3)
-
-    return MLP()
 
 
 def _fit(args: argparse.Namespace, schedule: str, m: int, steps: int, timeline: bool) -> dict:
@@ -102,7 +73,7 @@ def _fit(args: argparse.Namespace, schedule: str, m: int, steps: int, timeline: 
                         devices=2, max_steps=steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                         callbacks=callbacks)
-    trainer.fit(_model(args.width, args.blocks), loader)
+    trainer.fit(residual_mlp(args.width, args.blocks), loader)
     iters = [b - a for a, b in zip(clock.starts, clock.starts[1:])][2:]  # drop shape inference + first step
     out = {"iter_s": iters}
     if tl is not None:

@@ -32,37 +32,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench._models import residual_mlp  # noqa: E402
 from bench._ranks import run_ranks  # noqa: E402
-
-
-def _model(width: int, layers: int) -> Any:
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-
-    from lightning_pipe import PipelineModule
-
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(width, width)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + torch.tanh(self.fc(x))
-
-    class WideMLP(PipelineModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.layers = nn.Sequential(*[Block() for _ in range(layers)])
-
-        def loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            return F.mse_loss(output, target)
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.SGD(self.parameters(), lr=1e-3)
-
-    return WideMLP()
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -147,7 +118,7 @@ def worker(args: argparse.Namespace) -> None:
                         accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), max_steps=total, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[alternate, clock])
-    trainer.fit(_model(args.width, args.layers), data)
+    trainer.fit(residual_mlp(args.width, args.layers), data)
     if int(os.environ["RANK"]) == 0:
         Path(args.out).write_text(json.dumps(alternate.gathered))
 
