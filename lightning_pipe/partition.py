@@ -18,13 +18,16 @@ def uniform_counts(n_layers: int, n_stages: int) -> list[int]:
     return [base + (1 if s < extra else 0) for s in range(n_stages)]
 
 
-def balanced_counts(costs: Sequence[float], n_stages: int) -> list[int]:
+def balanced_counts(costs: Sequence[float], n_stages: int,
+                    stage_speed: Sequence[float] | None = None) -> list[int]:
     """Contiguous partition minimising the most expensive stage (every stage gets at least one layer).
 
+    ``stage_speed[s]``: stage ``s`` runs that many times slower (its cost is its layers' sum times it); default 1.
     Exact dynamic programme over prefix sums, O(n_layers^2 * n_stages): layer lists are at most a few hundred
     long. Ties go to the partition whose earlier stages are larger, which keeps the (usually heavier) last stage,
     with head and loss, light.
     """
+    speeds = [1.0] * n_stages if stage_speed is None else [float(x) for x in stage_speed]
     n = len(costs)
     prefix = [0.0]
     for c in costs:
@@ -35,9 +38,10 @@ def balanced_counts(costs: Sequence[float], n_stages: int) -> list[int]:
     cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
     best[0][0] = 0.0
     for s in range(1, n_stages + 1):
+        speed = speeds[s - 1]
         for i in range(s, n - (n_stages - s) + 1):
             for j in range(i - 1, s - 2, -1):  # last stage = layers [j, i); scan so later j win ties
-                cand = max(best[s - 1][j], prefix[i] - prefix[j])
+                cand = max(best[s - 1][j], speed * (prefix[i] - prefix[j]))
                 if cand < best[s][i]:
                     best[s][i], cut[s][i] = cand, j
     counts, i = [], n

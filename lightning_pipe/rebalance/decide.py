@@ -27,6 +27,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from lightning_pipe.partition import balanced_counts
+
 
 @dataclass(frozen=True)
 class LayerTime:
@@ -117,30 +119,9 @@ def busiest_stage(costs: Sequence[float], counts: Sequence[int], stage_speed: Se
 def best_counts(costs: Sequence[float], stage_speed: Sequence[float]) -> tuple[int, ...]:
     """Contiguous split minimising the busiest stage, stage ``s`` running ``stage_speed[s]`` times slower.
 
-    Exact, O(stages * layers^2). Ties go to the split whose earlier stages are larger (as
-    :func:`lightning_pipe.partition.balanced_counts`).
+    Exact (:func:`lightning_pipe.partition.balanced_counts`); ties go to the split whose earlier stages are larger.
     """
-    n, stages = len(costs), len(stage_speed)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + float(c))
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, stages + 1):
-        speed = stage_speed[s - 1]
-        for i in range(s, n - (stages - s) + 1):
-            for j in range(i - 1, s - 2, -1):
-                cand = max(best[s - 1][j], speed * (prefix[i] - prefix[j]))
-                if cand < best[s][i]:
-                    best[s][i], cut[s][i] = cand, j
-    counts, i = [], n
-    for s in range(stages, 0, -1):
-        j = cut[s][i]
-        counts.append(i - j)
-        i = j
-    return tuple(counts[::-1])
+    return tuple(balanced_counts(costs, len(stage_speed), stage_speed))
 
 
 def moves_between(current: Sequence[int], proposed: Sequence[int], stage_rank: Sequence[int]) -> tuple[Move, ...]:
