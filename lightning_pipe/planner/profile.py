@@ -23,8 +23,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pipe._compat import torch as _compat
+from lightning_pipe.batches import loss_parts
 from lightning_pipe.memory import ActivationMeter
-from lightning_pipe.stages import init_layer
+from lightning_pipe.stages import init_layer, layer_args
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,7 @@ def profile_layer(layer: nn.Module, inputs: Any, loss: Callable[[Any], torch.Ten
         for split in (False, True):
             meter.reset()
             with meter.measure():
-                t_f, out = _timed(device, layer, x)
+                t_f, out = _timed(device, layer, *layer_args(x))  # [Note: the layer I/O contract]
                 saved = max(saved, meter.live_bytes)
                 roots = [loss(out)] if loss is not None else [t for t in _tensors(out) if t.requires_grad]
             grads = None if loss is not None else [torch.randn_like(t) for t in roots]
@@ -165,8 +166,10 @@ def profile_layer(layer: nn.Module, inputs: Any, loss: Callable[[Any], torch.Ten
                 t_b, _ = _timed(device, torch.autograd.backward, roots, grads)
             else:
                 if x_grad:  # the runtime skips I on stage 0 (no input gradient): its W is the whole backward
-                    t_i, (_, groups) = _timed(device, _compat.stage_backward_input, roots, grads, x_grad,
-                                              iter(params))
+                    # torch detaches the outputs in place afterwards, which a view cannot take (a layer may return
+                    # one, e.g. a transformers block's reshaped hidden states): hand it copies, one cheap node more
+                    t_i, (_, groups) = _timed(device, _compat.stage_backward_input, [r.clone() for r in roots],
+                                              grads, x_grad, iter(params))
                     t_w, _ = _timed(device, _compat.stage_backward_weight, iter(params), groups)
                 else:
                     t_i, (t_w, _) = 0.0, _timed(device, torch.autograd.backward, roots, grads)
@@ -250,7 +253,9 @@ def profile_model(module: nn.Module, batch: Any, micro_batch_sizes: Sequence[int
                 _materialize(module, index, layer, device)
                 last = index == len(layers) - 1
                 for n in sizes:
-                    loss = (lambda out, t=targets[n]: module.loss_fn(out, t)) if last else None  # type: ignore
+                    # a mean, or a (sum, count) pair: the backward starts from the value either way
+                    loss = (lambda out, t=targets[n]: loss_parts(module.loss_fn(out, t),  # type: ignore
+                                                                 type(module).__name__).value) if last else None
                     cost, hidden[n] = profile_layer(layer, hidden[n], loss, repeats)
                     sweep[n].append(cost)
                 del layer

@@ -369,3 +369,22 @@ def test_module_splits_collator_batches_and_builds_from_a_directory(tmp_path):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
     with pytest.raises(ValueError, match="position_ids"):
         module.split_batch({"input_ids": input_ids, "position_ids": mask})
+
+
+def test_planner_profiles_a_transformers_model_built_on_meta() -> None:
+    """schedule='auto' / partition='time' on a model we did not write: its layers pass tuples, its loss is a
+    (sum, count) pair and some outputs are views (torch's split backward detaches outputs in place)."""
+    from lightning_pipe import HFCausalLM
+    from lightning_pipe.planner.profile import profile_model
+
+    config = transformers.GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0)
+    model = HFCausalLM(config=config)
+    with torch.device("meta"):
+        model.configure_model()
+    ids = torch.randint(0, 97, (4, 16))
+    costs = profile_model(model, {"input_ids": ids, "labels": ids}, [2], repeats=1, passes=1).at(2)
+    assert len(costs) == len(model.layers)
+    assert all(c.forward > 0 and c.backward > 0 for c in costs)
+    assert all(c.input_grad > 0 and c.weight_grad > 0 for c in costs[1:])  # the split backward ran (not stage 0's)
+    assert all(t.is_meta for t in model.parameters())  # profiled on copies: the module is untouched
