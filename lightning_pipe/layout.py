@@ -85,7 +85,7 @@ def build_engine(module: PipelineModel, config: PipelineConfig, plan: SchedulePl
         check_ties(layout.tied, {i: plan.stage_to_rank(s) for s, r in enumerate(layout.ranges) for i in r})
         mesh = build_mesh(topology, device.type)
     if topology.tensor_parallel_size > 1:
-        check_tensor_parallel(module, layout.tied, topology.tensor_parallel_size)
+        check_tensor_parallel(module, topology.tensor_parallel_size)
         mesh = build_mesh(topology, device.type)
     groups = ProcessGroups(topology, layout.tied, layout.ranges, plan, mesh=mesh)
     stage_modules = localize_layers(module, config.layers_attr, layout.ranges, local_ids, plan.stage_to_rank,
@@ -108,7 +108,7 @@ def build_engine(module: PipelineModel, config: PipelineConfig, plan: SchedulePl
         # split each local layer in place (identical over the tensor group first): [Note: tensor parallel stages]
         assert mesh is not None
         module.to(device)
-        parallelize_stages(module, stage_modules, mesh[TENSOR], groups.tensor if fresh else None)
+        parallelize_stages(module, stage_modules, mesh[TENSOR], groups.tensor if fresh else None, layout.tied)
     module.to(device)
     engine = engine_class(plan)(module, stage_modules, local_ids, plan, groups, device)
     if fresh:

@@ -22,8 +22,17 @@ or ``Replicate`` DTensors (e.g. a row-wise layer's bias), identical on every ten
   schedule);
 - checkpoints gather whole tensors per stage (``full_values``), written by tensor rank 0 only; a load cuts them again.
 
-Refused (plain-data errors, before any rank waits on another): FSDP and tensor parallelism together, tied parameters
-(a plan would replace one of the tied copies' ``Parameter``), schedules other than
+Tied parameters (GPT-2's embedding and head) stay tied as long as the hook leaves every copy alike: the usual plan
+keeps the tied layers whole (replicated over the tensor group), and each tensor rank sums its copies with the same
+tensor rank of the other holding stages (grads.py). A plan that splits one copy and not the other, or splits the two
+ends of a tie on one rank into two ``Parameter`` s, would train them apart silently: :func:`parallelize_stages`
+compares every copy after the hooks (over the world, once at setup) and raises on every rank.
+
+A fused projection (q|k|v in one ``Linear``, as GPT-2's ``c_attn``) is split with :class:`FusedColwiseParallel`: each
+rank holds its part of *each* block (its heads of q, of k and of v), so the layer computes whole heads locally.
+
+Refused (plain-data errors, before any rank waits on another): FSDP and tensor parallelism together, schedules other
+than
 :data:`~lightning_pipe.config.TENSOR_PARALLEL_SCHEDULES`, the planner (``schedule='auto'``, plan files, measured
 partitions, rebalancing), a module without the hook.
 """
@@ -31,13 +40,16 @@ partitions, rebalancing), a module without the hook.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 from weakref import WeakSet
 
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel
 
+from lightning_pipe._compat.torch import strided_shard
 from lightning_pipe.config import config_error
 from lightning_pipe.stages import StageModule, TiedParameter
 
@@ -47,13 +59,8 @@ HOOK = "parallelize_layer"
 _PARALLELIZED: WeakSet[nn.Module] = WeakSet()
 
 
-def check_module(module: nn.Module, tied: Sequence[TiedParameter], tensor_parallel_size: int) -> None:
-    """The module says how to split its layers, and has no tied parameters. Plain data, the same on every rank."""
-    if tied:
-        raise config_error(
-            "Tensor parallelism does not support tied parameters yet (a plan replaces one copy's Parameter, which "
-            "would silently untie them).", f"tensor_parallel_size={tensor_parallel_size} and tied "
-            f"{[list(t.names) for t in tied]}", "tensor_parallel_size", "or set it to 1", fix="Untie the weights")
+def check_module(module: nn.Module, tensor_parallel_size: int) -> None:
+    """The module says how to split its layers. Plain data, the same on every rank."""
     if not callable(getattr(module, HOOK, None)):
         raise config_error(
             f"Tensor parallelism needs the module to say how to split a layer: {type(module).__name__} has no "
@@ -62,12 +69,47 @@ def check_module(module: nn.Module, tied: Sequence[TiedParameter], tensor_parall
             fix=f"Implement `{HOOK}` (README: \"Bigger than one device per stage\")")
 
 
+class FusedColwiseParallel(ColwiseParallel):
+    """``ColwiseParallel`` for a ``Linear`` whose output is ``blocks`` projections side by side (q|k|v: 3; gate|up:
+    2): each tensor rank holds its part of every block, so its local output is ``[q_t | k_t | v_t]`` (its own heads
+    of each) rather than a contiguous slice that would cut across q and k. The weight and bias are DTensors with a
+    strided placement, so gathering them (checkpoints) gives the original layout back; the output stays local.
+    """
+
+    def __init__(self, blocks: int, *, use_local_output: bool = True) -> None:
+        if blocks < 1:
+            raise ValueError(f"FusedColwiseParallel needs blocks >= 1, got {blocks}")
+        super().__init__(use_local_output=use_local_output)
+        self.blocks = blocks
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        parts = self.blocks * device_mesh.size()
+        if not isinstance(module, nn.Linear) or module.out_features % parts:
+            raise ValueError(
+                f"FusedColwiseParallel({self.blocks}) splits each of {self.blocks} output blocks over "
+                f"{device_mesh.size()} tensor ranks: out_features must be divisible by {parts}; got "
+                f"{type(module).__name__} with out_features={getattr(module, 'out_features', None)}.")
+        placement = [strided_shard(0, self.blocks)]
+        for param_name, param in module.named_parameters():
+            module.register_parameter(param_name, nn.Parameter(
+                distribute_tensor(param, device_mesh, placement, src_data_rank=self.src_data_rank),
+                requires_grad=param.requires_grad))
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: DTensor,
+                           device_mesh: DeviceMesh) -> Any:
+        # The output is strided like the weight (each rank: its part of every block); ColwiseParallel would
+        # redistribute it to a contiguous Shard(-1), i.e. move data between ranks and cut across the blocks.
+        return outputs.to_local() if use_local_output else outputs
+
+
 def parallelize_stages(module: nn.Module, stage_modules: Sequence[StageModule], tp_mesh: DeviceMesh,
-                       tensor_group: dist.ProcessGroup | None) -> None:
+                       tensor_group: dist.ProcessGroup | None, tied: Sequence[TiedParameter] = ()) -> None:
     """Make this rank's layers identical over the tensor group (from tensor rank 0), then split each with the
-    module's hook. ``tensor_group=None``: the layers were made identical before (a reused layout). Collective over
-    the tensor group."""
+    module's hook, then check the tied parameters are still alike everywhere. ``tensor_group=None``: the layers were
+    split before (a reused layout). Collective over the world (the tie check)."""
     hook = getattr(module, HOOK)
+    before = _tie_copies(module, tied)
     for stage in stage_modules:
         for index, layer in zip(stage.layer_indices, stage.layers):
             if layer in _PARALLELIZED:
@@ -78,6 +120,52 @@ def parallelize_stages(module: nn.Module, stage_modules: Sequence[StageModule], 
                         dist.broadcast(t.data, group=tensor_group, group_src=0)
             hook(index, layer, tp_mesh)
             _PARALLELIZED.add(layer)
+    if tensor_group is not None and tied:
+        _check_ties_kept(module, tied, before, tp_mesh.get_local_rank())
+
+
+def _tie_copies(module: nn.Module, tied: Sequence[TiedParameter]) -> list[dict[str, Tensor]]:
+    """Per tie, this rank's copies by name (other ranks' layers are placeholders without parameters)."""
+    named = dict(module.named_parameters(remove_duplicate=False))
+    return [{n: named[n] for n in tie.names if n in named} for tie in tied]
+
+
+def _layout(param: Tensor) -> str:
+    """What must agree between the copies of a tie (with the same tensor rank): placements and local shape.
+    Replicated or whole are the same thing for the tie's sum."""
+    if is_sharded(param):
+        assert isinstance(param, DTensor)
+        placements = ", ".join(map(str, param.placements))
+        return f"split {placements}: local {tuple(param.to_local().shape)} of {tuple(param.shape)}"
+    return f"whole {tuple(param.shape)}"
+
+
+def _check_ties_kept(module: nn.Module, tied: Sequence[TiedParameter], before: list[dict[str, Tensor]],
+                     tp_rank: int) -> None:
+    """Raise on every rank if a hook split the copies of a tie differently, or split one shared ``Parameter`` of
+    this rank into two. One gather over the world at setup, so no rank goes on to wait on one that raised."""
+    after = _tie_copies(module, tied)
+    mine: list[tuple[str, str]] = []
+    for tie, old, new in zip(tied, before, after):
+        objects_before, objects_after = {id(p) for p in old.values()}, {id(p) for p in new.values()}
+        if len(objects_after) > len(objects_before):
+            mine.append((f"{list(tie.names)} (tensor rank {tp_rank})", f"one Parameter on rank {dist.get_rank()} became "
+                                               f"{len(objects_after)} (the hook replaced a copy)"))
+        mine += [(f"{list(tie.names)} (tensor rank {tp_rank})", _layout(p)) for p in new.values()]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    seen: dict[str, set[str]] = {}
+    for rank_items in gathered:
+        for names, layout in rank_items:
+            seen.setdefault(names, set()).add(layout)
+    bad = {names: sorted(layouts) for names, layouts in seen.items() if len(layouts) > 1}
+    if bad:
+        raise config_error(
+            "Under tensor parallelism the copies of a tied parameter must stay one parameter per rank and be split "
+            "alike on every stage (or not at all): otherwise they would silently train apart.",
+            f"after `{HOOK}`: " + "; ".join(f"{n}: " + " vs ".join(v) for n, v in bad.items()), "tensor_parallel_size",
+            "or set it to 1", fix=f"Make `{HOOK}` leave the tied layers whole (or split every copy the same way), "
+            "or untie the weights")
 
 
 def is_sharded(tensor: Tensor) -> bool:

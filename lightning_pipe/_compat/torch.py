@@ -77,8 +77,21 @@ _torch_backward = _module("torch.distributed.pipelining._backward")
 stage_backward_input = _resolve(_torch_backward, "stage_backward_input", _torch_backward.__name__)
 stage_backward_weight = _resolve(_torch_backward, "stage_backward_weight", _torch_backward.__name__)
 
+# DTensor's strided shard: rank t of n holds part t of each of k equal blocks (block 0's part t, block 1's part
+# t, ...), and ``full_tensor`` / ``distribute_tensor`` / sharding propagation through ``linear`` keep that layout.
+# It is what a fused projection (q|k|v in one Linear) needs under tensor parallelism: split by heads, not by rows.
+_placement_types = _module("torch.distributed.tensor.placement_types")
+_StridedShard = _resolve(_placement_types, "_StridedShard", _placement_types.__name__)
+
+
+def strided_shard(dim: int, blocks: int) -> Any:
+    """The placement that splits each of ``blocks`` equal blocks of ``dim`` over a mesh dimension."""
+    return _StridedShard(dim, split_factor=blocks)
+
+
 # Everything above that tests/unit/test_compat.py checks by name.
 PRIVATE_TORCH_API = {
+    "_StridedShard": _StridedShard,
     "stage_backward_input": stage_backward_input,
     "stage_backward_weight": stage_backward_weight,
     "_PipelineScheduleRuntime": PipelineScheduleRuntime,

@@ -17,8 +17,11 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from lightning_pipe import PipelineModule
+from lightning_pipe.tensor_parallel import FusedColwiseParallel
 
 
 class Embedding(nn.Module):
@@ -52,13 +55,16 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, c = x.shape
-        q, k, v = self.c_attn(x).split(c, dim=2)
-        # [B, T, C] -> [B, nh, T, hs]
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        head_size = c // self.n_head
+        # q | k | v side by side; under tensor parallelism (GPT.parallelize_layer) only this rank's heads of each,
+        # so the head count is read from the width, not from n_head.
+        q, k, v = self.c_attn(x).chunk(3, dim=2)
+        # [B, T, heads * hs] -> [B, heads, T, hs]
+        q, k, v = (z.view(b, t, -1, head_size).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
-        y = y.transpose(1, 2).contiguous().view(b, t, c)
+        y = y.transpose(1, 2).contiguous().view(b, t, -1)
         return self.resid_drop(self.c_proj(y))
 
 
@@ -206,6 +212,31 @@ class GPT(PipelineModule):
     def configure_optimizers(self) -> dict:
         hp = self.hparams
         return adamw_with_warmup_cosine(self, hp.lr, hp.weight_decay, hp.betas, hp.warmup_steps, hp.max_steps)
+
+    # ---------------------------------------------------------------- tensor parallelism
+    def parallelize_layer(self, index: int, layer: nn.Module, tp_mesh: DeviceMesh) -> None:
+        """Split a block over ``tp_mesh`` (``strategy.tensor_parallel_size``), Megatron-style: attention by heads
+        (q|k|v column-wise, each rank its own heads of each; the output projection row-wise) and the MLP
+        column-wise then row-wise, so each block needs one all-reduce forward and one backward per half. The
+        embedding, the norms and the head (tied to the embedding) stay whole on every tensor rank.
+
+        Dropout in the whole (replicated) parts draws the same mask on every tensor rank only while their random
+        streams agree (same seed, same ops): keep ``dropout=0`` (the recipe's default) or seed every rank alike.
+        """
+        if not isinstance(layer, Block):
+            return
+        size = tp_mesh.size()
+        if self.hparams.n_head % size:
+            raise ValueError(
+                f"Tensor parallelism splits attention by heads: n_head must be divisible by the tensor-parallel "
+                f"size; got n_head={self.hparams.n_head}, tensor_parallel_size={size}. Change model.n_head or "
+                "strategy.tensor_parallel_size.")
+        parallelize_module(layer, tp_mesh, {
+            "attn.c_attn": FusedColwiseParallel(3),
+            "attn.c_proj": RowwiseParallel(),
+            "mlp.c_fc": ColwiseParallel(),
+            "mlp.c_proj": RowwiseParallel(),
+        })
 
     # ---------------------------------------------------------------- sampling (one device)
     @torch.no_grad()

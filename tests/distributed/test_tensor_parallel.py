@@ -31,27 +31,33 @@ TRAINING = [
     # recomputed in the backward (its tensor-parallel all-reduces run again, in the same order on both ranks)
     TrainingCase(model="tp", schedule="interleaved_1f1b", stages_per_rank=2, tp=2, acc=2, clip=0.05,
                  recompute="all", validate=False),
+    # the recipe's GPT by its own hook: attention split by heads (fused q|k|v), MLP column- then row-wise; the
+    # embedding and the head stay whole and tied across the first and the last stage (summed per tensor rank)
+    TrainingCase(model="gpt", n_layers=6, tied=True, optimizer="adamw", schedule="1f1b", tp=2, acc=2, clip=0.5,
+                 n_data=64, check_grad_norms=False),
 ]
 ERRORS = [
     # no parallelize_layer hook
     (TrainingCase(model="toy", tp=2, steps=1, validate=False, expect_error=True), "parallelize_layer"),
-    # tied weights would be silently untied by a plan
-    (TrainingCase(model="toy", tied=True, tp=2, steps=1, validate=False, check_grad_norms=False,
-                  expect_error=True), "tied parameters"),
+    # a hook that splits the head but not the embedding tied to it: the copies would train apart
+    (TrainingCase(model="gpt_split_head", n_layers=5, tied=True, optimizer="adamw", tp=2, steps=1, n_data=64,
+                  validate=False, check_grad_norms=False, expect_error=True), "copies of a tied parameter"),
 ]
 
 
 STEP4 = "epoch=0-step=4.ckpt"
+# the toy model's plain column-/row-wise splits; the GPT's strided q|k|v split (gathered back to the fused layout)
+CHECKPOINT_MODELS = ("toy", "gpt")
 
 
 @pytest.fixture(scope="module")
 def pp2_tp2_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("tp")
-    saved = root / "pp2_tp2"
     runs: list[tuple[str, Any]] = [("training", case) for case in TRAINING]
     runs += [("training", case) for case, _ in ERRORS]
-    runs.append(("ckpt_train", CheckpointCase(tp=2, dir=str(saved), resume_from=str(saved / STEP4))))
-    return {"saved": saved, "results": launch_runs(4, runs, root / "out", timeout=300)}
+    runs += [("ckpt_train", CheckpointCase(tp=2, model=model, dir=str(root / model),
+                                           resume_from=str(root / model / STEP4))) for model in CHECKPOINT_MODELS]
+    return {"root": root, "results": launch_runs(4, runs, root / "out", timeout=360)}
 
 
 @pytest.fixture(scope="module")
@@ -79,16 +85,18 @@ def test_tensor_parallel_refuses_what_it_cannot_do(pp2_tp2: list[list[dict[str, 
 
 
 @pytest.mark.timeout(400)
-def test_checkpoint_pp2_tp2_resumes_and_loads_on_one_device(pp2_tp2_run: dict[str, Any], tmp_path: Path) -> None:
-    res, saved = pp2_tp2_run["results"], pp2_tp2_run["saved"]
-    i = len(TRAINING) + len(ERRORS)
+@pytest.mark.parametrize("model", CHECKPOINT_MODELS)
+def test_checkpoint_pp2_tp2_resumes_and_loads_on_one_device(pp2_tp2_run: dict[str, Any], tmp_path: Path,
+                                                           model: str) -> None:
+    res, saved = pp2_tp2_run["results"], pp2_tp2_run["root"] / model
+    i = len(TRAINING) + len(ERRORS) + CHECKPOINT_MODELS.index(model)
     for rank in res:  # stopped at step 4 and resumed == uninterrupted (every rank's gathered parameters)
         full, resumed = rank[i]["full"], rank[i]["resumed"]
         assert resumed["global_step"] == 8
         assert_same(resumed["params"], full["params"], 1e-6, "pp2 x tp2 resumed")
     # the checkpoint holds whole tensors: one device resumes from the consolidated file and trains on the same
     uninterrupted = merge_replica(res, i, run="full")
-    case = CheckpointCase(tp=2)
+    case = CheckpointCase(tp=2, model=model)
     ref, _, _ = run_reference(case, ckpt_lib.consolidate(saved / STEP4, tmp_path / "one.ckpt"))
     assert_same(ref["params"], uninterrupted, 1e-5, "pp2 x tp2 -> one device")
 

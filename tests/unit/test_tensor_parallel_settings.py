@@ -5,7 +5,6 @@ import pytest
 
 from lightning_pipe import PipelineConfig, PipelineConfigError, PipelineStrategy
 from lightning_pipe.config import Topology
-from lightning_pipe.stages import TiedParameter
 from lightning_pipe.tensor_parallel import check_module
 from tests.models import TensorParallelRegressor, ToyRegressor
 
@@ -55,9 +54,7 @@ def test_sampler_counts_replicas_not_tensor_ranks():
     assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
 
 
-def test_module_without_hook_or_with_ties_is_refused():
+def test_module_without_hook_is_refused():
     with pytest.raises(PipelineConfigError, match="parallelize_layer"):
-        check_module(ToyRegressor(), (), 2)
-    with pytest.raises(PipelineConfigError, match="tied parameters"):
-        check_module(TensorParallelRegressor(), (TiedParameter(("a", "b"), (0, 3)),), 2)
-    check_module(TensorParallelRegressor(), (), 2)
+        check_module(ToyRegressor(), 2)
+    check_module(TensorParallelRegressor(), 2)

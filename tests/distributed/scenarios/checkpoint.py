@@ -18,11 +18,12 @@ from typing import Any, TypedDict
 import lightning.pytorch as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import TensorDataset
 from typing_extensions import NotRequired
 
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.checkpoint import ModuleNames, write_shards
-from tests.distributed.scenarios.training import LossRecorder, full_tensor
+from tests.distributed.scenarios.training import LossRecorder, TrainingCase, full_tensor, tiny_gpt, token_data
 from tests.models import TensorParallelRegressor, ToyRegressor, loader, reference_train_loader, regression_data
 
 
@@ -33,7 +34,8 @@ class CheckpointCase:
     schedule: str = "1f1b"
     dp: int = 1
     fsdp: int = 1  # FSDP2 shards per stage (fsdp_size)
-    tp: int = 1  # tensor_parallel_size (> 1: the model is a TensorParallelRegressor, on every side)
+    tp: int = 1  # tensor_parallel_size (> 1: the toy model is a TensorParallelRegressor, on every side)
+    model: str = "toy"  # "gpt": the recipe's tiny GPT (tied, split by its own hook under tp > 1), on token data
     stages_per_rank: int | None = None
     microbatches: int = 4
     n_layers: int = 8
@@ -88,9 +90,15 @@ def optimizer_by_name(module: torch.nn.Module, optimizer: torch.optim.Optimizer)
     return out
 
 
-def _model(case: CheckpointCase) -> ToyRegressor:
+def _model(case: CheckpointCase) -> L.LightningModule:
+    if case.model == "gpt":
+        return tiny_gpt(TrainingCase(model="gpt", n_layers=case.n_layers, tied=True, optimizer="adamw"))
     cls = TensorParallelRegressor if case.tp > 1 else ToyRegressor
     return cls(n_layers=case.n_layers, optimizer=case.optimizer, tied=case.tied)
+
+
+def _data(case: CheckpointCase, n: int) -> TensorDataset:
+    return token_data(n) if case.model == "gpt" else regression_data(n)
 
 
 def _require(case: CheckpointCase, scenario: str, *fields: str) -> None:
@@ -112,7 +120,7 @@ def _run(case: CheckpointCase, ckpt_path: str | Path | None = None,
                         max_steps=case.steps, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                         callbacks=[recorder, start, *callbacks], enable_checkpointing=bool(callbacks))
-    trainer.fit(model, loader(regression_data(n_data), case.batch), ckpt_path=ckpt_path)
+    trainer.fit(model, loader(_data(case, n_data), case.batch), ckpt_path=ckpt_path)
     return CheckpointRun(params={n: full_tensor(p) for n, p in model.named_parameters()},
                          losses=recorder.losses, start_params=start.params, start_optim=start.optim,
                          global_step=trainer.global_step,
@@ -187,7 +195,7 @@ def run_reference(case: CheckpointCase, ckpt_path: str | Path | None = None, ste
                         enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
                         limit_val_batches=0, callbacks=[recorder, start])
     n = case.steps_per_epoch * case.batch * case.dp * case.fsdp
-    trainer.fit(model, reference_train_loader(regression_data(n), case.batch * case.dp * case.fsdp), ckpt_path=ckpt_path)
+    trainer.fit(model, reference_train_loader(_data(case, n), case.batch * case.dp * case.fsdp), ckpt_path=ckpt_path)
     run = CheckpointRun(params={k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)},
                         losses=recorder.losses, start_params=start.params, start_optim=start.optim,
                         global_step=trainer.global_step)

@@ -122,6 +122,26 @@ def tiny_gpt(case: TrainingCase) -> L.LightningModule:
                lr=3e-3, warmup_steps=2, max_steps=20)
 
 
+def gpt_splitting_its_head(case: TrainingCase) -> L.LightningModule:
+    """The tiny GPT with a tensor-parallel hook that also splits the head (tied to the embedding, which it leaves
+    whole): the two copies of the tie would train apart, which setup must refuse."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from recipes.gpt.model import Head
+
+    model = tiny_gpt(case)
+    split_blocks = model.parallelize_layer
+
+    def parallelize_layer(index: int, layer: torch.nn.Module, tp_mesh: Any) -> None:
+        split_blocks(index, layer, tp_mesh)
+        if isinstance(layer, Head):
+            parallelize_module(layer, tp_mesh, {"head": ColwiseParallel(output_layouts=Replicate())})
+
+    model.parallelize_layer = parallelize_layer  # type: ignore[method-assign]
+    return model
+
+
 def toy(cls: type[ToyRegressor]) -> Callable[[TrainingCase], L.LightningModule]:
     def build(case: TrainingCase) -> L.LightningModule:
         return cls(n_layers=case.n_layers, optimizer=case.optimizer, tied=case.tied,
@@ -138,8 +158,8 @@ def token_data(n: int, seed: int = 1) -> TensorDataset:
 
 MODELS: dict[str, Callable[[TrainingCase], L.LightningModule]] = {
     "toy": toy(ToyRegressor), "no_layers": toy(NoLayerList), "meta": toy(MetaBuiltRegressor), "gpt": tiny_gpt,
-    "tp": toy(TensorParallelRegressor)}
-DATA: dict[str, Callable[[int], TensorDataset]] = {"gpt": token_data}
+    "tp": toy(TensorParallelRegressor), "gpt_split_head": gpt_splitting_its_head}
+DATA: dict[str, Callable[[int], TensorDataset]] = {"gpt": token_data, "gpt_split_head": token_data}
 
 
 class LossRecorder(Callback):
