@@ -136,12 +136,14 @@ def log_layout(plan: SchedulePlan, topology: Topology, ranges: list[range], loca
     """One table on rank 0: which layers and how many parameters each stage holds (Lightning's model summary only
     sees rank 0's stage). Collective."""
     rows: list[Any] = [None] * topology.world_size
-    dist.all_gather_object(rows, (topology.dp_rank, topology.pp_rank, local_ids, n_params))
+    dist.all_gather_object(rows, (topology.dp_rank, topology.tp_rank, topology.pp_rank, local_ids, n_params))
     lines = [f"PipelineStrategy: schedule={plan.spec.name}, microbatches={plan.microbatches}, "
              f"{plan.num_stages} stages on {topology.pipeline_size} ranks x {topology.data_parallel_size} replica(s)"
-             + (f" x {topology.fsdp_size} FSDP shards (the counts are whole stages)" if topology.fsdp_size > 1 else "")]
-    for dp_rank, pp_rank, stages, count in rows:
-        if dp_rank == 0:
+             + (f" x {topology.fsdp_size} FSDP shards" if topology.fsdp_size > 1 else "")
+             + (f" x {topology.tensor_parallel_size} tensor ranks" if topology.tensor_parallel_size > 1 else "")
+             + (" (the counts are whole stages)" if topology.fsdp_size * topology.tensor_parallel_size > 1 else "")]
+    for dp_rank, tp_rank, pp_rank, stages, count in rows:
+        if dp_rank == 0 and tp_rank == 0:
             spans = ", ".join(f"stage {s}: layers {ranges[s].start}-{ranges[s].stop - 1}" for s in stages)
             lines.append(f"  pipeline rank {pp_rank}: {spans} ({count:,} parameters)")
     rank_zero_info("\n".join(lines))

@@ -7,6 +7,7 @@
 The head's weight *is* the token embedding's weight (the same ``nn.Parameter``, GPT-2 style); the pipeline
 strategy finds such shared parameters and keeps the copies on the first and last stage in sync.
 The same module trains unchanged on one device (``strategy=single``), which is how it is debugged and tested.
+Under ``strategy.tensor_parallel_size > 1`` :meth:`GPT.parallelize_layer` splits each block over the tensor ranks.
 """
 
 from __future__ import annotations
