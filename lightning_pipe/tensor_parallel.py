@@ -40,6 +40,7 @@ partitions, rebalancing), a module without the hook.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 from weakref import WeakSet
 
@@ -50,7 +51,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 from lightning_pipe._compat.torch import strided_shard
-from lightning_pipe.config import config_error
+from lightning_pipe.config import PipelineConfigError, config_error
 from lightning_pipe.stages import StageModule, TiedParameter
 
 HOOK = "parallelize_layer"
@@ -106,22 +107,51 @@ class FusedColwiseParallel(ColwiseParallel):
 def parallelize_stages(module: nn.Module, stage_modules: Sequence[StageModule], tp_mesh: DeviceMesh,
                        tensor_group: dist.ProcessGroup | None, tied: Sequence[TiedParameter] = ()) -> None:
     """Make this rank's layers identical over the tensor group (from tensor rank 0), then split each with the
-    module's hook, then check the tied parameters are still alike everywhere. ``tensor_group=None``: the layers were
-    split before (a reused layout). Collective over the world (the tie check)."""
+    module's hook, then agree over the world that every hook succeeded and the tied parameters are still alike.
+    ``tensor_group=None``: the layers were split before (a reused layout; no collective). Collective."""
     hook = getattr(module, HOOK)
     before = _tie_copies(module, tied)
-    for stage in stage_modules:
-        for index, layer in zip(stage.layer_indices, stage.layers):
-            if layer in _PARALLELIZED:
-                continue
-            if tensor_group is not None:
-                for t in list(layer.parameters()) + list(layer.buffers()):
-                    if not isinstance(t, DTensor):
-                        dist.broadcast(t.data, group=tensor_group, group_src=0)
-            hook(index, layer, tp_mesh)
-            _PARALLELIZED.add(layer)
-    if tensor_group is not None and tied:
-        _check_ties_kept(module, tied, before, tp_mesh.get_local_rank())
+    failure: Exception | None = None
+    try:
+        for stage in stage_modules:
+            for index, layer in zip(stage.layer_indices, stage.layers):
+                if layer in _PARALLELIZED:
+                    continue
+                if tensor_group is not None:
+                    for t in list(layer.parameters()) + list(layer.buffers()):
+                        if not isinstance(t, DTensor):
+                            dist.broadcast(t.data, group=tensor_group, group_src=0)
+                hook(index, layer, tp_mesh)
+                _PARALLELIZED.add(layer)
+    except Exception as err:
+        # The tensor ranks of a stage hold the same layers, so they fail alike, at the same point; the other
+        # stages must learn it here rather than wait for this rank at their next transfer.
+        failure = err
+    if tensor_group is None:
+        if failure is not None:
+            raise failure
+        return
+    mine = _Setup(type(failure).__name__ if failure else None, str(failure) if failure else "",
+                  [] if failure else _tie_layouts(module, tied, before, tp_mesh.get_local_rank()))
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if failure is not None:
+        raise failure
+    failed = [(rank, setup) for rank, setup in enumerate(gathered) if setup.error_type is not None]
+    if failed:
+        rank, setup = failed[0]
+        cls = PipelineConfigError if setup.error_type == PipelineConfigError.__name__ else RuntimeError
+        raise cls(f"`{HOOK}` failed on rank {rank} ({setup.error_type}): {setup.message}")
+    _check_ties_kept([setup.tie_layouts for setup in gathered])
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """What one rank tells the others after its hooks ran."""
+
+    error_type: str | None
+    message: str
+    tie_layouts: list[tuple[str, str]]
 
 
 def _tie_copies(module: nn.Module, tied: Sequence[TiedParameter]) -> list[dict[str, Tensor]]:
@@ -140,25 +170,26 @@ def _layout(param: Tensor) -> str:
     return f"whole {tuple(param.shape)}"
 
 
-def _check_ties_kept(module: nn.Module, tied: Sequence[TiedParameter], before: list[dict[str, Tensor]],
-                     tp_rank: int) -> None:
-    """Raise on every rank if a hook split the copies of a tie differently, or split one shared ``Parameter`` of
-    this rank into two. One gather over the world at setup, so no rank goes on to wait on one that raised."""
-    after = _tie_copies(module, tied)
-    mine: list[tuple[str, str]] = []
-    for tie, old, new in zip(tied, before, after):
-        objects_before, objects_after = {id(p) for p in old.values()}, {id(p) for p in new.values()}
-        if len(objects_after) > len(objects_before):
-            mine.append((f"{list(tie.names)} (tensor rank {tp_rank})", f"one Parameter on rank {dist.get_rank()} became "
-                                               f"{len(objects_after)} (the hook replaced a copy)"))
-        mine += [(f"{list(tie.names)} (tensor rank {tp_rank})", _layout(p)) for p in new.values()]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
+def _tie_layouts(module: nn.Module, tied: Sequence[TiedParameter], before: list[dict[str, Tensor]],
+                 tp_rank: int) -> list[tuple[str, str]]:
+    """(tie and tensor rank, layout) of each copy this rank holds after the hooks; a shared ``Parameter`` the hook
+    replaced by several is reported as a layout of its own, so it can never agree."""
+    out: list[tuple[str, str]] = []
+    for tie, old, new in zip(tied, before, _tie_copies(module, tied)):
+        key = f"{list(tie.names)} (tensor rank {tp_rank})"
+        if len({id(p) for p in new.values()}) > len({id(p) for p in old.values()}):
+            out.append((key, f"one Parameter on rank {dist.get_rank()} became {len(new)} (the hook replaced a copy)"))
+        out += [(key, _layout(p)) for p in new.values()]
+    return out
+
+
+def _check_ties_kept(per_rank: Sequence[Sequence[tuple[str, str]]]) -> None:
+    """Raise (on every rank: each sees every rank's layouts) if the copies of a tie differ."""
     seen: dict[str, set[str]] = {}
-    for rank_items in gathered:
-        for names, layout in rank_items:
-            seen.setdefault(names, set()).add(layout)
-    bad = {names: sorted(layouts) for names, layouts in seen.items() if len(layouts) > 1}
+    for items in per_rank:
+        for key, layout in items:
+            seen.setdefault(key, set()).add(layout)
+    bad = {key: sorted(layouts) for key, layouts in seen.items() if len(layouts) > 1}
     if bad:
         raise config_error(
             "Under tensor parallelism the copies of a tied parameter must stay one parameter per rank and be split "

@@ -26,9 +26,11 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_pipe.hf.layers import causal_lm_layers, layers_from_config
+from lightning_pipe.hf.layers import CausalLMDecoderLayer, causal_lm_layers, layers_from_config
 from lightning_pipe.hf.loss import causal_lm_loss_sum_count
+from lightning_pipe.hf.tensor_parallel import parallelize_decoder_layer
 from lightning_pipe.hf.weights import SafetensorsCheckpoint, init_layer_, load_layer_weights_
 from lightning_pipe.lightning.module import PipelineModule
 
@@ -87,6 +89,13 @@ class HFCausalLM(PipelineModule):
             load_layer_weights_(layer, self.checkpoint_reader)
         else:
             init_layer_(layer, self.seed + index)
+
+    def parallelize_layer(self, index: int, layer: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
+        """Tensor parallelism (``tensor_parallel_size > 1``): split each decoder layer by transformers' own plan
+        for the family (``config.base_model_tp_plan``: Llama, Mistral, Qwen2); the embedding, norms and head stay
+        whole (:mod:`lightning_pipe.hf.tensor_parallel`). Override it for other families or another split."""
+        if isinstance(layer, CausalLMDecoderLayer):
+            parallelize_decoder_layer(layer, layer.config, tp_mesh)
 
     # ---------------------------------------------------------------- contract
     def split_batch(self, batch: Any) -> tuple[Any, Any]:

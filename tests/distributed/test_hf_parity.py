@@ -64,3 +64,19 @@ def test_hf_models_match_transformers_on_one_device(tmp_path) -> None:
     assert set(read[0]) | set(read[1]) == SafetensorsCheckpoint(pretrained).keys()
     assert {k.split(".")[1] for k in read[0]} == {"embed_tokens", "layers"}  # embedding, decoder layers 0-1
     assert {k.split(".")[1] for k in read[1]} == {"norm", "embed_tokens"}  # final norm, head (tied)
+
+
+@pytest.mark.timeout(600)
+def test_hf_models_split_by_their_tensor_parallel_plan_match_one_device(tmp_path) -> None:
+    """Pipeline 2 x tensor 2 (4 ranks): each decoder layer split by transformers' ``base_model_tp_plan`` (q/k/v
+    and gate/up column-wise, o and down row-wise; grouped-query attention: 4 heads, 2 key/value heads, one of
+    each per tensor rank). Llama with its embedding and head tied across the stages; Qwen2 with a sliding window
+    on one layer. Families without a usable plan are refused by name on every rank."""
+    cases = [HFCase(family="llama", tp=2, tied=True), HFCase(family="qwen2", tp=2, schedule="gpipe")]
+    refused = [HFCase(family="gpt2", tp=2, steps=1, expect_error=True)]
+    results = launch("hf", 4, cases + refused, tmp_path / "run", timeout=540)
+    for i, case in enumerate(cases):
+        check_parity(results, i, case)
+    for rank_results in results:
+        error = rank_results[len(cases)]["error"]
+        assert "base_model_tp_plan" in error and "gpt2" in error and "tensor_parallel_size" in error, error

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import NotRequired
 
 from lightning_pipe import PipelineStrategy
+from tests.distributed.scenarios.training import full_tensor
 from tests.models import SameOrderAsDistributedSampler
 
 VOCAB, LENGTH, SEED, LR = 96, 12, 5, 0.2
@@ -53,6 +54,8 @@ class HFCase:
     steps: int = 3
     batch: int = 8
     n_data: int = 32
+    tp: int = 1  # tensor_parallel_size: decoder layers split by transformers' base_model_tp_plan
+    tied: bool = False  # tie_word_embeddings (the embedding and head: one weight on the first and the last stage)
     expect_error: bool = False
 
 
@@ -83,14 +86,15 @@ def padded_data(n: int, seed: int = 3) -> list[dict[str, torch.Tensor]]:
 
 
 def hf_params(layers: Any) -> dict[str, torch.Tensor]:
-    """The parameters of the layers held here, under the model's names (a tie's copies under its first name)."""
+    """The parameters of the layers held here, under the model's names (a tie's copies under its first name);
+    tensor-parallel parts gathered whole (collective over the tensor group, same order on each of its ranks)."""
     out: dict[str, torch.Tensor] = {}
     for layer in layers:
         keys = getattr(layer, "hf_keys", None)  # RemoteLayer placeholders have none
         if keys is None:
             continue
         for local, p in layer.named_parameters(remove_duplicate=False):
-            out[keys[local][0]] = p.detach().clone()
+            out[keys[local][0]] = full_tensor(p)
     return out
 
 
@@ -102,11 +106,18 @@ class _Losses(Callback):
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
 
 
+def _config(case: HFCase) -> Any:
+    config = make_config(case.family)
+    if case.tied:
+        config.tie_word_embeddings = True
+    return config
+
+
 def _model(case: HFCase) -> Any:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(SEED)
-    return AutoModelForCausalLM.from_config(make_config(case.family), attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_config(_config(case), attn_implementation="sdpa")
 
 
 def _module(case: HFCase) -> Any:
@@ -119,7 +130,7 @@ def _module(case: HFCase) -> Any:
         return HFCausalLM(pretrained=case.pretrained, attn_implementation="sdpa", optimizer=sgd)
     if case.from_model:
         return HFCausalLM(_model(case), optimizer=sgd)
-    return HFCausalLM(config=make_config(case.family), seed=SEED, attn_implementation="sdpa", optimizer=sgd)
+    return HFCausalLM(config=_config(case), seed=SEED, attn_implementation="sdpa", optimizer=sgd)
 
 
 def run_pipeline(case: HFCase) -> HFResult:
@@ -128,7 +139,7 @@ def run_pipeline(case: HFCase) -> HFResult:
     module = _module(case)
     recorder = _Losses()
     strategy = PipelineStrategy(schedule=case.schedule, microbatches=case.microbatches,
-                                stages_per_rank=case.stages_per_rank)
+                                stages_per_rank=case.stages_per_rank, tensor_parallel_size=case.tp)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=int(os.environ["TEST_WORLD_SIZE"]),
                         max_steps=case.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[recorder])
@@ -152,7 +163,7 @@ def run_reference(case: HFCase) -> tuple[HFResult, dict[str, torch.Tensor]]:
     elif case.from_model:
         model = _model(case)
     else:
-        config = make_config(case.family)
+        config = _config(case)
         start = _module(case)
         start.configure_model()  # seeded per layer, as every pipeline rank initialises its own layers
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
