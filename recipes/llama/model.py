@@ -18,6 +18,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from lightning_pipe import PipelineModule
 from recipes.gpt.model import adamw_with_warmup_cosine
@@ -67,12 +69,14 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
+        # Head counts from the projections' widths: under tensor parallelism (Llama.parallelize_layer) this rank
+        # holds only its own query and key/value heads, in the same ratio.
+        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         cos, sin = rotary(t, self.head_dim, self.rope_theta, x.device)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        groups = self.n_head // self.n_kv_head
+        groups = q.size(1) // k.size(1)
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -217,6 +221,26 @@ class Llama(PipelineModule):
                     continue
                 std = resid_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
                 p.copy_(torch.randn(p.shape, generator=generator) * std)
+
+    def parallelize_layer(self, index: int, layer: nn.Module, tp_mesh: DeviceMesh) -> None:
+        """Split a block over ``tp_mesh`` (``strategy.tensor_parallel_size``): q / k / v and the SwiGLU gate / up
+        column-wise (each rank its own query and key/value heads), the output and down projections row-wise. The
+        embedding, norms and head stay whole on every tensor rank (a tied head stays tied)."""
+        if not isinstance(layer, Block):
+            return
+        hp, size = self.hparams, tp_mesh.size()
+        counts = {"n_head": hp.n_head, "n_kv_head": hp.n_kv_head,
+                  "SwiGLU hidden": swiglu_hidden(hp.n_embd, hp.multiple_of)}
+        uneven = {name: n for name, n in counts.items() if n % size}
+        if uneven:
+            raise ValueError(
+                f"Tensor parallelism gives each tensor rank an equal share of the heads and of the SwiGLU width; "
+                f"got {uneven} with tensor_parallel_size={size}. Change model.n_head / model.n_kv_head / "
+                "model.multiple_of, or strategy.tensor_parallel_size.")
+        column, row = ColwiseParallel(), RowwiseParallel()
+        parallelize_module(layer, tp_mesh, {
+            "attention.wq": column, "attention.wk": column, "attention.wv": column, "attention.wo": row,
+            "feed_forward.w1": column, "feed_forward.w3": column, "feed_forward.w2": row})
 
     def loss_fn(self, output: Tensor, target: Tensor) -> Tensor:
         return F.cross_entropy(output.reshape(-1, output.size(-1)).float(), target.reshape(-1))

@@ -20,7 +20,10 @@ CASES = {
         # V placement: both ends of the tied weight on rank 0 (one object, two stages)
         TrainingCase(schedule="zbv", stages_per_rank=2, acc=2, **GPT),
         # built on the meta device; both ends of the tie on rank 0 must be re-tied after allocation
-        TrainingCase(model="meta", schedule="zbv", stages_per_rank=2, tied=True, clip=0.05, check_grad_norms=False)],
+        TrainingCase(model="meta", schedule="zbv", stages_per_rank=2, tied=True, clip=0.05, check_grad_norms=False),
+        # the Llama recipe: meta-built, seeded per layer, its tied head on the last stage
+        TrainingCase(model="llama", n_layers=6, tied=True, optimizer="adamw", n_data=64, clip=1.0,
+                     check_grad_norms=False)],
     4: [TrainingCase(schedule="gpipe", clip=1.0, **GPT)],
 }
 

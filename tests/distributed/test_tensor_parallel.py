@@ -35,6 +35,9 @@ TRAINING = [
     # embedding and the head stay whole and tied across the first and the last stage (summed per tensor rank)
     TrainingCase(model="gpt", n_layers=6, tied=True, optimizer="adamw", schedule="1f1b", tp=2, acc=2, clip=0.5,
                  n_data=64, check_grad_norms=False),
+    # the Llama recipe (meta-built): one of the 2 key/value heads per tensor rank, SwiGLU gate/up column-wise
+    TrainingCase(model="llama", n_layers=6, optimizer="adamw", schedule="gpipe", tp=2, acc=2, clip=0.5, n_data=64,
+                 validate=False),
 ]
 ERRORS = [
     # no parallelize_layer hook

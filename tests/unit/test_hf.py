@@ -388,3 +388,23 @@ def test_planner_profiles_a_transformers_model_built_on_meta() -> None:
     assert all(c.forward > 0 and c.backward > 0 for c in costs)
     assert all(c.input_grad > 0 and c.weight_grad > 0 for c in costs[1:])  # the split backward ran (not stage 0's)
     assert all(t.is_meta for t in model.parameters())  # profiled on copies: the module is untouched
+
+
+def test_tensor_parallel_plan_comes_from_transformers_and_refuses_what_it_cannot_split() -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from lightning_pipe import PipelineConfigError
+    from lightning_pipe.hf.tensor_parallel import decoder_layer_plan
+
+    llama = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
+    plan = decoder_layer_plan(llama, 2)
+    assert {k: type(v) for k, v in plan.items()} == {
+        "self_attn.q_proj": ColwiseParallel, "self_attn.k_proj": ColwiseParallel, "self_attn.v_proj": ColwiseParallel,
+        "self_attn.o_proj": RowwiseParallel, "mlp.gate_proj": ColwiseParallel, "mlp.up_proj": ColwiseParallel,
+        "mlp.down_proj": RowwiseParallel}
+    with pytest.raises(PipelineConfigError, match=r"divisible.*num_key_value_heads': 2.*tensor_parallel_size"):
+        decoder_layer_plan(llama, 4)
+    with pytest.raises(PipelineConfigError, match=r"gpt2 has none.*parallelize_layer"):
+        decoder_layer_plan(transformers.GPT2Config(), 2)
+    with pytest.raises(PipelineConfigError, match=r"replicated_with_grad_allreduce"):
+        decoder_layer_plan(transformers.Qwen3Config(num_attention_heads=4, num_key_value_heads=2), 2)

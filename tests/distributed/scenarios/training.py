@@ -122,6 +122,19 @@ def tiny_gpt(case: TrainingCase) -> L.LightningModule:
                lr=3e-3, warmup_steps=2, max_steps=20)
 
 
+def tiny_llama(case: TrainingCase) -> L.LightningModule:
+    """The Llama recipe, tiny: meta-built, grouped-query attention (4 query, 2 key/value heads), SwiGLU, its own
+    AdamW; the head tied to the embedding with ``tied=True``."""
+    from recipes.llama.model import Llama
+
+    if case.optimizer != "adamw" or case.inf_grad_at_step is not None:
+        raise ValueError(f"the tiny Llama trains with AdamW (no injected overflow): {case}")
+    if case.n_layers <= GPT_NON_BLOCK_LAYERS:
+        raise ValueError(f"the tiny Llama needs n_layers > {GPT_NON_BLOCK_LAYERS} (embedding, norm, head): {case}")
+    return Llama(vocab_size=64, block_size=16, n_layer=case.n_layers - GPT_NON_BLOCK_LAYERS, n_head=4, n_kv_head=2,
+                 n_embd=32, multiple_of=16, tie_embeddings=case.tied, lr=3e-3, warmup_steps=2, max_steps=20)
+
+
 def gpt_splitting_its_head(case: TrainingCase) -> L.LightningModule:
     """The tiny GPT with a tensor-parallel hook that also splits the head (tied to the embedding, which it leaves
     whole): the two copies of the tie would train apart, which setup must refuse."""
@@ -158,8 +171,9 @@ def token_data(n: int, seed: int = 1) -> TensorDataset:
 
 MODELS: dict[str, Callable[[TrainingCase], L.LightningModule]] = {
     "toy": toy(ToyRegressor), "no_layers": toy(NoLayerList), "meta": toy(MetaBuiltRegressor), "gpt": tiny_gpt,
-    "tp": toy(TensorParallelRegressor), "gpt_split_head": gpt_splitting_its_head}
-DATA: dict[str, Callable[[int], TensorDataset]] = {"gpt": token_data, "gpt_split_head": token_data}
+    "tp": toy(TensorParallelRegressor), "gpt_split_head": gpt_splitting_its_head, "llama": tiny_llama}
+DATA: dict[str, Callable[[int], TensorDataset]] = {"gpt": token_data, "gpt_split_head": token_data,
+                                                   "llama": token_data}
 
 
 class LossRecorder(Callback):
