@@ -29,7 +29,7 @@ from lightning_pipe.stages import (
     warn_batch_norm,
 )
 from lightning_pipe.tensor_parallel import check_module as check_tensor_parallel
-from lightning_pipe.tensor_parallel import parallelize_stages
+from lightning_pipe.tensor_parallel import parallelize_stages, sync_random_state
 
 
 @dataclass(frozen=True)
@@ -109,6 +109,8 @@ def build_engine(module: PipelineModel, config: PipelineConfig, plan: SchedulePl
         assert mesh is not None
         module.to(device)
         parallelize_stages(module, stage_modules, mesh[TENSOR], groups.tensor if fresh else None, layout.tied)
+        assert groups.tensor is not None
+        sync_random_state(groups.tensor, device)  # dropout draws alike on the tensor ranks (every fit: cheap)
     module.to(device)
     engine = engine_class(plan)(module, stage_modules, local_ids, plan, groups, device)
     if fresh:

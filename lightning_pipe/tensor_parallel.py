@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 from weakref import WeakSet
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -197,6 +198,30 @@ def _check_ties_kept(per_rank: Sequence[Sequence[tuple[str, str]]]) -> None:
             f"after `{HOOK}`: " + "; ".join(f"{n}: " + " vs ".join(v) for n, v in bad.items()), "tensor_parallel_size",
             "or set it to 1", fix=f"Make `{HOOK}` leave the tied layers whole (or split every copy the same way), "
             "or untie the weights")
+
+
+def sync_random_state(tensor_group: dist.ProcessGroup, device: torch.device) -> None:
+    """Give every tensor rank tensor rank 0's random state (torch's CPU generator and ``device``'s). Collective over
+    the tensor group.
+
+    The tensor ranks of a stage run the same ops on the same data, so from equal states they draw equal random
+    numbers ever after: dropout in the whole (replicated) parts of a layer — after a row-wise projection, on the
+    embedding — masks the same elements on every rank, as one device would. From unequal states (an unseeded run,
+    a per-rank seed) each rank would drop different elements of what must be one tensor, and the ranks' copies of
+    the whole parameters would drift apart silently. (Inside a split region, e.g. attention dropout on each rank's
+    own heads, equal states mean equal masks on different heads: still dropout, correlated across ranks.)
+    """
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    for i, state in enumerate(states):
+        # (NCCL moves device tensors only; gloo, CPU ones)
+        buffer = state.to(device) if device.type == "cuda" else state.clone()
+        dist.broadcast(buffer, group=tensor_group, group_src=0)
+        if i == 0:
+            torch.set_rng_state(buffer.cpu())
+        else:
+            torch.cuda.set_rng_state(buffer.cpu(), device)
 
 
 def is_sharded(tensor: Tensor) -> bool:

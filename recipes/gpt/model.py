@@ -219,10 +219,8 @@ class GPT(PipelineModule):
         """Split a block over ``tp_mesh`` (``strategy.tensor_parallel_size``), Megatron-style: attention by heads
         (q|k|v column-wise, each rank its own heads of each; the output projection row-wise) and the MLP
         column-wise then row-wise, so each block needs one all-reduce forward and one backward per half. The
-        embedding, the norms and the head (tied to the embedding) stay whole on every tensor rank.
-
-        Dropout in the whole (replicated) parts draws the same mask on every tensor rank only while their random
-        streams agree (same seed, same ops): keep ``dropout=0`` (the recipe's default) or seed every rank alike.
+        embedding, the norms and the head (tied to the embedding) stay whole on every tensor rank. (Dropout there
+        drops the same elements on every tensor rank: the strategy starts them from one random state.)
         """
         if not isinstance(layer, Block):
             return

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from lightning_pipe import checkpoint as ckpt_lib
 from tests.distributed.launcher import launch_runs
@@ -48,6 +49,12 @@ ERRORS = [
 ]
 
 
+# Dropout in the whole parts of a layer (embedding, residual branches) with a different seed on every rank: the
+# strategy starts the tensor ranks from one random state, so they drop the same elements (not a parity case: one
+# device draws other masks).
+DROPOUT = TrainingCase(model="gpt", n_layers=5, tied=True, optimizer="adamw", tp=2, dropout=0.3, seed_per_rank=True,
+                       n_data=64, validate=False, check_grad_norms=False)
+
 STEP4 = "epoch=0-step=4.ckpt"
 # the toy model's plain column-/row-wise splits; the GPT's strided q|k|v split (gathered back to the fused layout)
 CHECKPOINT_MODELS = ("toy", "gpt")
@@ -60,7 +67,8 @@ def pp2_tp2_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     runs += [("training", case) for case, _ in ERRORS]
     runs += [("ckpt_train", CheckpointCase(tp=2, model=model, dir=str(root / model),
                                            resume_from=str(root / model / STEP4))) for model in CHECKPOINT_MODELS]
-    return {"root": root, "results": launch_runs(4, runs, root / "out", timeout=360)}
+    runs.append(("training", DROPOUT))
+    return {"root": root, "results": launch_runs(4, runs, root / "out", timeout=420)}
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +122,14 @@ def test_pipeline2_x_replicas2_x_tensor2_matches_single_device(tmp_path: Path) -
     for rank in res:
         assert rank[0]["sharded_params"] > 0
     assert_case_parity(res, 0, case)
+
+
+@pytest.mark.timeout(400)
+def test_tensor_ranks_draw_the_same_dropout(pp2_tp2: list[list[dict[str, Any]]]) -> None:
+    i = len(TRAINING) + len(ERRORS) + len(CHECKPOINT_MODELS)
+    for first, second in ((0, 1), (2, 3)):  # the two tensor ranks of each stage
+        a, b = pp2_tp2[first][i], pp2_tp2[second][i]
+        assert a["losses"] == b["losses"] and len(a["losses"]) == DROPOUT.steps
+        assert a["params"].keys() == b["params"].keys()
+        for name in a["params"]:
+            torch.testing.assert_close(a["params"][name], b["params"][name], atol=0, rtol=0)

@@ -41,6 +41,8 @@ class TrainingCase:
     tied: bool = False
     optimizer: str = "sgd"
     inf_grad_at_step: int | None = None  # fp16: an overflow in the last stage only, at this optimizer step
+    dropout: float = 0.0  # the tiny GPT's dropout (embedding, attention, residual branches)
+    seed_per_rank: bool = False  # each launched rank seeds torch differently after building the model
     # the strategy
     schedule: str = "1f1b"
     microbatches: int | None = 4
@@ -119,7 +121,7 @@ def tiny_gpt(case: TrainingCase) -> L.LightningModule:
     if case.n_layers <= GPT_NON_BLOCK_LAYERS:
         raise ValueError(f"the tiny GPT needs n_layers > {GPT_NON_BLOCK_LAYERS} (embedding, norm, head): {case}")
     return GPT(vocab_size=64, block_size=16, n_layer=case.n_layers - GPT_NON_BLOCK_LAYERS, n_head=2, n_embd=32,
-               lr=3e-3, warmup_steps=2, max_steps=20)
+               dropout=case.dropout, lr=3e-3, warmup_steps=2, max_steps=20)
 
 
 def tiny_llama(case: TrainingCase) -> L.LightningModule:
@@ -244,6 +246,8 @@ def _trainer(case: TrainingCase, pipeline: bool, recorder: Callback, *extra: Cal
 def run_training(case: TrainingCase, pipeline: bool) -> TrainingResult:
     torch.manual_seed(1234)
     model = MODELS[case.model](case)
+    if pipeline and case.seed_per_rank:  # e.g. an unseeded run: random streams differ from rank to rank
+        torch.manual_seed(1234 + int(os.environ["RANK"]))
     data = DATA.get(case.model, regression_data)(case.n_data)
     batch = case.batch * (1 if pipeline else case.dp * case.fsdp)
     recorder = LossRecorder()
