@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from lightning_pipe._compat import torch as _compat
@@ -43,6 +44,13 @@ def layer_args(value: Any) -> tuple[Any, ...]:
 
 def check_layer_io(value: Any, what: str) -> None:
     """Refuse anything but a tensor or a non-empty tuple/list of tensors, naming ``what`` produced it."""
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    if any(isinstance(v, DTensor) for v in values):
+        raise LayerContractError(
+            f"{what} a DTensor. Rule: layers exchange plain, whole tensors (they cross stage boundaries as such), so "
+            "under tensor parallelism `parallelize_layer` must leave each layer's outputs local and whole: the "
+            "parallel styles' use_local_output=True (their default), and a split output gathered back (e.g. "
+            "ColwiseParallel(output_layouts=Replicate()) on a lone projection).")
     if isinstance(value, torch.Tensor):
         return
     if isinstance(value, (tuple, list)) and value and all(isinstance(v, torch.Tensor) for v in value):

@@ -117,3 +117,23 @@ def test_batchnorm_warning_names_the_layers_only_with_several_microbatches() -> 
 def test_loss_parts_detach_keeps_the_count() -> None:
     parts = LossParts(torch.tensor(3.0, requires_grad=True), torch.tensor(2.0, dtype=torch.float64)).detached()
     assert not parts.value.requires_grad and float(parts.reduced()) == 1.5
+
+
+def test_a_dtensor_output_is_refused_with_the_tensor_parallel_rule(tmp_path) -> None:
+    """A parallelize_layer hook that leaves a layer's output a DTensor (use_local_output=False): named at the layer,
+    before it reaches a stage boundary. (A one-rank gloo group: DTensors need a mesh.)"""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        layers = nn.Sequential(nn.Linear(4, 4), nn.Identity())
+        parallelize_module(layers[0], init_device_mesh("cpu", (1,)),
+                           ColwiseParallel(output_layouts=Replicate(), use_local_output=False))
+        with pytest.raises(LayerContractError, match=r"Layer 0 \(Linear\) returned a DTensor\. Rule: .*"
+                                                     r"use_local_output=True"):
+            run_layers(layers, torch.randn(2, 4))
+    finally:
+        dist.destroy_process_group()
