@@ -82,12 +82,14 @@ _SHARDED: WeakKeyDictionary[nn.Module, StageModule] = WeakKeyDictionary()
 
 
 def shard_stages(module: nn.Module, stage_modules: Sequence[StageModule], mesh: DeviceMesh, options: ShardingOptions,
-                 device: torch.device, broadcast: Callable[[list[Tensor]], None] | None) -> list[StageModule]:
+                 device: torch.device, broadcast: Callable[[list[Tensor]], None] | None,
+                 split: Callable[[int, nn.Module], None] | None = None) -> list[StageModule]:
     """Place and shard this rank's stages one layer at a time, so no more than one whole layer is resident besides
     the shards: allocate a layer built on the meta device (and initialise it like ``stages.materialize``: the
     module's ``reset_layer``) or move it to ``device``; ``broadcast`` its tensors (the data-parallel ranks start
-    identical; ``None`` when the module was placed before); ``fully_shard`` it. Then each stage root. The stage
-    modules become ``FSDPModule`` s, their parameters sharded DTensors under the same names. Collective.
+    identical; ``None`` when the module was placed before); ``split(index, layer)`` it over the tensor dimension
+    (tensor parallelism: [Note: FSDP under the pipeline schedule]); ``fully_shard`` it. Then each stage root. The
+    stage modules become ``FSDPModule`` s, their parameters sharded DTensors under the same names. Collective.
 
     Returns the stage modules to run: these, or the ones sharded earlier in this process over the same layers.
     """
@@ -106,6 +108,8 @@ def shard_stages(module: nn.Module, stage_modules: Sequence[StageModule], mesh: 
                 layer.to(device)
             if broadcast is not None:
                 broadcast(list(layer.parameters()) + list(layer.buffers()))
+            if split is not None:
+                split(index, layer)
             if any(True for _ in layer.parameters()):
                 fully_shard(layer, mesh=mesh, reshard_after_forward=options.reshard_after_forward, mp_policy=mp)
         fully_shard(stage, mesh=mesh, reshard_after_forward=options.reshard_after_forward, mp_policy=mp)

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from weakref import WeakSet
 
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -64,22 +64,27 @@ def check_module(module: nn.Module, tied: Sequence[TiedParameter], tensor_parall
 
 def parallelize_stages(module: nn.Module, stage_modules: Sequence[StageModule], tp_mesh: DeviceMesh,
                        tensor_group: dist.ProcessGroup | None) -> None:
-    """Make this rank's layers identical over the tensor group (from tensor rank 0), then split each with the
-    module's hook. ``tensor_group=None``: the layers were made identical before (a reused layout). Collective over
-    the tensor group."""
-    hook = getattr(module, HOOK)
+    """:func:`split_layer` for each of this rank's layers. Collective over the tensor group."""
     for stage in stage_modules:
         for index, layer in zip(stage.layer_indices, stage.layers):
-            if layer in _PARALLELIZED:
-                continue
-            if tensor_group is not None:
-                for t in list(layer.parameters()) + list(layer.buffers()):
-                    if not isinstance(t, DTensor):
-                        dist.broadcast(t.data, group=tensor_group, group_src=0)
-            hook(index, layer, tp_mesh)
-            _PARALLELIZED.add(layer)
+            split_layer(module, index, layer, tp_mesh, tensor_group)
 
 
-def is_sharded(tensor: Tensor) -> bool:
-    """A DTensor split over some mesh dimension (each rank holds a different part)."""
-    return isinstance(tensor, DTensor) and any(p.is_shard() for p in tensor.placements)
+def split_layer(module: nn.Module, index: int, layer: nn.Module, tp_mesh: DeviceMesh,
+                tensor_group: dist.ProcessGroup | None) -> None:
+    """Make one layer identical over the tensor group (from tensor rank 0), then split it with the module's hook.
+    ``tensor_group=None``: the layer was made identical before (a reused layout). A layer split earlier in this
+    process is left as it is. Collective over the tensor group.
+
+    With FSDP the caller shards the layer right after (lightning_pipe/fsdp.py): the hook sees whole, plain
+    parameters either way, and ``tp_mesh`` is the ``tensor`` dimension of the run's one mesh, so FSDP can combine
+    it with the data-parallel dimensions into 2-D (3-D for HSDP) DTensors.
+    """
+    if layer in _PARALLELIZED:
+        return
+    if tensor_group is not None:
+        for t in list(layer.parameters()) + list(layer.buffers()):
+            if not isinstance(t, DTensor):
+                dist.broadcast(t.data, group=tensor_group, group_src=0)
+    getattr(module, HOOK)(index, layer, tp_mesh)
+    _PARALLELIZED.add(layer)
