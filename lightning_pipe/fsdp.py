@@ -16,6 +16,12 @@ leaves it ``None`` for the step).
 all-gather per stage per batch; ``True`` gathers again for every micro-batch's backward. A forward-only pass leaves
 the parameters gathered, which would go stale after the next optimizer step: :func:`reshard` runs after each.
 
+Tensor parallelism (``tensor_parallel_size > 1``): ``shard_stages`` calls ``split`` (the module's
+``parallelize_layer`` hook over the mesh's ``tensor`` dimension) on each layer before ``fully_shard``, so FSDP sees
+the split parameters as DTensors over ``tensor`` and shards their local parts over the data-parallel dimensions:
+all-gathers and reduce-scatters run per tensor rank, between the same tensor rank of each shard, and the flags above
+are unchanged. [Note: tensor parallel stages] in tensor_parallel.py says why the two meshes must share a root.
+
 Mixed precision: under ``bf16-mixed`` FSDP gathers parameters in bf16 (``MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)``: half the all-gather traffic, gradients reduced in fp32) while autocast still keeps the ops it
 keeps in fp32; the sharded master weights and the optimizer stay fp32.

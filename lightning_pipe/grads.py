@@ -148,7 +148,8 @@ class GradientSync:
             dist.broadcast(local_part(param.data), group=tie_group.group, group_src=0)
 
     def clip_grad_norm_(self, parameters: Sequence[nn.Parameter], max_norm: float, norm_type: float = 2.0) -> Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` with the norm taken over every stage of the pipeline."""
+        """``torch.nn.utils.clip_grad_norm_`` with the norm taken over every stage of the pipeline and every part
+        of a sharded or split gradient, each element once ([Note: counting sharded gradients])."""
         excluded = self.norm_excluded()
         grads = [local_part(p.grad) for p in parameters if p.grad is not None]
         # Each element once: [Note: counting sharded gradients]

@@ -16,13 +16,24 @@ or ``Replicate`` DTensors (e.g. a row-wise layer's bias), identical on every ten
 (DTensor all-reduces the partial input gradients of a column-wise layer in its backward). So:
 
 - the global gradient norm counts a sharded gradient's local part on every tensor rank (summed over the tensor
-  group) and a replicated one once (on tensor rank 0): :meth:`lightning_pipe.grads.GradientSync.clip_grad_norm_`;
+  group) and a replicated one once (on tensor rank 0): [Note: counting sharded gradients] in grads.py;
 - replicas average each tensor rank's local parts with the same tensor rank of the other replicas (the
   data-parallel group is per tensor rank); the overlapped data-parallel sync is off (one all-reduce after the
   schedule);
 - checkpoints gather whole tensors per stage (``full_values``), written by tensor rank 0 only; a load cuts them again.
 
-Refused (plain-data errors, before any rank waits on another): FSDP and tensor parallelism together, tied parameters
+With FSDP too (``fsdp_size > 1``: 2-D sharding per stage) each layer is split first, then ``fully_shard`` ed over the
+data-parallel dimensions (lightning_pipe/fsdp.py, ``shard_stages``), one layer at a time: allocated, made identical
+over the data-parallel group and then the tensor group, split by the hook, sharded. ``tp_mesh`` is the ``tensor``
+dimension of the run's one ``DeviceMesh`` (``mesh.build_mesh``) and FSDP's mesh is its ``dp_shard`` (or
+``(dp_replicate, dp_shard)``) dimension: FSDP joins the two into one mesh for a split parameter, which only works
+for slices of the same root. A split parameter becomes a DTensor over ``(dp_shard, tensor)`` (FSDP's placement is a
+strided shard when the tensor split is along the same dimension); one the hook left plain (a LayerNorm's) is sharded
+over ``dp_shard`` only: every tensor rank holds the same shards, replicated over ``tensor``. FSDP averages each
+tensor rank's gradients over its data-parallel ranks (its reduce-scatter), the norm counts each element once
+([Note: counting sharded gradients]), and checkpoints gather over both dimensions (``full_tensor``).
+
+Refused (plain-data errors, before any rank waits on another): tied parameters
 (a plan would replace one of the tied copies' ``Parameter``), schedules other than
 :data:`~lightning_pipe.config.TENSOR_PARALLEL_SCHEDULES`, the planner (``schedule='auto'``, plan files, measured
 partitions, rebalancing), a module without the hook.
