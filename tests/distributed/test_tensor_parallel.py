@@ -193,15 +193,21 @@ def test_pipeline2_x_replicas2_x_tensor2_matches_single_device(tmp_path: Path) -
 
 
 @pytest.mark.skipif(os.environ.get("LIGHTNING_PIPE_8_RANKS") != "1",
-                    reason="8 processes (~90 s on 2 loaded cores): set LIGHTNING_PIPE_8_RANKS=1 to run")
-@pytest.mark.timeout(600)
-def test_pipeline2_x_fsdp2_x_tensor2_matches_single_device(tmp_path: Path) -> None:
-    """Every dimension but replicas: P2P between the stages of each (shard, tensor rank) pair, each layer split over
-    the tensor group and sharded over the FSDP group, the global norm summed over all three."""
-    case = TrainingCase(model="tp", schedule="1f1b", fsdp=2, tp=2, acc=2, clip=0.5, validate=False)
-    res = launch_runs(8, [("training", case)], tmp_path / "out", timeout=500)
+                    reason="8 processes (~75 s on 2 loaded cores): set LIGHTNING_PIPE_8_RANKS=1 to run")
+@pytest.mark.timeout(900)
+def test_pipeline2_x_fsdp2_x_tensor2_and_hsdp_x_tensor2_match_single_device(tmp_path: Path) -> None:
+    """Pipeline 2 x FSDP 2 x tensor 2: P2P between the stages of each (shard, tensor rank) pair, each layer split
+    over the tensor group and sharded over the FSDP group, the global norm summed over all three. Then replicas 2 x
+    pipeline 1 (two stages) x FSDP 2 x tensor 2: HSDP over (dp_replicate, dp_shard) on the split layers (3-D
+    DTensors), replicas not summed in the norm."""
+    cases = [TrainingCase(model="tp", schedule="1f1b", fsdp=2, tp=2, acc=2, clip=0.5, validate=False),
+             TrainingCase(model="tp", schedule="interleaved_1f1b", stages_per_rank=2, dp=2, fsdp=2, tp=2, acc=2,
+                          clip=0.5, validate=False)]
+    res = launch_runs(8, [("training", case) for case in cases], tmp_path / "out", timeout=800)
     for rank, r in enumerate(res):
-        # [Note: rank order]: rank = (pp_rank * fsdp + shard) * tp + t
+        # [Note: rank order]: rank = ((replica * p + pp_rank) * fsdp + shard) * tp + t
         assert r[0]["topology"] == ((rank // 2) % 2, rank // 4) and r[0]["tp_rank"] == rank % 2
-        assert r[0]["sharded_params"] > 0
-    assert_case_parity(res, 0, case)
+        assert r[1]["topology"] == (rank // 2, 0) and r[1]["tp_rank"] == rank % 2
+        assert r[0]["sharded_params"] > 0 and r[1]["sharded_params"] > 0
+    for i, case in enumerate(cases):
+        assert_case_parity(res, i, case)
