@@ -61,7 +61,9 @@ FSDP_PRECISION = [
     (TrainingCase(model="tp", precision="bf16-mixed", schedule="interleaved_1f1b", stages_per_rank=2, fsdp=2, tp=2,
                   acc=2, clip=0.05, validate=False), 2 * 2**-8),
 ]
-FSDP_CKPT = CheckpointCase(schedule="interleaved_1f1b", stages_per_rank=2, fsdp=2, tp=2)
+# (4 steps, saved every 2: half the suite time of the 8-step checkpoint cases)
+FSDP_CKPT = CheckpointCase(schedule="interleaved_1f1b", stages_per_rank=2, fsdp=2, tp=2, steps=4, steps_per_epoch=2)
+STEP2 = "epoch=0-step=2.ckpt"
 
 STEP4 = "epoch=0-step=4.ckpt"
 
@@ -77,8 +79,9 @@ def pp2_tp2_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     fsdp_saved = root / "fsdp2_tp2"
     runs += [("training", case) for case in FSDP_TRAINING]
     runs += [("training", case) for case, _ in FSDP_PRECISION]
-    runs.append(("ckpt_train", replace(FSDP_CKPT, dir=str(fsdp_saved), resume_from=str(fsdp_saved / STEP4))))
-    runs.append(("ckpt_resume", CheckpointCase(tp=2, resume_from=str(fsdp_saved / STEP4))))
+    runs.append(("ckpt_train", replace(FSDP_CKPT, dir=str(fsdp_saved), resume_from=str(fsdp_saved / STEP2))))
+    runs.append(("ckpt_resume", CheckpointCase(tp=2, steps=3, steps_per_epoch=2,
+                                               resume_from=str(fsdp_saved / STEP2))))
     return {"saved": saved, "fsdp_saved": fsdp_saved, "results": launch_runs(4, runs, root / "out", timeout=500)}
 
 
@@ -157,20 +160,20 @@ def test_checkpoint_fsdp2_x_tp2_resumes_and_loads_anywhere(pp2_tp2_run: dict[str
     res, saved = pp2_tp2_run["results"], pp2_tp2_run["fsdp_saved"]
     train = FSDP_FIRST + len(FSDP_TRAINING) + len(FSDP_PRECISION)
     resume = train + 1
-    for rank in res:  # stopped at step 4 and resumed == uninterrupted (every rank's gathered parameters)
+    for rank in res:  # stopped at step 2 and resumed == uninterrupted (every rank's gathered parameters)
         full, resumed = rank[train]["full"], rank[train]["resumed"]
-        assert resumed["global_step"] == 8
+        assert resumed["global_step"] == 4
         assert_same(resumed["params"], full["params"], 1e-6, "fsdp2 x tp2 resumed")
-        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][4:]), atol=1e-6,
+        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][2:]), atol=1e-6,
                                    rtol=0)
     # the checkpoint holds whole tensors: one device resumes from the consolidated file and trains on the same
     uninterrupted = merge_replica(res, train, run="full")
-    consolidated = ckpt_lib.consolidate(saved / STEP4, tmp_path / "one.ckpt")
-    ref, _, _ = run_reference(FSDP_CKPT, consolidated)
+    consolidated = ckpt_lib.consolidate(saved / STEP2, tmp_path / "one.ckpt")
+    ref, _, _ = run_reference(FSDP_CKPT, consolidated, steps=FSDP_CKPT.steps)
     assert_same(ref["params"], uninterrupted, 1e-5, "fsdp2 x tp2 -> one device")
     # ... and pipeline 2 x tensor 2 (no FSDP) starts from exactly the plain module's parameters and optimizer state
     model = TensorParallelRegressor(optimizer="adamw")
-    state = ckpt_lib.consolidated(saved / STEP4)
+    state = ckpt_lib.consolidated(saved / STEP2)
     model.load_state_dict(state["state_dict"])
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
     opt.load_state_dict(state["optimizer_states"][0])
