@@ -52,9 +52,11 @@ ERRORS = [
 # split). Every step is clipped (norms 3.1, 2.3, 1.9 on one device) and SGD moves by the clipped gradient itself, so
 # a norm that counts an element twice (or misses one) shows at 1e-4..1e-3 ([Note: counting sharded gradients] in
 # grads.py: counting FSDP's strided shard as replicated, or replicated gradients on every tensor rank, both fail).
-# Validation runs forward-only passes on the sharded stages.
+# Validation runs forward-only passes on the sharded stages. Every rank but 0 starts from shifted parameters: only the
+# broadcasts before the split (data-parallel group, then tensor group) make them start as one device.
 FSDP_TRAINING = [
-    TrainingCase(model="tp", schedule="interleaved_1f1b", stages_per_rank=2, fsdp=2, tp=2, acc=2, clip=0.5),
+    TrainingCase(model="tp", schedule="interleaved_1f1b", stages_per_rank=2, fsdp=2, tp=2, acc=2, clip=0.5,
+                 skewed_init=True),
 ]
 # bf16-mixed: FSDP gathers the split weights in bf16 and reduces in fp32 (tolerance as tests/distributed/test_fsdp.py)
 FSDP_PRECISION = [
