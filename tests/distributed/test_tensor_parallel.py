@@ -52,16 +52,18 @@ ERRORS = [
 # split). Every step is clipped (norms 3.1, 2.3, 1.9 on one device) and SGD moves by the clipped gradient itself, so
 # a norm that counts an element twice (or misses one) shows at 1e-4..1e-3 ([Note: counting sharded gradients] in
 # grads.py: counting FSDP's strided shard as replicated, or replicated gradients on every tensor rank, both fail).
-# Validation runs forward-only passes on the sharded stages. Every rank but 0 starts from shifted parameters: only the
-# broadcasts before the split (data-parallel group, then tensor group) make them start as one device.
+# Validation runs forward-only passes on the sharded stages, then predict and a second Trainer on the already split
+# and sharded module. Every rank but 0 starts from shifted parameters: only the broadcasts before the split
+# (data-parallel group, then tensor group) make them start as one device.
 FSDP_TRAINING = [
     TrainingCase(model="tp", schedule="interleaved_1f1b", stages_per_rank=2, fsdp=2, tp=2, acc=2, clip=0.5,
-                 skewed_init=True),
+                 skewed_init=True, predict=True),
 ]
-# bf16-mixed: FSDP gathers the split weights in bf16 and reduces in fp32 (tolerance as tests/distributed/test_fsdp.py)
+# bf16-mixed: FSDP gathers the split weights in bf16 and reduces in fp32 (tolerance as tests/distributed/test_fsdp.py);
+# gathered again for each micro-batch's backward (fsdp_reshard_after_forward)
 FSDP_PRECISION = [
     (TrainingCase(model="tp", precision="bf16-mixed", schedule="interleaved_1f1b", stages_per_rank=2, fsdp=2, tp=2,
-                  acc=2, clip=0.05, validate=False), 2 * 2**-8),
+                  fsdp_reshard=True, acc=2, clip=0.05, validate=False), 2 * 2**-8),
 ]
 # (4 steps, saved every 2: half the suite time of the 8-step checkpoint cases)
 FSDP_CKPT = CheckpointCase(schedule="interleaved_1f1b", stages_per_rank=2, fsdp=2, tp=2, steps=4, steps_per_epoch=2)
