@@ -24,6 +24,7 @@ from tests.distributed.launcher import launch_runs
 from tests.distributed.parity import assert_case_parity, assert_same, merge_replica
 from tests.distributed.scenarios import CheckpointCase, TrainingCase
 from tests.distributed.scenarios.checkpoint import optimizer_by_name, run_reference
+from tests.distributed.scenarios.fsdp import FsdpCountCase
 from tests.distributed.scenarios.training import run_training
 from tests.models import TensorParallelRegressor
 
@@ -66,6 +67,9 @@ FSDP_PRECISION = [
                   fsdp_reshard=True, acc=2, clip=0.05, validate=False), 2 * 2**-8),
 ]
 # (4 steps, saved every 2: half the suite time of the 8-step checkpoint cases)
+# FSDP's collectives stay once per layer per batch with split layers ([Note: FSDP under the pipeline schedule]): one
+# reduce-scatter per layer per batch, one all-gather per layer per batch (plus the first batch's shape inference)
+FSDP_COUNTS = FsdpCountCase(schedule="interleaved_1f1b", stages_per_rank=2, tp=2)
 FSDP_CKPT = CheckpointCase(schedule="interleaved_1f1b", stages_per_rank=2, fsdp=2, tp=2, steps=4, steps_per_epoch=2)
 STEP2 = "epoch=0-step=2.ckpt"
 
@@ -86,6 +90,7 @@ def pp2_tp2_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     runs.append(("ckpt_train", replace(FSDP_CKPT, dir=str(fsdp_saved), resume_from=str(fsdp_saved / STEP2))))
     runs.append(("ckpt_resume", CheckpointCase(tp=2, steps=3, steps_per_epoch=2,
                                                resume_from=str(fsdp_saved / STEP2))))
+    runs.append(("fsdp_counts", FSDP_COUNTS))
     return {"saved": saved, "fsdp_saved": fsdp_saved, "results": launch_runs(4, runs, root / "out", timeout=500)}
 
 
@@ -185,6 +190,17 @@ def test_checkpoint_fsdp2_x_tp2_resumes_and_loads_anywhere(pp2_tp2_run: dict[str
                 0, "fsdp2 x tp2 -> pp2 x tp2 params")
     assert_same(merge_replica(res, resume, key="start_optim"), optimizer_by_name(model, opt), 0,
                 "fsdp2 x tp2 -> pp2 x tp2 optimizer state")
+
+
+
+@pytest.mark.timeout(600)
+def test_fsdp_x_tensor_parallel_gathers_and_reduces_once_per_batch(pp2_tp2: list[list[dict[str, Any]]]) -> None:
+    i = FSDP_FIRST + len(FSDP_TRAINING) + len(FSDP_PRECISION) + 2
+    for rank in pp2_tp2:
+        got = rank[i]
+        units, batches = got["units"], got["batches"]
+        assert units == 8, got  # pipeline 1: every layer on every rank, each one FSDP unit
+        assert got["reduce"] == units * batches and got["all_gather"] == units * (batches + 1), got
 
 
 @pytest.mark.skipif(os.environ.get("LIGHTNING_PIPE_8_RANKS") != "1",
