@@ -149,11 +149,6 @@ class PipelineConfig:
         if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
             raise config_error("The tensor-parallel size (ranks each layer is split over) must be a positive integer.",
                                f"tensor_parallel_size={self.tensor_parallel_size!r}", "tensor_parallel_size")
-        if self.tensor_parallel_size > 1 and self.fsdp_size > 1:
-            raise config_error("Tensor parallelism with FSDP in the same run is not supported yet (parameters "
-                               "sharded over both mesh dimensions).",
-                               f"tensor_parallel_size={self.tensor_parallel_size}, fsdp_size={self.fsdp_size}",
-                               "tensor_parallel_size", "set one of them to 1", also=("fsdp_size",))
         if self.tensor_parallel_size > 1 and self.schedule not in TENSOR_PARALLEL_SCHEDULES:
             raise config_error(
                 f"Tensor parallelism runs with the schedules {list(TENSOR_PARALLEL_SCHEDULES)} (whole backward per "

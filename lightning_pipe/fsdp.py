@@ -16,6 +16,12 @@ leaves it ``None`` for the step).
 all-gather per stage per batch; ``True`` gathers again for every micro-batch's backward. A forward-only pass leaves
 the parameters gathered, which would go stale after the next optimizer step: :func:`reshard` runs after each.
 
+Tensor parallelism (``tensor_parallel_size > 1``): ``shard_stages`` calls ``split`` (the module's
+``parallelize_layer`` hook over the mesh's ``tensor`` dimension) on each layer before ``fully_shard``, so FSDP sees
+the split parameters as DTensors over ``tensor`` and shards their local parts over the data-parallel dimensions:
+all-gathers and reduce-scatters run per tensor rank, between the same tensor rank of each shard, and the flags above
+are unchanged. [Note: tensor parallel stages] in tensor_parallel.py says why the two meshes must share a root.
+
 Mixed precision: under ``bf16-mixed`` FSDP gathers parameters in bf16 (``MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)``: half the all-gather traffic, gradients reduced in fp32) while autocast still keeps the ops it
 keeps in fp32; the sharded master weights and the optimizer stay fp32.
@@ -82,12 +88,14 @@ _SHARDED: WeakKeyDictionary[nn.Module, StageModule] = WeakKeyDictionary()
 
 
 def shard_stages(module: nn.Module, stage_modules: Sequence[StageModule], mesh: DeviceMesh, options: ShardingOptions,
-                 device: torch.device, broadcast: Callable[[list[Tensor]], None] | None) -> list[StageModule]:
+                 device: torch.device, broadcast: Callable[[list[Tensor]], None] | None,
+                 split: Callable[[int, nn.Module], None] | None = None) -> list[StageModule]:
     """Place and shard this rank's stages one layer at a time, so no more than one whole layer is resident besides
     the shards: allocate a layer built on the meta device (and initialise it like ``stages.materialize``: the
     module's ``reset_layer``) or move it to ``device``; ``broadcast`` its tensors (the data-parallel ranks start
-    identical; ``None`` when the module was placed before); ``fully_shard`` it. Then each stage root. The stage
-    modules become ``FSDPModule`` s, their parameters sharded DTensors under the same names. Collective.
+    identical; ``None`` when the module was placed before); ``split(index, layer)`` it over the tensor dimension
+    (tensor parallelism: [Note: FSDP under the pipeline schedule]); ``fully_shard`` it. Then each stage root. The
+    stage modules become ``FSDPModule`` s, their parameters sharded DTensors under the same names. Collective.
 
     Returns the stage modules to run: these, or the ones sharded earlier in this process over the same layers.
     """
@@ -106,6 +114,8 @@ def shard_stages(module: nn.Module, stage_modules: Sequence[StageModule], mesh: 
                 layer.to(device)
             if broadcast is not None:
                 broadcast(list(layer.parameters()) + list(layer.buffers()))
+            if split is not None:
+                split(index, layer)
             if any(True for _ in layer.parameters()):
                 fully_shard(layer, mesh=mesh, reshard_after_forward=options.reshard_after_forward, mp_policy=mp)
         fully_shard(stage, mesh=mesh, reshard_after_forward=options.reshard_after_forward, mp_policy=mp)

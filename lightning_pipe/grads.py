@@ -7,19 +7,20 @@ and the initial broadcast that makes replicas and tied copies start identical.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_pipe.config import Topology
 from lightning_pipe.fsdp import local as local_part
+from lightning_pipe.mesh import SHARD, TENSOR
 from lightning_pipe.schedules import SchedulePlan
 from lightning_pipe.stages import TiedParameter
-from lightning_pipe.tensor_parallel import is_sharded
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,31 @@ def _stage_of(ranges: Sequence[range], layer: int) -> int:
     return next(s for s, r in enumerate(ranges) if layer in r)
 
 
+def split_dims(tensor: Tensor) -> set[str]:
+    """The named mesh dimensions a DTensor is split along (``Shard``, or FSDP's strided shard of a tensor-parallel
+    split: anything but ``Replicate``); none for a plain tensor."""
+    if not isinstance(tensor, DTensor):
+        return set()
+    names = tensor.device_mesh.mesh_dim_names or ()
+    return {name for name, placement in zip(names, tensor.placements) if not placement.is_replicate()}
+
+
+def counts_here(grad: Tensor, coords: Mapping[str, int]) -> bool:
+    """Whether this rank counts its local part of ``grad`` in the global norm.
+
+    [Note: counting sharded gradients]
+    The global norm sums each rank's counted local parts over the pipeline group and over every mesh dimension a
+    stage is spread over (``coords``: ``dp_shard`` and ``tensor``, this rank's coordinate on each); replicas are not
+    summed (they hold the same gradients). A gradient's elements must then be counted once: along a dimension the
+    gradient is split over (FSDP's shards, a tensor-parallel split, both for a 2-D DTensor), every rank holds
+    different elements and counts its own; along a dimension it is replicated over (a LayerNorm weight under tensor
+    parallelism, sharded by FSDP or not), every rank holds the same elements and only coordinate 0 counts them.
+    A plain tensor is replicated along every dimension. (Partial placements never reach a reduced gradient.)
+    """
+    split = split_dims(grad)
+    return all(coord == 0 or dim in split for dim, coord in coords.items())
+
+
 class GradientSync:
     """This rank's parameters and the collectives over them."""
 
@@ -122,22 +148,22 @@ class GradientSync:
             dist.broadcast(local_part(param.data), group=tie_group.group, group_src=0)
 
     def clip_grad_norm_(self, parameters: Sequence[nn.Parameter], max_norm: float, norm_type: float = 2.0) -> Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` with the norm taken over every stage of the pipeline."""
+        """``torch.nn.utils.clip_grad_norm_`` with the norm taken over every stage of the pipeline and every part
+        of a sharded or split gradient, each element once ([Note: counting sharded gradients])."""
         excluded = self.norm_excluded()
         grads = [local_part(p.grad) for p in parameters if p.grad is not None]
-        # Sharded gradients: each rank counts its own shard, summed over the shard group below (each shard once).
-        counted_grads = [p.grad for p in parameters if p.grad is not None and id(p) not in excluded]
+        # Each element once: [Note: counting sharded gradients]
+        topology = self.groups.topology
+        coords = {SHARD: topology.shard_rank, TENSOR: topology.tp_rank}
+        counted = [local_part(p.grad) for p in parameters
+                   if p.grad is not None and id(p) not in excluded and counts_here(p.grad, coords)]
         tensor = self.groups.tensor
-        if tensor is not None and self.groups.topology.tp_rank != 0:
-            # [Note: tensor parallel stages]: a split gradient counts its part on every tensor rank (summed over
-            # the tensor group below), a replicated one (plain, or a Replicate DTensor) once, on tensor rank 0
-            counted_grads = [g for g in counted_grads if is_sharded(g)]
-        counted = [local_part(g) for g in counted_grads]
         norm_type = float(norm_type)
         pp, many = self.groups.pp, self.groups.topology.pipeline_size > 1
         zero = torch.zeros((), device=self.device)
         if norm_type == math.inf:
-            local = torch.stack([g.detach().abs().max().float() for g in counted]).max() if counted else zero
+            maxima = [g.detach().abs().max().float() for g in counted if g.numel()]  # (a shard may be empty)
+            local = torch.stack(maxima).max() if maxima else zero
             if many:
                 dist.all_reduce(local, op=dist.ReduceOp.MAX, group=pp)
             for group in (self.groups.shard, tensor):

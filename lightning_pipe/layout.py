@@ -7,7 +7,9 @@ The Lightning strategy calls :func:`build_engine` at setup (collectively, on eve
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -28,8 +30,14 @@ from lightning_pipe.stages import (
     materialize,
     warn_batch_norm,
 )
+from lightning_pipe.tensor_parallel import (
+    agree_after_split,
+    parallelize_stages,
+    split_layer,
+    sync_random_state,
+    tie_copies,
+)
 from lightning_pipe.tensor_parallel import check_module as check_tensor_parallel
-from lightning_pipe.tensor_parallel import parallelize_stages, sync_random_state
 
 
 @dataclass(frozen=True)
@@ -79,37 +87,54 @@ def build_engine(module: PipelineModel, config: PipelineConfig, plan: SchedulePl
             "gone from this rank. Build a new module (or load it from a checkpoint) to use a different layout."
         )
     local_ids = plan.stages_of_rank(topology.pp_rank)
-    mesh = None
     if topology.fsdp_size > 1:
         check_schedule(plan.spec.name, plan.spec.stage_class)
         check_ties(layout.tied, {i: plan.stage_to_rank(s) for s, r in enumerate(layout.ranges) for i in r})
-        mesh = build_mesh(topology, device.type)
     if topology.tensor_parallel_size > 1:
         check_tensor_parallel(module, topology.tensor_parallel_size)
-        mesh = build_mesh(topology, device.type)
+    # One mesh for every dimension: FSDP combines the tensor and data-parallel dimensions of a split parameter
+    # into one DTensor, which needs both to be slices of the same root mesh.
+    mesh = (build_mesh(topology, device.type)
+            if topology.fsdp_size > 1 or topology.tensor_parallel_size > 1 else None)
     groups = ProcessGroups(topology, layout.tied, layout.ranges, plan, mesh=mesh)
     stage_modules = localize_layers(module, config.layers_attr, layout.ranges, local_ids, plan.stage_to_rank,
                                     config.recompute_every)
-    if topology.fsdp_size > 1:
-        assert mesh is not None
-        # FSDP: allocated or moved, made identical over the data-parallel ranks and sharded layer by layer
-        dp = groups.dp
-
-        def broadcast(tensors: list[torch.Tensor]) -> None:
-            for t in tensors if dp is not None else ():
-                dist.broadcast(t.data, group=dp, group_src=0)
-
-        stage_modules = shard_stages(module, stage_modules, data_parallel_mesh(mesh, topology),
-                                     sharding or ShardingOptions(), device, broadcast if fresh else None)
-    else:
-        # Layers built on the meta device (configure_model) are allocated now, on this rank only.
-        materialize(module, config.layers_attr, stage_modules, layout.tied, device)
-    if topology.tensor_parallel_size > 1:
+    split: Callable[[int, torch.nn.Module], None] | None = None
+    tensor_parallel = topology.tensor_parallel_size > 1
+    if tensor_parallel:
         # split each local layer in place (identical over the tensor group first): [Note: tensor parallel stages]
         assert mesh is not None
-        module.to(device)
-        parallelize_stages(module, stage_modules, mesh[TENSOR], groups.tensor if fresh else None, layout.tied)
+        split = partial(split_layer, module, tp_mesh=mesh[TENSOR], tensor_group=groups.tensor if fresh else None)
+    ties_before = tie_copies(module, layout.tied) if tensor_parallel else []
+    failure: Exception | None = None
+    try:
+        if topology.fsdp_size > 1:
+            assert mesh is not None
+            # FSDP: allocated or moved, made identical over the data-parallel ranks, split over the tensor dimension
+            # and sharded, layer by layer
+            dp = groups.dp
+
+            def broadcast(tensors: list[torch.Tensor]) -> None:
+                for t in tensors if dp is not None else ():
+                    dist.broadcast(t.data, group=dp, group_src=0)
+
+            stage_modules = shard_stages(module, stage_modules, data_parallel_mesh(mesh, topology),
+                                         sharding or ShardingOptions(), device, broadcast if fresh else None, split)
+        else:
+            # Layers built on the meta device (configure_model) are allocated now, on this rank only.
+            materialize(module, config.layers_attr, stage_modules, layout.tied, device)
+            if tensor_parallel:
+                assert mesh is not None
+                module.to(device)
+                parallelize_stages(module, stage_modules, mesh[TENSOR], groups.tensor if fresh else None)
+    except Exception as err:
+        if not (tensor_parallel and fresh):
+            raise
+        failure = err  # the hooks are the module's code: every rank must learn that one failed (below)
+    if tensor_parallel:
         assert groups.tensor is not None
+        if fresh:
+            agree_after_split(module, layout.tied, ties_before, topology.tp_rank, failure)
         sync_random_state(groups.tensor, device)  # dropout draws alike on the tensor ranks (every fit: cheap)
     module.to(device)
     engine = engine_class(plan)(module, stage_modules, local_ids, plan, groups, device)

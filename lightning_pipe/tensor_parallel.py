@@ -16,23 +16,34 @@ or ``Replicate`` DTensors (e.g. a row-wise layer's bias), identical on every ten
 (DTensor all-reduces the partial input gradients of a column-wise layer in its backward). So:
 
 - the global gradient norm counts a sharded gradient's local part on every tensor rank (summed over the tensor
-  group) and a replicated one once (on tensor rank 0): :meth:`lightning_pipe.grads.GradientSync.clip_grad_norm_`;
+  group) and a replicated one once (on tensor rank 0): [Note: counting sharded gradients] in grads.py;
 - replicas average each tensor rank's local parts with the same tensor rank of the other replicas (the
   data-parallel group is per tensor rank); the overlapped data-parallel sync is off (one all-reduce after the
   schedule);
 - checkpoints gather whole tensors per stage (``full_values``), written by tensor rank 0 only; a load cuts them again.
 
+With FSDP too (``fsdp_size > 1``: 2-D sharding per stage) each layer is split first, then ``fully_shard`` ed over the
+data-parallel dimensions (lightning_pipe/fsdp.py, ``shard_stages``), one layer at a time: allocated, made identical
+over the data-parallel group and then the tensor group, split by the hook, sharded. ``tp_mesh`` is the ``tensor``
+dimension of the run's one ``DeviceMesh`` (``mesh.build_mesh``) and FSDP's mesh is its ``dp_shard`` (or
+``(dp_replicate, dp_shard)``) dimension: FSDP joins the two into one mesh for a split parameter, which only works
+for slices of the same root. A split parameter becomes a DTensor over ``(dp_shard, tensor)`` (FSDP's placement is a
+strided shard when the tensor split is along the same dimension); one the hook left plain (a LayerNorm's) is sharded
+over ``dp_shard`` only: every tensor rank holds the same shards, replicated over ``tensor``. FSDP averages each
+tensor rank's gradients over its data-parallel ranks (its reduce-scatter), the norm counts each element once
+([Note: counting sharded gradients]), and checkpoints gather over both dimensions (``full_tensor``).
+
 Tied parameters (GPT-2's embedding and head) stay tied as long as the hook leaves every copy alike: the usual plan
 keeps the tied layers whole (replicated over the tensor group), and each tensor rank sums its copies with the same
 tensor rank of the other holding stages (grads.py). A plan that splits one copy and not the other, or splits the two
 ends of a tie on one rank into two ``Parameter`` s, would train them apart silently: :func:`parallelize_stages`
-compares every copy after the hooks (over the world, once at setup) and raises on every rank.
+compares every copy after the hooks (over the world, once at setup) and raises on every rank; a hook that fails on
+some ranks is reported to all of them by the same gather (:func:`agree_after_split`).
 
 A fused projection (q|k|v in one ``Linear``, as GPT-2's ``c_attn``) is split with :class:`FusedColwiseParallel`: each
 rank holds its part of *each* block (its heads of q, of k and of v), so the layer computes whole heads locally.
 
-Refused (plain-data errors, before any rank waits on another): FSDP and tensor parallelism together, schedules other
-than
+Refused (plain-data errors, before any rank waits on another): schedules other than
 :data:`~lightning_pipe.config.TENSOR_PARALLEL_SCHEDULES`, the planner (``schedule='auto'``, plan files, measured
 partitions, rebalancing), a module without the hook.
 """
@@ -106,34 +117,44 @@ class FusedColwiseParallel(ColwiseParallel):
 
 
 def parallelize_stages(module: nn.Module, stage_modules: Sequence[StageModule], tp_mesh: DeviceMesh,
-                       tensor_group: dist.ProcessGroup | None, tied: Sequence[TiedParameter] = ()) -> None:
-    """Make this rank's layers identical over the tensor group (from tensor rank 0), then split each with the
-    module's hook, then agree over the world that every hook succeeded and the tied parameters are still alike.
-    ``tensor_group=None``: the layers were split before (a reused layout; no collective). Collective."""
-    hook = getattr(module, HOOK)
-    before = _tie_copies(module, tied)
-    failure: Exception | None = None
-    try:
-        for stage in stage_modules:
-            for index, layer in zip(stage.layer_indices, stage.layers):
-                if layer in _PARALLELIZED:
-                    continue
-                if tensor_group is not None:
-                    for t in list(layer.parameters()) + list(layer.buffers()):
-                        if not isinstance(t, DTensor):
-                            dist.broadcast(t.data, group=tensor_group, group_src=0)
-                hook(index, layer, tp_mesh)
-                _PARALLELIZED.add(layer)
-    except Exception as err:
-        # The tensor ranks of a stage hold the same layers, so they fail alike, at the same point; the other
-        # stages must learn it here rather than wait for this rank at their next transfer.
-        failure = err
-    if tensor_group is None:
-        if failure is not None:
-            raise failure
+                       tensor_group: dist.ProcessGroup | None) -> None:
+    """:func:`split_layer` for each of this rank's layers. Collective over the tensor group."""
+    for stage in stage_modules:
+        for index, layer in zip(stage.layer_indices, stage.layers):
+            split_layer(module, index, layer, tp_mesh, tensor_group)
+
+
+def split_layer(module: nn.Module, index: int, layer: nn.Module, tp_mesh: DeviceMesh,
+                tensor_group: dist.ProcessGroup | None) -> None:
+    """Make one layer identical over the tensor group (from tensor rank 0), then split it with the module's hook.
+    ``tensor_group=None``: the layer was made identical before (a reused layout). A layer split earlier in this
+    process is left as it is. Collective over the tensor group.
+
+    With FSDP the caller shards the layer right after (lightning_pipe/fsdp.py): the hook sees whole, plain
+    parameters either way, and ``tp_mesh`` is the ``tensor`` dimension of the run's one mesh, so FSDP can combine
+    it with the data-parallel dimensions into 2-D (3-D for HSDP) DTensors.
+    """
+    if layer in _PARALLELIZED:
         return
+    if tensor_group is not None:
+        for t in list(layer.parameters()) + list(layer.buffers()):
+            if not isinstance(t, DTensor):
+                dist.broadcast(t.data, group=tensor_group, group_src=0)
+    getattr(module, HOOK)(index, layer, tp_mesh)
+    _PARALLELIZED.add(layer)
+
+
+def agree_after_split(module: nn.Module, tied: Sequence[TiedParameter], before: list[dict[str, Tensor]],
+                      tp_rank: int, failure: Exception | None) -> None:
+    """After this rank's layers were split (``failure``: what stopped it, if anything): tell every rank what every
+    rank saw, so all raise the same error, then check the copies of each tie are still alike. One gather over the
+    world at setup. Collective: every rank calls it, failed or not.
+
+    The tensor (and FSDP) ranks of a stage hold the same layers, so a hook fails alike on each, at the same point;
+    the other stages must learn it here rather than wait for those ranks at their next transfer.
+    """
     mine = _Setup(type(failure).__name__ if failure else None, str(failure) if failure else "",
-                  [] if failure else _tie_layouts(module, tied, before, tp_mesh.get_local_rank()))
+                  [] if failure else _tie_layouts(module, tied, before, tp_rank))
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if failure is not None:
@@ -142,20 +163,20 @@ def parallelize_stages(module: nn.Module, stage_modules: Sequence[StageModule], 
     if failed:
         rank, setup = failed[0]
         cls = PipelineConfigError if setup.error_type == PipelineConfigError.__name__ else RuntimeError
-        raise cls(f"`{HOOK}` failed on rank {rank} ({setup.error_type}): {setup.message}")
+        raise cls(f"Splitting the layers failed on rank {rank} ({setup.error_type}): {setup.message}")
     _check_ties_kept([setup.tie_layouts for setup in gathered])
 
 
 @dataclass(frozen=True)
 class _Setup:
-    """What one rank tells the others after its hooks ran."""
+    """What one rank tells the others after its layers were split."""
 
     error_type: str | None
     message: str
     tie_layouts: list[tuple[str, str]]
 
 
-def _tie_copies(module: nn.Module, tied: Sequence[TiedParameter]) -> list[dict[str, Tensor]]:
+def tie_copies(module: nn.Module, tied: Sequence[TiedParameter]) -> list[dict[str, Tensor]]:
     """Per tie, this rank's copies by name (other ranks' layers are placeholders without parameters)."""
     named = dict(module.named_parameters(remove_duplicate=False))
     return [{n: named[n] for n in tie.names if n in named} for tie in tied]
@@ -164,8 +185,7 @@ def _tie_copies(module: nn.Module, tied: Sequence[TiedParameter]) -> list[dict[s
 def _layout(param: Tensor) -> str:
     """What must agree between the copies of a tie (with the same tensor rank): placements and local shape.
     Replicated or whole are the same thing for the tie's sum."""
-    if is_sharded(param):
-        assert isinstance(param, DTensor)
+    if isinstance(param, DTensor) and not all(p.is_replicate() for p in param.placements):
         placements = ", ".join(map(str, param.placements))
         return f"split {placements}: local {tuple(param.to_local().shape)} of {tuple(param.shape)}"
     return f"whole {tuple(param.shape)}"
@@ -173,10 +193,10 @@ def _layout(param: Tensor) -> str:
 
 def _tie_layouts(module: nn.Module, tied: Sequence[TiedParameter], before: list[dict[str, Tensor]],
                  tp_rank: int) -> list[tuple[str, str]]:
-    """(tie and tensor rank, layout) of each copy this rank holds after the hooks; a shared ``Parameter`` the hook
+    """(tie and tensor rank, layout) of each copy this rank holds after the split; a shared ``Parameter`` the hook
     replaced by several is reported as a layout of its own, so it can never agree."""
     out: list[tuple[str, str]] = []
-    for tie, old, new in zip(tied, before, _tie_copies(module, tied)):
+    for tie, old, new in zip(tied, before, tie_copies(module, tied)):
         key = f"{list(tie.names)} (tensor rank {tp_rank})"
         if len({id(p) for p in new.values()}) > len({id(p) for p in old.values()}):
             out.append((key, f"one Parameter on rank {dist.get_rank()} became {len(new)} (the hook replaced a copy)"))
@@ -222,8 +242,3 @@ def sync_random_state(tensor_group: dist.ProcessGroup, device: torch.device) -> 
             torch.set_rng_state(buffer.cpu())
         else:
             torch.cuda.set_rng_state(buffer.cpu(), device)
-
-
-def is_sharded(tensor: Tensor) -> bool:
-    """A DTensor split over some mesh dimension (each rank holds a different part)."""
-    return isinstance(tensor, DTensor) and any(p.is_shard() for p in tensor.placements)

@@ -75,9 +75,11 @@ def assert_case_parity(results: Results, case_idx: int, case: TrainingCase) -> N
         # on_before_optimizer_step sees the full gradients (not wiped by zero_grad): the squared norms of the
         # stages of one replica add up to the single-device one, at every optimizer step (FSDP: the hook sees each
         # rank's gradient shards, so the shard ranks of replica 0, data-parallel indices 0..fsdp-1, add up too)
-        # (tensor parallel: the hook's norm of a split DTensor is the whole one, on every tensor rank: count rank 0)
+        # (tensor parallel: the hook's norm of a split DTensor is the whole one (gathered over the tensor and FSDP
+        # dimensions), on every tensor and shard rank: count data-parallel index 0, tensor rank 0)
+        counted_dp = 1 if case.tp > 1 else case.fsdp
         stage_sq = torch.tensor([r[case_idx]["grad_sq_before_step"] for r in results
-                                 if r[case_idx]["topology"][0] < case.fsdp and r[case_idx].get("tp_rank", 0) == 0
+                                 if r[case_idx]["topology"][0] < counted_dp and r[case_idx].get("tp_rank", 0) == 0
                                  ]).sum(0)
         torch.testing.assert_close(stage_sq, torch.tensor(ref["grad_sq_before_step"]), rtol=1e-4, atol=1e-6)
     if case.predict:

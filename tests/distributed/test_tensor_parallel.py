@@ -1,15 +1,19 @@
-"""Tensor parallelism per stage (``tensor_parallel_size``): pipeline 2 x tensor 2 equals one device.
+"""Tensor parallelism per stage (``tensor_parallel_size``): pipeline 2 x tensor 2 equals one device, and so does
+tensor parallelism x FSDP2 (2-D sharding per stage).
 
 One 4-rank launch: each stage's layers split by the module's ``parallelize_layer`` hook (column-wise input
 projection, column-wise / row-wise MLPs; LayerNorms, a row-wise bias and the head replicated), with gradient
 accumulation and global-norm clipping (split gradients summed over the tensor group, replicated ones counted once),
 then a checkpoint (whole tensors gathered per stage) that resumes exactly and loads on one device, then what
-is refused.
+is refused; the GPT and Llama recipes by their own hooks (GPT: fused q|k|v split by heads, tied head), and dropout
+with per-rank seeds. The same launch runs pipeline 1 (two stages, interleaved) x FSDP 2 x tensor 2: each layer split, then
+sharded; parity, bf16, a checkpoint that resumes exactly, loads on one device and into pipeline 2 x tensor 2.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +24,10 @@ from lightning_pipe import checkpoint as ckpt_lib
 from tests.distributed.launcher import launch_runs
 from tests.distributed.parity import assert_case_parity, assert_same, merge_replica
 from tests.distributed.scenarios import CheckpointCase, TrainingCase
-from tests.distributed.scenarios.checkpoint import run_reference
+from tests.distributed.scenarios.checkpoint import optimizer_by_name, run_reference
+from tests.distributed.scenarios.fsdp import FsdpCountCase
+from tests.distributed.scenarios.training import run_training
+from tests.models import TensorParallelRegressor
 
 pytestmark = [pytest.mark.parity, pytest.mark.distributed]
 
@@ -32,12 +39,13 @@ TRAINING = [
     # recomputed in the backward (its tensor-parallel all-reduces run again, in the same order on both ranks)
     TrainingCase(model="tp", schedule="interleaved_1f1b", stages_per_rank=2, tp=2, acc=2, clip=0.05,
                  recompute="all", validate=False),
-    # the recipe's GPT by its own hook: attention split by heads (fused q|k|v), MLP column- then row-wise; the
-    # embedding and the head stay whole and tied across the first and the last stage (summed per tensor rank)
-    TrainingCase(model="gpt", n_layers=6, tied=True, optimizer="adamw", schedule="1f1b", tp=2, acc=2, clip=0.5,
+    # the recipe's GPT by its own hook: attention split by heads (fused q|k|v: a strided split), MLP column- then
+    # row-wise; the embedding and the head stay whole and tied across the first and the last stage (summed per
+    # tensor rank). A tiny clip: every step is clipped, so the norm must count the strided q|k|v parts once each.
+    TrainingCase(model="gpt", n_layers=6, tied=True, optimizer="adamw", schedule="1f1b", tp=2, acc=2, clip=0.01,
                  n_data=64, check_grad_norms=False),
     # the Llama recipe (meta-built): one of the 2 key/value heads per tensor rank, SwiGLU gate/up column-wise
-    TrainingCase(model="llama", n_layers=6, optimizer="adamw", schedule="gpipe", tp=2, acc=2, clip=0.5, n_data=64,
+    TrainingCase(model="llama", n_layers=6, optimizer="adamw", schedule="gpipe", tp=2, acc=2, clip=0.05, n_data=64,
                  validate=False),
 ]
 ERRORS = [
@@ -47,13 +55,37 @@ ERRORS = [
     (TrainingCase(model="gpt_split_head", n_layers=5, tied=True, optimizer="adamw", tp=2, steps=1, n_data=64,
                   validate=False, check_grad_norms=False, expect_error=True), "copies of a tied parameter"),
 ]
-
-
 # Dropout in the whole parts of a layer (embedding, residual branches) with a different seed on every rank: the
 # strategy starts the tensor ranks from one random state, so they drop the same elements (not a parity case: one
 # device draws other masks).
 DROPOUT = TrainingCase(model="gpt", n_layers=5, tied=True, optimizer="adamw", tp=2, dropout=0.3, seed_per_rank=True,
                        n_data=64, validate=False, check_grad_norms=False)
+
+
+# Tensor parallel x FSDP (fsdp_size=2): one pipeline rank holding two stages (interleaved 1F1B), every layer split
+# over the tensor dimension, then sharded over dp_shard (a column-wise weight: FSDP's strided shard over the tensor
+# split). Every step is clipped (norms 3.1, 2.3, 1.9 on one device) and SGD moves by the clipped gradient itself, so
+# a norm that counts an element twice (or misses one) shows at 1e-4..1e-3 ([Note: counting sharded gradients] in
+# grads.py: counting FSDP's strided shard as replicated, or replicated gradients on every tensor rank, both fail).
+# Validation runs forward-only passes on the sharded stages, then predict and a second Trainer on the already split
+# and sharded module. Every rank but 0 starts from shifted parameters: only the broadcasts before the split
+# (data-parallel group, then tensor group) make them start as one device.
+FSDP_TRAINING = [
+    TrainingCase(model="tp", schedule="interleaved_1f1b", stages_per_rank=2, fsdp=2, tp=2, acc=2, clip=0.5,
+                 skewed_init=True, predict=True),
+]
+# bf16-mixed: FSDP gathers the split weights in bf16 and reduces in fp32 (tolerance as tests/distributed/test_fsdp.py);
+# gathered again for each micro-batch's backward (fsdp_reshard_after_forward)
+FSDP_PRECISION = [
+    (TrainingCase(model="tp", precision="bf16-mixed", schedule="interleaved_1f1b", stages_per_rank=2, fsdp=2, tp=2,
+                  fsdp_reshard=True, acc=2, clip=0.05, validate=False), 2 * 2**-8),
+]
+# (4 steps, saved every 2: half the suite time of the 8-step checkpoint cases)
+# FSDP's collectives stay once per layer per batch with split layers ([Note: FSDP under the pipeline schedule]): one
+# reduce-scatter per layer per batch, one all-gather per layer per batch (plus the first batch's shape inference)
+FSDP_COUNTS = FsdpCountCase(schedule="interleaved_1f1b", stages_per_rank=2, tp=2)
+FSDP_CKPT = CheckpointCase(schedule="interleaved_1f1b", stages_per_rank=2, fsdp=2, tp=2, steps=4, steps_per_epoch=2)
+STEP2 = "epoch=0-step=2.ckpt"
 
 STEP4 = "epoch=0-step=4.ckpt"
 # the toy model's plain column-/row-wise splits; the GPT's strided q|k|v split (gathered back to the fused layout)
@@ -62,13 +94,31 @@ CHECKPOINT_MODELS = ("toy", "gpt")
 
 @pytest.fixture(scope="module")
 def pp2_tp2_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One 4-rank launch for the whole file; ``at[name]`` is the index of a named run (or of a group's first)."""
     root = tmp_path_factory.mktemp("tp")
-    runs: list[tuple[str, Any]] = [("training", case) for case in TRAINING]
-    runs += [("training", case) for case, _ in ERRORS]
-    runs += [("ckpt_train", CheckpointCase(tp=2, model=model, dir=str(root / model),
-                                           resume_from=str(root / model / STEP4))) for model in CHECKPOINT_MODELS]
-    runs.append(("training", DROPOUT))
-    return {"root": root, "results": launch_runs(4, runs, root / "out", timeout=420)}
+    runs: list[tuple[str, Any]] = []
+    at: dict[str, int] = {}
+
+    def add(name: str, *group: tuple[str, Any]) -> None:
+        at[name] = len(runs)
+        runs.extend(group)
+
+    add("training", *(("training", case) for case in TRAINING))
+    add("errors", *(("training", case) for case, _ in ERRORS))
+    for model in CHECKPOINT_MODELS:
+        add(f"ckpt_{model}", ("ckpt_train", CheckpointCase(tp=2, model=model, dir=str(root / model),
+                                                           resume_from=str(root / model / STEP4))))
+    add("dropout", ("training", DROPOUT))
+    # tensor parallel x FSDP: training, bf16, a checkpoint (train, resume), that checkpoint into pipeline 2 x tensor 2
+    fsdp_saved = root / "fsdp2_tp2"
+    add("fsdp_training", *(("training", case) for case in FSDP_TRAINING))
+    add("fsdp_precision", *(("training", case) for case, _ in FSDP_PRECISION))
+    add("fsdp_ckpt", ("ckpt_train", replace(FSDP_CKPT, dir=str(fsdp_saved), resume_from=str(fsdp_saved / STEP2))))
+    add("fsdp_ckpt_resume", ("ckpt_resume", CheckpointCase(tp=2, steps=3, steps_per_epoch=2,
+                                                           resume_from=str(fsdp_saved / STEP2))))
+    add("fsdp_counts", ("fsdp_counts", FSDP_COUNTS))
+    return {"root": root, "fsdp_saved": fsdp_saved, "at": at,
+            "results": launch_runs(4, runs, root / "out", timeout=600)}
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +127,13 @@ def pp2_tp2(pp2_tp2_run: dict[str, Any]) -> list[list[dict[str, Any]]]:
     return results
 
 
-@pytest.mark.timeout(400)
+@pytest.fixture(scope="module")
+def pp2_tp2_at(pp2_tp2_run: dict[str, Any]) -> dict[str, int]:
+    at: dict[str, int] = pp2_tp2_run["at"]
+    return at
+
+
+@pytest.mark.timeout(600)
 def test_pipeline2_x_tensor2_matches_single_device(pp2_tp2: list[list[dict[str, Any]]]) -> None:
     for i, case in enumerate(TRAINING):
         for rank, res in enumerate(pp2_tp2):
@@ -87,20 +143,21 @@ def test_pipeline2_x_tensor2_matches_single_device(pp2_tp2: list[list[dict[str, 
         assert_case_parity(pp2_tp2, i, case)
 
 
-@pytest.mark.timeout(400)
-def test_tensor_parallel_refuses_what_it_cannot_do(pp2_tp2: list[list[dict[str, Any]]]) -> None:
-    for i, (_, needle) in enumerate(ERRORS, start=len(TRAINING)):
+@pytest.mark.timeout(600)
+def test_tensor_parallel_refuses_what_it_cannot_do(pp2_tp2: list[list[dict[str, Any]]],
+                                                   pp2_tp2_at: dict[str, int]) -> None:
+    for i, (_, needle) in enumerate(ERRORS, start=pp2_tp2_at["errors"]):
         for res in pp2_tp2:
             assert not res[i]["ok"] and needle in res[i]["error"], res[i]
             assert "tensor_parallel_size" in res[i]["error"]
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("model", CHECKPOINT_MODELS)
 def test_checkpoint_pp2_tp2_resumes_and_loads_on_one_device(pp2_tp2_run: dict[str, Any], tmp_path: Path,
                                                            model: str) -> None:
     res, saved = pp2_tp2_run["results"], pp2_tp2_run["root"] / model
-    i = len(TRAINING) + len(ERRORS) + CHECKPOINT_MODELS.index(model)
+    i = pp2_tp2_run["at"][f"ckpt_{model}"]
     for rank in res:  # stopped at step 4 and resumed == uninterrupted (every rank's gathered parameters)
         full, resumed = rank[i]["full"], rank[i]["resumed"]
         assert resumed["global_step"] == 8
@@ -110,6 +167,85 @@ def test_checkpoint_pp2_tp2_resumes_and_loads_on_one_device(pp2_tp2_run: dict[st
     case = CheckpointCase(tp=2, model=model)
     ref, _, _ = run_reference(case, ckpt_lib.consolidate(saved / STEP4, tmp_path / "one.ckpt"))
     assert_same(ref["params"], uninterrupted, 1e-5, "pp2 x tp2 -> one device")
+
+
+@pytest.mark.timeout(600)
+def test_tensor_ranks_draw_the_same_dropout(pp2_tp2: list[list[dict[str, Any]]], pp2_tp2_at: dict[str, int]) -> None:
+    i = pp2_tp2_at["dropout"]
+    for first, second in ((0, 1), (2, 3)):  # the two tensor ranks of each stage
+        a, b = pp2_tp2[first][i], pp2_tp2[second][i]
+        assert a["losses"] == b["losses"] and len(a["losses"]) == DROPOUT.steps
+        assert a["params"].keys() == b["params"].keys()
+        for name in a["params"]:
+            torch.testing.assert_close(a["params"][name], b["params"][name], atol=0, rtol=0)
+
+
+@pytest.mark.timeout(600)
+def test_pipeline1_x_fsdp2_x_tensor2_matches_single_device(pp2_tp2: list[list[dict[str, Any]]],
+                                                          pp2_tp2_at: dict[str, int]) -> None:
+    for i, case in enumerate(FSDP_TRAINING, start=pp2_tp2_at["fsdp_training"]):
+        for rank, res in enumerate(pp2_tp2):
+            r = res[i]
+            # [Note: rank order]: (shard, tensor rank) innermost; data-parallel index = shard; one pipeline rank
+            assert r["tp_rank"] == rank % 2 and r["topology"] == (rank // 2, 0)
+            assert r["sharded_params"] > 0
+        assert_case_parity(pp2_tp2, i, case)
+
+
+@pytest.mark.timeout(600)
+def test_fsdp_x_tensor_parallel_bf16_matches_single_device(pp2_tp2: list[list[dict[str, Any]]],
+                                                          pp2_tp2_at: dict[str, int]) -> None:
+    for i, (case, tol) in enumerate(FSDP_PRECISION, start=pp2_tp2_at["fsdp_precision"]):
+        ref = run_training(case, pipeline=False)
+        for dp_rank in range(case.fsdp):
+            got = merge_replica(pp2_tp2, i, dp_rank)
+            assert sorted(got) == sorted(ref["params"])
+            for name, want in ref["params"].items():
+                assert got[name].dtype == want.dtype == torch.float32  # sharded master weights stay fp32
+                torch.testing.assert_close(got[name], want, atol=tol, rtol=0,
+                                           msg=lambda m, case=case, name=name: f"{case} {name}: {m}")
+        # each shard rank logs its half of the batch (ranks 0 and 2: shards 0 and 1, tensor rank 0)
+        mean = torch.stack([torch.tensor(pp2_tp2[r][i]["losses"]) for r in (0, 2)]).mean(0)
+        torch.testing.assert_close(mean, torch.tensor(ref["losses"]), atol=tol * 4, rtol=0)
+
+
+@pytest.mark.timeout(600)
+def test_checkpoint_fsdp2_x_tp2_resumes_and_loads_anywhere(pp2_tp2_run: dict[str, Any], tmp_path: Path) -> None:
+    res, saved = pp2_tp2_run["results"], pp2_tp2_run["fsdp_saved"]
+    train, resume = pp2_tp2_run["at"]["fsdp_ckpt"], pp2_tp2_run["at"]["fsdp_ckpt_resume"]
+    for rank in res:  # stopped at step 2 and resumed == uninterrupted (every rank's gathered parameters)
+        full, resumed = rank[train]["full"], rank[train]["resumed"]
+        assert resumed["global_step"] == 4
+        assert_same(resumed["params"], full["params"], 1e-6, "fsdp2 x tp2 resumed")
+        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][2:]), atol=1e-6,
+                                   rtol=0)
+    # the checkpoint holds whole tensors: one device resumes from the consolidated file and trains on the same
+    uninterrupted = merge_replica(res, train, run="full")
+    consolidated = ckpt_lib.consolidate(saved / STEP2, tmp_path / "one.ckpt")
+    ref, _, _ = run_reference(FSDP_CKPT, consolidated, steps=FSDP_CKPT.steps)
+    assert_same(ref["params"], uninterrupted, 1e-5, "fsdp2 x tp2 -> one device")
+    # ... and pipeline 2 x tensor 2 (no FSDP) starts from exactly the plain module's parameters and optimizer state
+    model = TensorParallelRegressor(optimizer="adamw")
+    state = ckpt_lib.consolidated(saved / STEP2)
+    model.load_state_dict(state["state_dict"])
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    opt.load_state_dict(state["optimizer_states"][0])
+    assert_same(merge_replica(res, resume, key="start_params"), {k: p.detach() for k, p in model.named_parameters()},
+                0, "fsdp2 x tp2 -> pp2 x tp2 params")
+    assert_same(merge_replica(res, resume, key="start_optim"), optimizer_by_name(model, opt), 0,
+                "fsdp2 x tp2 -> pp2 x tp2 optimizer state")
+
+
+
+@pytest.mark.timeout(600)
+def test_fsdp_x_tensor_parallel_gathers_and_reduces_once_per_batch(pp2_tp2: list[list[dict[str, Any]]],
+                                                                   pp2_tp2_at: dict[str, int]) -> None:
+    i = pp2_tp2_at["fsdp_counts"]
+    for rank in pp2_tp2:
+        got = rank[i]
+        units, batches = got["units"], got["batches"]
+        assert units == 8, got  # pipeline 1: every layer on every rank, each one FSDP unit
+        assert got["reduce"] == units * batches and got["all_gather"] == units * (batches + 1), got
 
 
 @pytest.mark.skipif(os.environ.get("LIGHTNING_PIPE_8_RANKS") != "1",
@@ -124,12 +260,22 @@ def test_pipeline2_x_replicas2_x_tensor2_matches_single_device(tmp_path: Path) -
     assert_case_parity(res, 0, case)
 
 
-@pytest.mark.timeout(400)
-def test_tensor_ranks_draw_the_same_dropout(pp2_tp2: list[list[dict[str, Any]]]) -> None:
-    i = len(TRAINING) + len(ERRORS) + len(CHECKPOINT_MODELS)
-    for first, second in ((0, 1), (2, 3)):  # the two tensor ranks of each stage
-        a, b = pp2_tp2[first][i], pp2_tp2[second][i]
-        assert a["losses"] == b["losses"] and len(a["losses"]) == DROPOUT.steps
-        assert a["params"].keys() == b["params"].keys()
-        for name in a["params"]:
-            torch.testing.assert_close(a["params"][name], b["params"][name], atol=0, rtol=0)
+@pytest.mark.skipif(os.environ.get("LIGHTNING_PIPE_8_RANKS") != "1",
+                    reason="8 processes (~75 s on 2 loaded cores): set LIGHTNING_PIPE_8_RANKS=1 to run")
+@pytest.mark.timeout(900)
+def test_pipeline2_x_fsdp2_x_tensor2_and_hsdp_x_tensor2_match_single_device(tmp_path: Path) -> None:
+    """Pipeline 2 x FSDP 2 x tensor 2: P2P between the stages of each (shard, tensor rank) pair, each layer split
+    over the tensor group and sharded over the FSDP group, the global norm summed over all three. Then replicas 2 x
+    pipeline 1 (two stages) x FSDP 2 x tensor 2: HSDP over (dp_replicate, dp_shard) on the split layers (3-D
+    DTensors), replicas not summed in the norm."""
+    cases = [TrainingCase(model="tp", schedule="1f1b", fsdp=2, tp=2, acc=2, clip=0.5, validate=False),
+             TrainingCase(model="tp", schedule="interleaved_1f1b", stages_per_rank=2, dp=2, fsdp=2, tp=2, acc=2,
+                          clip=0.5, validate=False)]
+    res = launch_runs(8, [("training", case) for case in cases], tmp_path / "out", timeout=800)
+    for rank, r in enumerate(res):
+        # [Note: rank order]: rank = ((replica * p + pp_rank) * fsdp + shard) * tp + t
+        assert r[0]["topology"] == ((rank // 2) % 2, rank // 4) and r[0]["tp_rank"] == rank % 2
+        assert r[1]["topology"] == (rank // 2, 0) and r[1]["tp_rank"] == rank % 2
+        assert r[0]["sharded_params"] > 0 and r[1]["sharded_params"] > 0
+    for i, case in enumerate(cases):
+        assert_case_parity(res, i, case)

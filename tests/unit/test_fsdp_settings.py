@@ -28,6 +28,24 @@ def test_rank_order_is_replicate_pipeline_shard():
     assert t.dp_group_ranks(0) == [0, 1, 4, 5] and t.dp_group_ranks(1) == [2, 3, 6, 7]
 
 
+def test_rank_order_with_fsdp_and_tensor_parallel():
+    """[Note: rank order] with all four dimensions: rank = ((replica * p + pp) * fsdp + shard) * tp + t. A pipeline
+    is the ranks with equal (replica, shard, tensor rank); a data-parallel group has equal (stage, tensor rank)."""
+    world = 16
+    seen = set()
+    for rank in range(world):
+        t = Topology.create(world, data_parallel_size=2, global_rank=rank, fsdp_size=2, tensor_parallel_size=2)
+        assert t.pipeline_size == 2 and t.dp_degree == 4
+        assert rank == ((t.replica_rank * 2 + t.pp_rank) * 2 + t.shard_rank) * 2 + t.tp_rank
+        assert t.dp_rank == t.replica_rank * 2 + t.shard_rank
+        assert t.rank_of(t.dp_rank, t.pp_rank, t.tp_rank) == rank
+        seen.add((t.dp_rank, t.pp_rank, t.tp_rank))
+    assert len(seen) == world
+    t = Topology.create(world, 2, global_rank=0, fsdp_size=2, tensor_parallel_size=2)
+    assert t.pp_group_ranks(0, 0) == [0, 4] and t.pp_group_ranks(1, 1) == [3, 7]
+    assert t.dp_group_ranks(0, 0) == [0, 2, 8, 10] and t.dp_group_ranks(1, 1) == [5, 7, 13, 15]
+
+
 def test_without_fsdp_the_pipeline_x_replicas_order_is_unchanged():
     for rank in range(6):
         t = Topology.create(6, 3, global_rank=rank)

@@ -35,11 +35,10 @@ def test_rank_order_puts_tensor_innermost():
 def test_tensor_parallel_settings_are_checked_early():
     with pytest.raises(PipelineConfigError, match=r"tensor_parallel_size=0.*Hydra: strategy.tensor_parallel_size"):
         PipelineConfig(tensor_parallel_size=0)
-    with pytest.raises(PipelineConfigError, match="with FSDP"):
-        PipelineConfig(tensor_parallel_size=2, fsdp_size=2)
     for schedule in ("zbv", "zb_h1", "pipedream", "chimera"):
-        with pytest.raises(PipelineConfigError, match="Tensor parallelism runs with the schedules"):
-            PipelineConfig(tensor_parallel_size=2, schedule=schedule)
+        for fsdp in (1, 2):  # (with FSDP too: the same rule, the same message)
+            with pytest.raises(PipelineConfigError, match="Tensor parallelism runs with the schedules"):
+                PipelineConfig(tensor_parallel_size=2, fsdp_size=fsdp, schedule=schedule)
     with pytest.raises(PipelineConfigError, match="planner does not model tensor parallelism"):
         PipelineStrategy(schedule="auto", tensor_parallel_size=2)
     with pytest.raises(PipelineConfigError, match="planner does not model tensor parallelism"):
@@ -58,3 +57,16 @@ def test_module_without_hook_is_refused():
     with pytest.raises(PipelineConfigError, match="parallelize_layer"):
         check_module(ToyRegressor(), 2)
     check_module(TensorParallelRegressor(), 2)
+
+
+def test_fsdp_and_tensor_parallel_together():
+    """2-D sharding per stage: accepted for the tensor-parallel schedules; the data is sharded over replicas x FSDP
+    shards, never over tensor ranks."""
+    for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
+        PipelineConfig(tensor_parallel_size=2, fsdp_size=2, schedule=schedule)
+    strategy = PipelineStrategy(data_parallel_size=2, fsdp_size=2, tensor_parallel_size=2)
+    L.Trainer(strategy=strategy, accelerator="cpu", devices=16, logger=False)
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 4, "rank": 0}
+    with pytest.raises(PipelineConfigError, match="data_parallel_size x fsdp_size x tensor_parallel_size"):
+        L.Trainer(strategy=PipelineStrategy(fsdp_size=2, tensor_parallel_size=2), accelerator="cpu", devices=6,
+                  logger=False)

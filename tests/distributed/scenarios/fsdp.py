@@ -7,6 +7,7 @@ unit: all its parameters at once). The scenario counts those calls around a real
 from __future__ import annotations
 
 import contextlib
+import os
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ class FsdpCountCase:
     reshard_after_forward: bool = False
     steps: int = 2
     acc: int = 1
+    tp: int = 1  # > 1: the tensor-parallel model, each layer split before it is sharded
+    stages_per_rank: int | None = None
     expect_error: bool = False
 
 
@@ -54,11 +57,13 @@ def counting(counts: Counter, names: tuple[str, ...]) -> Iterator[None]:
 
 def run_counts(case: FsdpCountCase) -> FsdpCounts:
     counts: Counter = Counter()
-    training = TrainingCase(schedule=case.schedule, fsdp=2, fsdp_reshard=case.reshard_after_forward,
+    training = TrainingCase(model="tp" if case.tp > 1 else "toy", schedule=case.schedule, fsdp=2, tp=case.tp,
+                            stages_per_rank=case.stages_per_rank, fsdp_reshard=case.reshard_after_forward,
                             steps=case.steps, acc=case.acc, validate=False)
     with counting(counts, ("foreach_all_gather", "foreach_reduce")):
         run_training(training, pipeline=True)
-    # Every layer of the toy model has parameters and is one FSDP unit; the stage roots hold none (no collectives).
-    units = training.n_layers // 2
+    # Every layer of the toy models has parameters and is one FSDP unit; the stage roots hold none (no collectives).
+    pipeline_size = int(os.environ["TEST_WORLD_SIZE"]) // (training.fsdp * training.tp)
+    units = training.n_layers // pipeline_size
     return FsdpCounts(all_gather=counts["foreach_all_gather"], reduce=counts["foreach_reduce"], units=units,
                       batches=case.steps * case.acc)

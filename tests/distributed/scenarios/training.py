@@ -73,6 +73,10 @@ class TrainingCase:
     # a tie across stages counts its weight on both. Cases with ``tied=True`` must switch this off explicitly.
     check_grad_norms: bool = True
     expect_error: bool = False  # the worker records the exception message instead of failing the launch
+    # pipeline side: every rank but global rank 0 shifts its freshly built parameters, so only the initial broadcasts
+    # (over the data-parallel and the tensor group) make the ranks start as the one device does. Pipeline size 1
+    # only: every layer's source is then global rank 0.
+    skewed_init: bool = False
 
 
 class TrainingResult(TypedDict):
@@ -248,6 +252,10 @@ def run_training(case: TrainingCase, pipeline: bool) -> TrainingResult:
     model = MODELS[case.model](case)
     if pipeline and case.seed_per_rank:  # e.g. an unseeded run: random streams differ from rank to rank
         torch.manual_seed(1234 + int(os.environ["RANK"]))
+    if pipeline and case.skewed_init:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * int(os.environ["RANK"]))
     data = DATA.get(case.model, regression_data)(case.n_data)
     batch = case.batch * (1 if pipeline else case.dp * case.fsdp)
     recorder = LossRecorder()
