@@ -120,12 +120,17 @@ def tiny_gpt(case: TrainingCase) -> L.LightningModule:
     """
     from recipes.gpt.model import GPT
 
-    if not case.tied or case.optimizer != "adamw" or case.inf_grad_at_step is not None:
-        raise ValueError(f"the tiny GPT is always tied and trains with AdamW (no injected overflow): {case}")
+    if not case.tied or case.optimizer not in ("adamw", "sgd") or case.inf_grad_at_step is not None:
+        raise ValueError(f"the tiny GPT is always tied and trains with its AdamW or SGD (no injected overflow): {case}")
     if case.n_layers <= GPT_NON_BLOCK_LAYERS:
         raise ValueError(f"the tiny GPT needs n_layers > {GPT_NON_BLOCK_LAYERS} (embedding, norm, head): {case}")
-    return GPT(vocab_size=64, block_size=16, n_layer=case.n_layers - GPT_NON_BLOCK_LAYERS, n_head=2, n_embd=32,
-               dropout=case.dropout, lr=3e-3, warmup_steps=2, max_steps=20)
+    model = GPT(vocab_size=64, block_size=16, n_layer=case.n_layers - GPT_NON_BLOCK_LAYERS, n_head=2, n_embd=32,
+                dropout=case.dropout, lr=3e-3, warmup_steps=2, max_steps=20)
+    if case.optimizer == "sgd":
+        # SGD moves by the (clipped) gradient itself: a wrong global norm shows in the parameters, where AdamW's
+        # normalisation would all but hide it.
+        model.configure_optimizers = lambda: torch.optim.SGD(model.parameters(), lr=0.5)  # type: ignore[method-assign]
+    return model
 
 
 def tiny_llama(case: TrainingCase) -> L.LightningModule:
