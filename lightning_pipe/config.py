@@ -14,9 +14,18 @@ from typing import Any
 PartitionSpec = str | Sequence[int]
 PARTITION_METHODS = ("uniform", "parameters", "time", "memory")
 MEASURED_PARTITIONS = ("time", "memory")
-TENSOR_PARALLEL_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-"""Schedules verified with tensor-parallel stages (tests/distributed/test_tensor_parallel.py)."""
 """Partitions the strategy measures at setup (the planner's profile), then replaces by per-stage layer counts."""
+TENSOR_PARALLEL_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zbv", "dualpipev", "custom")
+"""Schedules verified with tensor-parallel stages (tests/distributed/test_tensor_parallel.py); the split
+input/weight backward among them: [Note: tensor parallel stages] in tensor_parallel.py."""
+TENSOR_PARALLEL_REFUSED = {
+    "pipedream": "its per-micro-batch update clips each stage with torch's clip_grad_norm_, which cannot mix the "
+                 "split (DTensor) and whole gradients of a tensor-parallel stage",
+    "pipedream_2bw": "its weight versions are not verified with DTensor parameters yet",
+    "chimera": "its second pipeline's P2P groups and the stage-pair gradient sum are built per replica, not per "
+               "tensor rank, and sum whole tensors where tensor parallelism holds DTensor parts",
+}
+"""Why a schedule cannot run tensor-parallel stages yet (the config error says it)."""
 
 
 class PipelineConfigError(ValueError):
@@ -155,10 +164,10 @@ class PipelineConfig:
                                f"tensor_parallel_size={self.tensor_parallel_size}, fsdp_size={self.fsdp_size}",
                                "tensor_parallel_size", "set one of them to 1", also=("fsdp_size",))
         if self.tensor_parallel_size > 1 and self.schedule not in TENSOR_PARALLEL_SCHEDULES:
+            why = TENSOR_PARALLEL_REFUSED.get(self.schedule, "it is not verified with DTensor layers")
             raise config_error(
-                f"Tensor parallelism runs with the schedules {list(TENSOR_PARALLEL_SCHEDULES)} (whole backward per "
-                "micro-batch, one pipeline per rank); split input/weight backward, weight stashing and Chimera are "
-                "not verified with DTensor layers yet.",
+                f"Tensor parallelism runs with the schedules {list(TENSOR_PARALLEL_SCHEDULES)}; not with "
+                f"'{self.schedule}': {why}.",
                 f"schedule={self.schedule!r}, tensor_parallel_size={self.tensor_parallel_size}", "schedule",
                 also=("tensor_parallel_size",))
         if not isinstance(self.fsdp_reshard_after_forward, bool):

@@ -22,9 +22,22 @@ or ``Replicate`` DTensors (e.g. a row-wise layer's bias), identical on every ten
   schedule);
 - checkpoints gather whole tensors per stage (``full_values``), written by tensor rank 0 only; a load cuts them again.
 
+Schedules: the tensor ranks of a stage share its pipeline rank, so they run the same action list in the same
+order, and inside one action autograd walks the same graph in the same order on each of them: every DTensor
+collective (the all-reduce of a row-wise output in the forward, of a column-wise layer's input gradient in the
+backward) meets its partners on the other tensor ranks whatever the schedule. That holds for the split backward of
+the zero-bubble schedules (``zb_h1``, ``zbv``, ``dualpipev``, ``custom`` lists with I / W actions) too: torch's I
+action differentiates the stage inputs (graph retained) and runs the input-gradient all-reduces; its W action
+differentiates the parameters from the gradients I saved at the intermediates and needs no collective (a split
+weight's gradient is its local shard's activations times the local output gradient; checked by logging every
+collective of a column-wise / row-wise MLP under ``stage_backward_input`` / ``stage_backward_weight``: all in I,
+none in W). On the first stage, whose inputs need no gradient, W runs the whole backward, collectives included,
+alike on every tensor rank.
+
 Refused (plain-data errors, before any rank waits on another): FSDP and tensor parallelism together, tied parameters
 (a plan would replace one of the tied copies' ``Parameter``), schedules other than
-:data:`~lightning_pipe.config.TENSOR_PARALLEL_SCHEDULES`, the planner (``schedule='auto'``, plan files, measured
+:data:`~lightning_pipe.config.TENSOR_PARALLEL_SCHEDULES` (each with its reason in
+:data:`~lightning_pipe.config.TENSOR_PARALLEL_REFUSED`), the planner (``schedule='auto'``, plan files, measured
 partitions, rebalancing), a module without the hook.
 """
 

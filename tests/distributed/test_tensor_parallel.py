@@ -3,7 +3,8 @@
 One 4-rank launch: each stage's layers split by the module's ``parallelize_layer`` hook (column-wise input
 projection, column-wise / row-wise MLPs; LayerNorms, a row-wise bias and the head replicated), with gradient
 accumulation and global-norm clipping (split gradients summed over the tensor group, replicated ones counted once),
-then a checkpoint (whole tensors gathered per stage) that resumes exactly and loads on one device, then what
+under every schedule of ``TENSOR_PARALLEL_SCHEDULES`` (the split input/weight backward of the zero-bubble family
+included), then a checkpoint (whole tensors gathered per stage) that resumes exactly and loads on one device, then what
 is refused.
 """
 
@@ -23,6 +24,9 @@ from tests.distributed.scenarios.checkpoint import run_reference
 
 pytestmark = [pytest.mark.parity, pytest.mark.distributed]
 
+# a zero-bubble order written out by hand (p = 2, m = 4): every backward split into I and W, W deferred on rank 1
+ZB_BY_HAND = [["0F0", "0F1", "0F2", "0F3", "0I0", "0W0", "0I1", "0W1", "0I2", "0W2", "0I3", "0W3"],
+              ["1F0", "1I0", "1F1", "1I1", "1W0", "1F2", "1I2", "1W1", "1F3", "1I3", "1W2", "1W3"]]
 TRAINING = [
     TrainingCase(model="tp", schedule="1f1b", tp=2, acc=2, clip=0.05, optimizer="adamw"),
     # a second Trainer (predict, validate) on the already split module; a tiny clip: every step is clipped
@@ -31,6 +35,17 @@ TRAINING = [
     # recomputed in the backward (its tensor-parallel all-reduces run again, in the same order on both ranks)
     TrainingCase(model="tp", schedule="interleaved_1f1b", stages_per_rank=2, tp=2, acc=2, clip=0.05,
                  recompute="all", validate=False),
+    # split input/weight backward ([Note: tensor parallel stages]): DTensor's all-reduces run in the I pass (the
+    # input gradient of a column-wise layer), in the same action order on both tensor ranks of a stage. V placement
+    # (rank 0 holds the first and the last stage), with validation and AdamW ...
+    TrainingCase(model="tp", schedule="zbv", stages_per_rank=2, tp=2, acc=2, clip=0.05, optimizer="adamw"),
+    # ... DualPipeV's overlapped F/B actions, the interleaved ZB-H1, a hand-written I/W action list
+    TrainingCase(model="tp", schedule="dualpipev", stages_per_rank=2, tp=2, acc=2, clip=0.05, validate=False),
+    TrainingCase(model="tp", schedule="zb_h1", stages_per_rank=2, tp=2, acc=2, clip=0.05, validate=False),
+    TrainingCase(model="tp", schedule="custom", microbatches=None, tp=2, acc=2, clip=0.05, validate=False,
+                 schedule_options={"actions": ZB_BY_HAND}),
+    # breadth-first over virtual stages (whole backward)
+    TrainingCase(model="tp", schedule="looped_bfs", stages_per_rank=2, tp=2, clip=0.05, validate=False),
 ]
 ERRORS = [
     # no parallelize_layer hook
