@@ -15,12 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from lightning_pipe import checkpoint as ckpt_lib
 from tests.distributed.launcher import launch_runs
-from tests.distributed.parity import assert_case_parity, assert_same, merge_replica
+from tests.distributed.parity import ATOL, assert_case_parity, assert_same, merge_replica
 from tests.distributed.scenarios import CheckpointCase, TrainingCase
 from tests.distributed.scenarios.checkpoint import run_reference
+from tests.distributed.scenarios.training import run_training
+from tests.distributed.test_precision import BF16_TOL
+from tests.distributed.test_seed_schedules import delayed_reference, max_difference
 
 pytestmark = [pytest.mark.parity, pytest.mark.distributed]
 
@@ -47,6 +51,17 @@ TRAINING = [
     # breadth-first over virtual stages (whole backward)
     TrainingCase(model="tp", schedule="looped_bfs", stages_per_rank=2, tp=2, clip=0.05, validate=False),
 ]
+# bf16-mixed (fp32 weights, bf16 compute) against one device in bf16-mixed: not bit-equal, because a row-wise layer
+# all-reduces bf16 partial sums (each tensor rank's half of every dot product rounded to bf16, then their sum rounded
+# again) where one device rounds each whole dot product once. So the parameters get test_precision.py's bf16 bound,
+# 2 bf16 ulps of the largest |parameter| (~1 here): measured 5e-4 after 3 plain SGD steps (no clipping, which would
+# shrink every update and hide the difference), the first logged loss differing by 6e-4 (one device: exact in bf16
+# without tensor parallelism).
+BF16 = [TrainingCase(model="tp", schedule="1f1b", tp=2, precision="bf16-mixed", validate=False)]
+# PipeDream-2BW: each batch's gradient on the weights of one optimizer step earlier (stashed DTensor copies of the
+# split parameters), compared with its one-process reference (test_seed_schedules.py), not with plain training
+VERSIONED = [TrainingCase(model="tp", schedule="pipedream_2bw", tp=2, acc=2, clip=0.05, optimizer="adamw",
+                          validate=False)]
 ERRORS = [
     # no parallelize_layer hook
     (TrainingCase(model="toy", tp=2, steps=1, validate=False, expect_error=True), "parallelize_layer"),
@@ -66,6 +81,7 @@ def pp2_tp2_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     runs: list[tuple[str, Any]] = [("training", case) for case in TRAINING]
     runs += [("training", case) for case, _ in ERRORS]
     runs.append(("ckpt_train", CheckpointCase(tp=2, dir=str(saved), resume_from=str(saved / STEP4))))
+    runs += [("training", case) for case in BF16 + VERSIONED]
     return {"saved": saved, "results": launch_runs(4, runs, root / "out", timeout=300)}
 
 
@@ -106,6 +122,36 @@ def test_checkpoint_pp2_tp2_resumes_and_loads_on_one_device(pp2_tp2_run: dict[st
     case = CheckpointCase(tp=2)
     ref, _, _ = run_reference(case, ckpt_lib.consolidate(saved / STEP4, tmp_path / "one.ckpt"))
     assert_same(ref["params"], uninterrupted, 1e-5, "pp2 x tp2 -> one device")
+
+
+def _after_checkpoint(results: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
+    """Per rank, the results of the runs after the checkpoint case (BF16, then VERSIONED)."""
+    start = len(TRAINING) + len(ERRORS) + 1
+    return [rank[start:] for rank in results]
+
+
+@pytest.mark.timeout(400)
+def test_pipeline2_x_tensor2_bf16_mixed_within_bf16_rounding(pp2_tp2: list[list[dict[str, Any]]]) -> None:
+    results = _after_checkpoint(pp2_tp2)
+    for i, case in enumerate(BF16):
+        ref = run_training(case, pipeline=False)
+        got = merge_replica(results, i)
+        for name, want in ref["params"].items():
+            assert got[name].dtype == want.dtype == torch.float32  # fp32 weights under bf16-mixed
+        assert_same(got, ref["params"], BF16_TOL, f"{case}")
+        for rank in results:
+            torch.testing.assert_close(torch.tensor(rank[i]["losses"]), torch.tensor(ref["losses"]),
+                                       atol=4 * BF16_TOL, rtol=0)
+
+
+@pytest.mark.timeout(400)
+def test_pipedream_2bw_with_tensor_parallel_matches_its_reference(pp2_tp2: list[list[dict[str, Any]]]) -> None:
+    results = _after_checkpoint(pp2_tp2)
+    for i, case in enumerate(VERSIONED, start=len(BF16)):
+        got = merge_replica(results, i)
+        assert_same(got, delayed_reference(case, delay=1), ATOL, f"{case}")
+        # plain training (no delay) is far away: the comparison above can fail
+        assert max_difference(got, delayed_reference(case, delay=0)) > 1e-4
 
 
 @pytest.mark.skipif(os.environ.get("LIGHTNING_PIPE_8_RANKS") != "1",
