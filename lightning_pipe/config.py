@@ -16,12 +16,10 @@ PARTITION_METHODS = ("uniform", "parameters", "time", "memory")
 MEASURED_PARTITIONS = ("time", "memory")
 """Partitions the strategy measures at setup (the planner's profile), then replaces by per-stage layer counts."""
 TENSOR_PARALLEL_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zbv", "dualpipev", "custom",
-                             "pipedream_2bw")
+                             "pipedream_2bw", "pipedream")
 """Schedules verified with tensor-parallel stages (tests/distributed/test_tensor_parallel.py); the split
 input/weight backward among them: [Note: tensor parallel stages] in tensor_parallel.py."""
 TENSOR_PARALLEL_REFUSED = {
-    "pipedream": "its per-micro-batch update clips each stage with torch's clip_grad_norm_, which cannot mix the "
-                 "split (DTensor) and whole gradients of a tensor-parallel stage",
     "chimera": "its second pipeline's P2P groups and the stage-pair gradient sum are built per replica, not per "
                "tensor rank, and sum whole tensors where tensor parallelism holds DTensor parts",
 }

@@ -155,6 +155,12 @@ class PipelinePrecision(Precision):
             return super().clip_grad_by_norm(optimizer, clip_val)
         self.engine.grads.clip_grad_norm_(list(self.main_params(optimizer)), float(clip_val))
 
+    @override
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        if self.engine is None:
+            return super().clip_grad_by_value(optimizer, clip_val)
+        self.engine.grads.clip_grad_value_(list(self.main_params(optimizer)), float(clip_val))
+
     # ------------------------------------------------------------------ state
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from tests.distributed.parity import ATOL, assert_case_parity, assert_same, merg
 from tests.distributed.scenarios import CheckpointCase, TrainingCase
 from tests.distributed.scenarios.checkpoint import run_reference
 from tests.distributed.scenarios.training import run_training
+from tests.distributed.test_pipedream import check as pipedream_check
 from tests.distributed.test_precision import BF16_TOL
 from tests.distributed.test_seed_schedules import delayed_reference, max_difference
 
@@ -48,8 +49,9 @@ TRAINING = [
     TrainingCase(model="tp", schedule="zb_h1", stages_per_rank=2, tp=2, acc=2, clip=0.05, validate=False),
     TrainingCase(model="tp", schedule="custom", microbatches=None, tp=2, acc=2, clip=0.05, validate=False,
                  schedule_options={"actions": ZB_BY_HAND}),
-    # breadth-first over virtual stages (whole backward)
-    TrainingCase(model="tp", schedule="looped_bfs", stages_per_rank=2, tp=2, clip=0.05, validate=False),
+    # breadth-first over virtual stages (whole backward); clipping by value (each rank clamps its parts)
+    TrainingCase(model="tp", schedule="looped_bfs", stages_per_rank=2, tp=2, clip=0.02, clip_algo="value",
+                 validate=False),
 ]
 # bf16-mixed (fp32 weights, bf16 compute) against one device in bf16-mixed: not bit-equal, because a row-wise layer
 # all-reduces bf16 partial sums (each tensor rank's half of every dot product rounded to bf16, then their sum rounded
@@ -62,6 +64,11 @@ BF16 = [TrainingCase(model="tp", schedule="1f1b", tp=2, precision="bf16-mixed", 
 # split parameters), compared with its one-process reference (test_seed_schedules.py), not with plain training
 VERSIONED = [TrainingCase(model="tp", schedule="pipedream_2bw", tp=2, acc=2, clip=0.05, optimizer="adamw",
                           validate=False)]
+# PipeDream: an update per micro-batch inside the schedule, each stage clipped by its own norm (split gradients'
+# parts summed over the tensor group, not torch's clip_grad_norm_, which cannot mix DTensor and plain gradients) or
+# by value; every backward on the stashed DTensor version its forward used
+STASHING = [TrainingCase(model="tp", schedule="pipedream", tp=2, clip=0.05, optimizer="adamw", validate=False),
+            TrainingCase(model="tp", schedule="pipedream", tp=2, clip=0.02, clip_algo="value", validate=False)]
 ERRORS = [
     # no parallelize_layer hook
     (TrainingCase(model="toy", tp=2, steps=1, validate=False, expect_error=True), "parallelize_layer"),
@@ -82,6 +89,7 @@ def pp2_tp2_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     runs += [("training", case) for case, _ in ERRORS]
     runs.append(("ckpt_train", CheckpointCase(tp=2, dir=str(saved), resume_from=str(saved / STEP4))))
     runs += [("training", case) for case in BF16 + VERSIONED]
+    runs += [("pipedream", case) for case in STASHING]
     return {"saved": saved, "results": launch_runs(4, runs, root / "out", timeout=300)}
 
 
@@ -152,6 +160,13 @@ def test_pipedream_2bw_with_tensor_parallel_matches_its_reference(pp2_tp2: list[
         assert_same(got, delayed_reference(case, delay=1), ATOL, f"{case}")
         # plain training (no delay) is far away: the comparison above can fail
         assert max_difference(got, delayed_reference(case, delay=0)) > 1e-4
+
+
+@pytest.mark.timeout(400)
+def test_pipedream_with_tensor_parallel_matches_its_reference(pp2_tp2: list[list[dict[str, Any]]]) -> None:
+    results = _after_checkpoint(pp2_tp2)
+    for i, case in enumerate(STASHING, start=len(BF16) + len(VERSIONED)):
+        pipedream_check(results, i, case)  # versions per micro-batch, parameters (every rank, whole), controls
 
 
 @pytest.mark.skipif(os.environ.get("LIGHTNING_PIPE_8_RANKS") != "1",
