@@ -16,14 +16,11 @@ PARTITION_METHODS = ("uniform", "parameters", "time", "memory")
 MEASURED_PARTITIONS = ("time", "memory")
 """Partitions the strategy measures at setup (the planner's profile), then replaces by per-stage layer counts."""
 TENSOR_PARALLEL_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zbv", "dualpipev", "custom",
-                             "pipedream_2bw", "pipedream")
-"""Schedules verified with tensor-parallel stages (tests/distributed/test_tensor_parallel.py); the split
-input/weight backward among them: [Note: tensor parallel stages] in tensor_parallel.py."""
-TENSOR_PARALLEL_REFUSED = {
-    "chimera": "its second pipeline's P2P groups and the stage-pair gradient sum are built per replica, not per "
-               "tensor rank, and sum whole tensors where tensor parallelism holds DTensor parts",
-}
-"""Why a schedule cannot run tensor-parallel stages yet (the config error says it)."""
+                             "pipedream_2bw", "pipedream", "chimera")
+"""Schedules verified with tensor-parallel stages (tests/distributed/test_tensor_parallel.py): every built-in one
+(``schedule='auto'`` is the planner's, refused under tensor parallelism by the strategy); a schedule registered by an
+extension is refused until it is added here. Why they all hold: [Note: tensor parallel stages] in
+tensor_parallel.py."""
 
 
 class PipelineConfigError(ValueError):
@@ -162,10 +159,9 @@ class PipelineConfig:
                                f"tensor_parallel_size={self.tensor_parallel_size}, fsdp_size={self.fsdp_size}",
                                "tensor_parallel_size", "set one of them to 1", also=("fsdp_size",))
         if self.tensor_parallel_size > 1 and self.schedule not in TENSOR_PARALLEL_SCHEDULES:
-            why = TENSOR_PARALLEL_REFUSED.get(self.schedule, "it is not verified with DTensor layers")
             raise config_error(
-                f"Tensor parallelism runs with the schedules {list(TENSOR_PARALLEL_SCHEDULES)}; not with "
-                f"'{self.schedule}': {why}.",
+                f"Tensor parallelism runs with the schedules {list(TENSOR_PARALLEL_SCHEDULES)}; '{self.schedule}' "
+                "is not verified with DTensor layers (lightning_pipe.config.TENSOR_PARALLEL_SCHEDULES).",
                 f"schedule={self.schedule!r}, tensor_parallel_size={self.tensor_parallel_size}", "schedule",
                 also=("tensor_parallel_size",))
         if not isinstance(self.fsdp_reshard_after_forward, bool):

@@ -17,6 +17,8 @@ or ``Replicate`` DTensors (e.g. a row-wise layer's bias), identical on every ten
 
 - the global gradient norm counts a sharded gradient's local part on every tensor rank (summed over the tensor
   group) and a replicated one once (on tensor rank 0): :meth:`lightning_pipe.grads.GradientSync.clip_grad_norm_`;
+  clipping by value clamps each rank's parts (:meth:`~lightning_pipe.grads.GradientSync.clip_grad_value_`): torch's
+  own clipping functions refuse a list that mixes DTensor and plain gradients;
 - replicas average each tensor rank's local parts with the same tensor rank of the other replicas (the
   data-parallel group is per tensor rank); the overlapped data-parallel sync is off (one all-reduce after the
   schedule);
@@ -34,11 +36,21 @@ collective of a column-wise / row-wise MLP under ``stage_backward_input`` / ``st
 none in W). On the first stage, whose inputs need no gradient, W runs the whole backward, collectives included,
 alike on every tensor rank.
 
+The weight-version schedules run the stage on stashed copies of its parameters (``torch.func.functional_call``):
+a stashed copy of a split parameter is a DTensor with the same placements, and the styles' hooks still turn the
+layer's inputs and outputs into whole tensors, so the same collectives run in the same order. PipeDream's per-stage
+clipping inside the schedule takes this stage's norm only (``clip_grad_norm_(over_pipeline=False)``); Chimera builds
+its up pipeline and stage-pair groups per (replica, tensor rank), and sums / broadcasts each rank's parts with the
+same tensor rank of the other copy.
+
+``bf16-mixed`` runs (fp32 weights, bf16 autocast) but is not bit-equal to one device in ``bf16-mixed``: a row-wise
+layer all-reduces bf16 partial sums (each rank's share of every dot product rounded to bf16, then the sum rounded
+again) where one device rounds each whole dot product once (tested within 2 bf16 ulps, measured 5e-4).
+
 Refused (plain-data errors, before any rank waits on another): FSDP and tensor parallelism together, tied parameters
-(a plan would replace one of the tied copies' ``Parameter``), schedules other than
-:data:`~lightning_pipe.config.TENSOR_PARALLEL_SCHEDULES` (each with its reason in
-:data:`~lightning_pipe.config.TENSOR_PARALLEL_REFUSED`), the planner (``schedule='auto'``, plan files, measured
-partitions, rebalancing), a module without the hook.
+(a plan would replace one of the tied copies' ``Parameter``), a schedule registered by an extension (not in
+:data:`~lightning_pipe.config.TENSOR_PARALLEL_SCHEDULES`, which holds every built-in one), the planner
+(``schedule='auto'``, plan files, measured partitions, rebalancing), a module without the hook.
 """
 
 from __future__ import annotations

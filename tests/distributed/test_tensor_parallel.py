@@ -23,6 +23,7 @@ from tests.distributed.parity import ATOL, assert_case_parity, assert_same, merg
 from tests.distributed.scenarios import CheckpointCase, TrainingCase
 from tests.distributed.scenarios.checkpoint import run_reference
 from tests.distributed.scenarios.training import run_training
+from tests.distributed.test_chimera import check as chimera_check
 from tests.distributed.test_pipedream import check as pipedream_check
 from tests.distributed.test_precision import BF16_TOL
 from tests.distributed.test_seed_schedules import delayed_reference, max_difference
@@ -69,6 +70,11 @@ VERSIONED = [TrainingCase(model="tp", schedule="pipedream_2bw", tp=2, acc=2, cli
 # by value; every backward on the stashed DTensor version its forward used
 STASHING = [TrainingCase(model="tp", schedule="pipedream", tp=2, clip=0.05, optimizer="adamw", validate=False),
             TrainingCase(model="tp", schedule="pipedream", tp=2, clip=0.02, clip_algo="value", validate=False)]
+# Chimera, pipeline 2: every rank holds both stages (one of each pipeline); each tensor rank has its own up pipeline
+# and stage-pair group, and sums its parts with the same tensor rank of the other copy. (Its hook sees both copies'
+# gradients: no gradient-norm check, as in test_chimera.py.)
+CHIMERA = [TrainingCase(model="tp", schedule="chimera", tp=2, acc=2, clip=0.05, optimizer="adamw",
+                        check_grad_norms=False)]
 ERRORS = [
     # no parallelize_layer hook
     (TrainingCase(model="toy", tp=2, steps=1, validate=False, expect_error=True), "parallelize_layer"),
@@ -90,7 +96,8 @@ def pp2_tp2_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     runs.append(("ckpt_train", CheckpointCase(tp=2, dir=str(saved), resume_from=str(saved / STEP4))))
     runs += [("training", case) for case in BF16 + VERSIONED]
     runs += [("pipedream", case) for case in STASHING]
-    return {"saved": saved, "results": launch_runs(4, runs, root / "out", timeout=300)}
+    runs += [("training", case) for case in CHIMERA]
+    return {"saved": saved, "results": launch_runs(4, runs, root / "out", timeout=360)}
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +106,7 @@ def pp2_tp2(pp2_tp2_run: dict[str, Any]) -> list[list[dict[str, Any]]]:
     return results
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(420)
 def test_pipeline2_x_tensor2_matches_single_device(pp2_tp2: list[list[dict[str, Any]]]) -> None:
     for i, case in enumerate(TRAINING):
         for rank, res in enumerate(pp2_tp2):
@@ -109,7 +116,7 @@ def test_pipeline2_x_tensor2_matches_single_device(pp2_tp2: list[list[dict[str, 
         assert_case_parity(pp2_tp2, i, case)
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(420)
 def test_tensor_parallel_refuses_what_it_cannot_do(pp2_tp2: list[list[dict[str, Any]]]) -> None:
     for i, (_, needle) in enumerate(ERRORS, start=len(TRAINING)):
         for res in pp2_tp2:
@@ -117,7 +124,7 @@ def test_tensor_parallel_refuses_what_it_cannot_do(pp2_tp2: list[list[dict[str, 
             assert "tensor_parallel_size" in res[i]["error"]
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(420)
 def test_checkpoint_pp2_tp2_resumes_and_loads_on_one_device(pp2_tp2_run: dict[str, Any], tmp_path: Path) -> None:
     res, saved = pp2_tp2_run["results"], pp2_tp2_run["saved"]
     i = len(TRAINING) + len(ERRORS)
@@ -133,12 +140,12 @@ def test_checkpoint_pp2_tp2_resumes_and_loads_on_one_device(pp2_tp2_run: dict[st
 
 
 def _after_checkpoint(results: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
-    """Per rank, the results of the runs after the checkpoint case (BF16, then VERSIONED)."""
+    """Per rank, the results of the runs after the checkpoint case (BF16, VERSIONED, STASHING, CHIMERA)."""
     start = len(TRAINING) + len(ERRORS) + 1
     return [rank[start:] for rank in results]
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(420)
 def test_pipeline2_x_tensor2_bf16_mixed_within_bf16_rounding(pp2_tp2: list[list[dict[str, Any]]]) -> None:
     results = _after_checkpoint(pp2_tp2)
     for i, case in enumerate(BF16):
@@ -152,7 +159,7 @@ def test_pipeline2_x_tensor2_bf16_mixed_within_bf16_rounding(pp2_tp2: list[list[
                                        atol=4 * BF16_TOL, rtol=0)
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(420)
 def test_pipedream_2bw_with_tensor_parallel_matches_its_reference(pp2_tp2: list[list[dict[str, Any]]]) -> None:
     results = _after_checkpoint(pp2_tp2)
     for i, case in enumerate(VERSIONED, start=len(BF16)):
@@ -162,11 +169,18 @@ def test_pipedream_2bw_with_tensor_parallel_matches_its_reference(pp2_tp2: list[
         assert max_difference(got, delayed_reference(case, delay=0)) > 1e-4
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(420)
 def test_pipedream_with_tensor_parallel_matches_its_reference(pp2_tp2: list[list[dict[str, Any]]]) -> None:
     results = _after_checkpoint(pp2_tp2)
     for i, case in enumerate(STASHING, start=len(BF16) + len(VERSIONED)):
         pipedream_check(results, i, case)  # versions per micro-batch, parameters (every rank, whole), controls
+
+
+@pytest.mark.timeout(420)
+def test_chimera_with_tensor_parallel_matches_single_device(pp2_tp2: list[list[dict[str, Any]]]) -> None:
+    start = len(BF16) + len(VERSIONED) + len(STASHING)
+    # parity with one device (validation included), and both copies of each stage bit-identical
+    chimera_check([rank[start:] for rank in _after_checkpoint(pp2_tp2)], CHIMERA)
 
 
 @pytest.mark.skipif(os.environ.get("LIGHTNING_PIPE_8_RANKS") != "1",
