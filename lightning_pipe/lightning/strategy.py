@@ -228,7 +228,9 @@ class PipelineStrategy(ParallelStrategy):
         assert module is not None
         check_module(module)
         if self.pipeline_config.tensor_parallel_size > 1 and self.precision_plugin.precision == "16-mixed":
-            raise config_error("fp16 loss scaling is not verified with tensor-parallel (DTensor) gradients yet.",
+            raise config_error("fp16 loss scaling does not run with tensor-parallel stages yet: torch's grad scaler "
+                               "unscales and checks for inf with one foreach call, which refuses a list that mixes "
+                               "split (DTensor) and whole gradients, as a tensor-parallel stage holds.",
                                f"precision='16-mixed', tensor_parallel_size={self.pipeline_config.tensor_parallel_size}",
                                "precision", "use 'bf16-mixed' or '32-true'", also=("tensor_parallel_size",))
         if self._auto and self.auto_plan is None:

@@ -81,6 +81,9 @@ ERRORS = [
     # tied weights would be silently untied by a plan
     (TrainingCase(model="toy", tied=True, tp=2, steps=1, validate=False, check_grad_norms=False,
                   expect_error=True), "tied parameters"),
+    # fp16 loss scaling: torch's unscale refuses a mix of DTensor and plain gradients
+    (TrainingCase(model="tp", tp=2, precision="16-mixed", steps=1, validate=False, expect_error=True),
+     "grad scaler"),
 ]
 
 
