@@ -45,7 +45,10 @@ same tensor rank of the other copy.
 
 ``bf16-mixed`` runs (fp32 weights, bf16 autocast) but is not bit-equal to one device in ``bf16-mixed``: a row-wise
 layer all-reduces bf16 partial sums (each rank's share of every dot product rounded to bf16, then the sum rounded
-again) where one device rounds each whole dot product once (tested within 2 bf16 ulps, measured 5e-4).
+again) where one device rounds each whole dot product once (tested within 2 bf16 ulps, measured 5e-4). ``16-mixed``
+likewise (2 fp16 ulps); its scaler unscales and checks each rank's parts (torch's one foreach call per dtype refuses
+a mix of DTensor and plain gradients: ``LocalPartsGradScaler`` in lightning/precision.py), and the found-inf flag is
+all-reduced over the world, so an overflow in one tensor rank's part skips the step everywhere (tested).
 
 Refused (plain-data errors, before any rank waits on another): FSDP and tensor parallelism together, tied parameters
 (a plan would replace one of the tied copies' ``Parameter``), a schedule registered by an extension (not in
