@@ -32,6 +32,7 @@ from lightning_pipe._compat import torch as _compat
 from lightning_pipe.batches import LossParts
 from lightning_pipe.config import config_error
 from lightning_pipe.engine import PipelineEngine, PipelineModel
+from lightning_pipe.fsdp import local as local_part
 from lightning_pipe.grads import GradientSync, ProcessGroups, all_reduce_coalesced
 from lightning_pipe.schedules import SchedulePlan, compute_order
 from lightning_pipe.schedules.chimera_runtime import ChimeraRuntime
@@ -54,7 +55,8 @@ class ChimeraGradientSync(GradientSync):
     def sync(self, replicas: bool = True) -> None:
         if self.pair is not None:
             tied = {id(param) for param, _ in self.ties}
-            grads = [p.grad for p in self.params if p.grad is not None and id(p) not in tied]
+            # (tensor parallel: each rank's part, summed with the same part of the other copy)
+            grads = [local_part(p.grad) for p in self.params if p.grad is not None and id(p) not in tied]
             if grads:
                 all_reduce_coalesced(grads, self.pair, average=False)
         super().sync(replicas)
@@ -64,16 +66,17 @@ class ChimeraGradientSync(GradientSync):
         return super().norm_excluded() | (self.up_only - tied)
 
     def broadcast_initial_state(self, tensors: Any) -> None:
-        """Replicas from data-parallel rank 0, then each stage's up copy from its down copy, then tied copies."""
+        """Replicas from data-parallel rank 0, then each stage's up copy from its down copy, then tied copies
+        (tensor parallel: each rank's part, from the same tensor rank)."""
         if self.groups.dp is not None:
             for t in tensors:
-                dist.broadcast(t.data, group=self.groups.dp, group_src=0)
+                dist.broadcast(local_part(t.data), group=self.groups.dp, group_src=0)
         if self.pair is not None:
             for stage_tensors, src in self.pair_stages:
                 for t in stage_tensors:
-                    dist.broadcast(t.data, group=self.pair, group_src=src)
+                    dist.broadcast(local_part(t.data), group=self.pair, group_src=src)
         for param, tie_group in self.ties:
-            dist.broadcast(param.data, group=tie_group.group, group_src=0)
+            dist.broadcast(local_part(param.data), group=tie_group.group, group_src=0)
 
 
 class ChimeraEngine(PipelineEngine):
@@ -118,15 +121,18 @@ class ChimeraEngine(PipelineEngine):
     def _build_runtime(self, stage_modules: list[StageModule], local_stage_ids: list[int]) -> tuple[list[Any], Any]:
         """[Note: Chimera's process groups]; collective (every rank creates every group, in the same order)."""
         topo, p = self.groups.topology, self.plan.pipeline_size
+        # one up pipeline and one group per stage pair for each (replica, tensor rank), as the down pipelines
+        # ([Note: rank order]): a tensor rank talks to the same tensor rank of the other stages and copies
         for dp_rank in range(topo.data_parallel_size):
-            ranks = topo.pp_group_ranks(dp_rank)
-            up_group = dist.new_group(ranks)
-            if dp_rank == topo.dp_rank:
-                self.up_group = up_group
-            for i in range(p // 2):
-                pair = dist.new_group([ranks[i], ranks[p - 1 - i]])
-                if topo.global_rank in (ranks[i], ranks[p - 1 - i]):
-                    self.pair_group = pair
+            for t in range(topo.tensor_parallel_size):
+                ranks = topo.pp_group_ranks(dp_rank, t)
+                up_group = dist.new_group(ranks)
+                if dp_rank == topo.dp_rank and t == topo.tp_rank:
+                    self.up_group = up_group
+                for i in range(p // 2):
+                    pair = dist.new_group([ranks[i], ranks[p - 1 - i]])
+                    if topo.global_rank in (ranks[i], ranks[p - 1 - i]):
+                        self.pair_group = pair
         r = topo.pp_rank
         by_id = dict(zip(local_stage_ids, stage_modules))
         down = _compat.GuardedPipelineStage(by_id[r], r, p, self.device, group=self.groups.pp,

@@ -147,9 +147,12 @@ class GradientSync:
         for param, tie_group in self.ties:  # (sharded copies: the same shard of each)
             dist.broadcast(local_part(param.data), group=tie_group.group, group_src=0)
 
-    def clip_grad_norm_(self, parameters: Sequence[nn.Parameter], max_norm: float, norm_type: float = 2.0) -> Tensor:
+    def clip_grad_norm_(self, parameters: Sequence[nn.Parameter], max_norm: float, norm_type: float = 2.0,
+                        over_pipeline: bool = True) -> Tensor:
         """``torch.nn.utils.clip_grad_norm_`` with the norm taken over every stage of the pipeline and every part
-        of a sharded or split gradient, each element once ([Note: counting sharded gradients])."""
+        of a sharded or split gradient, each element once ([Note: counting sharded gradients]);
+        ``over_pipeline=False``: over this rank's stages only, their shards and tensor ranks included (PipeDream's
+        per-stage clipping, where the stages update at different times)."""
         excluded = self.norm_excluded()
         grads = [local_part(p.grad) for p in parameters if p.grad is not None]
         # Each element once: [Note: counting sharded gradients]
@@ -159,7 +162,7 @@ class GradientSync:
                    if p.grad is not None and id(p) not in excluded and counts_here(p.grad, coords)]
         tensor = self.groups.tensor
         norm_type = float(norm_type)
-        pp, many = self.groups.pp, self.groups.topology.pipeline_size > 1
+        pp, many = self.groups.pp, over_pipeline and self.groups.topology.pipeline_size > 1
         zero = torch.zeros((), device=self.device)
         if norm_type == math.inf:
             maxima = [g.detach().abs().max().float() for g in counted if g.numel()]  # (a shard may be empty)
@@ -183,6 +186,15 @@ class GradientSync:
         for g in grads:
             g.mul_(coef.to(g.dtype))
         return total
+
+    @staticmethod
+    def clip_grad_value_(parameters: Sequence[nn.Parameter], clip_value: float) -> None:
+        """``torch.nn.utils.clip_grad_value_`` on each rank's local parts: the clamp is elementwise, so clamping a
+        split gradient's parts clamps it whole; torch's foreach clamp refuses a list that mixes DTensor and plain
+        gradients, which is what a tensor-parallel stage holds ([Note: tensor parallel stages])."""
+        for p in parameters:
+            if p.grad is not None:
+                local_part(p.grad).clamp_(-clip_value, clip_value)
 
 
 def all_reduce_coalesced(tensors: list[Tensor], group: Any, average: bool, bucket_bytes: int = 64 * 2**20) -> None:

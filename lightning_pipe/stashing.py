@@ -53,6 +53,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_pipe._compat import torch as _compat
+from lightning_pipe.fsdp import local
 from lightning_pipe.versioned import parameter_slots
 
 
@@ -160,15 +161,20 @@ class MicrobatchUpdate:
     it waits for them, averages over data-parallel replicas (``dp_group``), clips this stage's own gradients with
     ``clip = (value, "norm" | "value")`` (a global norm over stages is undefined here: the stages update at
     different times, on different micro-batches), steps the optimizer and zeroes the gradients (``None``).
+    With tensor-parallel stages ``tensor_grads`` (the engine's ``GradientSync``) clips instead of torch, whose
+    clipping cannot mix DTensor and plain gradients: the stage norm sums the split gradients' parts over the tensor
+    group and counts each replicated one once ([Note: tensor parallel stages]).
     """
 
     def __init__(self, optimizer: Any, params: Sequence[nn.Parameter], dp_group: Any = None,
-                 ties: Sequence[tuple[nn.Parameter, Any]] = (), clip: tuple[float, str] | None = None) -> None:
+                 ties: Sequence[tuple[nn.Parameter, Any]] = (), clip: tuple[float, str] | None = None,
+                 tensor_grads: Any = None) -> None:
         self.optimizer = optimizer
         self.params = list(params)
         self.dp_group = dp_group
         self.ties = list(ties)
         self.clip = clip
+        self.tensor_grads = tensor_grads
         self._works: list[Any] = []
 
     def start(self) -> None:
@@ -184,7 +190,11 @@ class MicrobatchUpdate:
             _mean_over(grads, self.dp_group)
         if self.clip is not None:
             value, algorithm = self.clip
-            if algorithm == "value":
+            if self.tensor_grads is not None and algorithm == "value":
+                self.tensor_grads.clip_grad_value_(self.params, value)
+            elif self.tensor_grads is not None:  # this stage's norm only: the others update at other times
+                self.tensor_grads.clip_grad_norm_(self.params, value, over_pipeline=False)
+            elif algorithm == "value":
                 torch.nn.utils.clip_grad_value_(self.params, value)
             else:
                 torch.nn.utils.clip_grad_norm_(self.params, value)
@@ -197,7 +207,7 @@ def _mean_over(tensors: list[Tensor], group: Any) -> None:
     without buckets; importing grads here would close an import cycle through the schedule registry)."""
     world = dist.get_world_size(group)
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
-    for t in tensors:
+    for t in map(local, tensors):  # tensor parallel: each rank's part, with the same part of the other replicas
         by_dtype.setdefault(t.dtype, []).append(t)
     for same in by_dtype.values():
         flat = torch.cat([t.reshape(-1) for t in same])

@@ -17,6 +17,8 @@ or ``Replicate`` DTensors (e.g. a row-wise layer's bias), identical on every ten
 
 - the global gradient norm counts a sharded gradient's local part on every tensor rank (summed over the tensor
   group) and a replicated one once (on tensor rank 0): [Note: counting sharded gradients] in grads.py;
+  clipping by value clamps each rank's parts (:meth:`~lightning_pipe.grads.GradientSync.clip_grad_value_`): torch's
+  own clipping functions refuse a list that mixes DTensor and plain gradients;
 - replicas average each tensor rank's local parts with the same tensor rank of the other replicas (the
   data-parallel group is per tensor rank); the overlapped data-parallel sync is off (one all-reduce after the
   schedule);
@@ -43,9 +45,35 @@ some ranks is reported to all of them by the same gather (:func:`agree_after_spl
 A fused projection (q|k|v in one ``Linear``, as GPT-2's ``c_attn``) is split with :class:`FusedColwiseParallel`: each
 rank holds its part of *each* block (its heads of q, of k and of v), so the layer computes whole heads locally.
 
-Refused (plain-data errors, before any rank waits on another): schedules other than
-:data:`~lightning_pipe.config.TENSOR_PARALLEL_SCHEDULES`, the planner (``schedule='auto'``, plan files, measured
-partitions, rebalancing), a module without the hook.
+Schedules: the tensor ranks of a stage share its pipeline rank, so they run the same action list in the same
+order, and inside one action autograd walks the same graph in the same order on each of them: every DTensor
+collective (the all-reduce of a row-wise output in the forward, of a column-wise layer's input gradient in the
+backward) meets its partners on the other tensor ranks whatever the schedule. That holds for the split backward of
+the zero-bubble schedules (``zb_h1``, ``zbv``, ``dualpipev``, ``custom`` lists with I / W actions) too: torch's I
+action differentiates the stage inputs (graph retained) and runs the input-gradient all-reduces; its W action
+differentiates the parameters from the gradients I saved at the intermediates and needs no collective (a split
+weight's gradient is its local shard's activations times the local output gradient; checked by logging every
+collective of a column-wise / row-wise MLP under ``stage_backward_input`` / ``stage_backward_weight``: all in I,
+none in W). On the first stage, whose inputs need no gradient, W runs the whole backward, collectives included,
+alike on every tensor rank.
+
+The weight-version schedules run the stage on stashed copies of its parameters (``torch.func.functional_call``):
+a stashed copy of a split parameter is a DTensor with the same placements, and the styles' hooks still turn the
+layer's inputs and outputs into whole tensors, so the same collectives run in the same order. PipeDream's per-stage
+clipping inside the schedule takes this stage's norm only (``clip_grad_norm_(over_pipeline=False)``); Chimera builds
+its up pipeline and stage-pair groups per (replica, tensor rank), and sums / broadcasts each rank's parts with the
+same tensor rank of the other copy.
+
+``bf16-mixed`` runs (fp32 weights, bf16 autocast) but is not bit-equal to one device in ``bf16-mixed``: a row-wise
+layer all-reduces bf16 partial sums (each rank's share of every dot product rounded to bf16, then the sum rounded
+again) where one device rounds each whole dot product once (tested within 2 bf16 ulps, measured 5e-4). ``16-mixed``
+likewise (2 fp16 ulps); its scaler unscales and checks each rank's parts (torch's one foreach call per dtype refuses
+a mix of DTensor and plain gradients: ``LocalPartsGradScaler`` in lightning/precision.py), and the found-inf flag is
+all-reduced over the world, so an overflow in one tensor rank's part skips the step everywhere (tested).
+
+Refused (plain-data errors, before any rank waits on another): a schedule registered by an extension (not in
+:data:`~lightning_pipe.config.TENSOR_PARALLEL_SCHEDULES`, which holds every built-in one), the planner
+(``schedule='auto'``, plan files, measured partitions, rebalancing), a module without the hook.
 """
 
 from __future__ import annotations

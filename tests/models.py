@@ -73,9 +73,11 @@ class ToyRegressor(PipelineModule):
         self.calls["on_after_backward"] += 1
         if self.inf_grad_at_step is not None and self.trainer.global_step == self.inf_grad_at_step:
             layer = self.layers[len(self.layers) - 2]  # on the last stage only, under the pipeline
-            if not isinstance(layer, RemoteLayer) and layer.fc.weight.grad is not None:
-                grad = layer.fc.weight.grad
-                # FSDP: write into this rank's shard (item assignment on a sharded DTensor changes nothing)
+            fc = getattr(layer, "fc", None) or getattr(layer, "fc2", None)  # Block, or MLPBlock (tensor parallel)
+            if not isinstance(layer, RemoteLayer) and fc is not None and fc.weight.grad is not None:
+                grad = fc.weight.grad
+                # FSDP / tensor parallel: write into this rank's part (item assignment on a sharded DTensor changes
+                # nothing); with a row-wise split only tensor rank 0's part overflows: every rank must still skip
                 local = grad.to_local() if isinstance(grad, DTensor) else grad
                 if local.numel():
                     local.view(-1)[0] = float("inf")

@@ -89,9 +89,15 @@ def strided_shard(dim: int, blocks: int) -> Any:
     return _StridedShard(dim, split_factor=blocks)
 
 
+# fp16 under tensor parallelism overrides how the world-agreeing scaler unscales (lightning/precision.py).
+_sharded_scaler = _module("torch.distributed.fsdp.sharded_grad_scaler")
+ShardedGradScaler = _resolve(_sharded_scaler, "ShardedGradScaler", _sharded_scaler.__name__)
+_resolve(ShardedGradScaler, "_unscale_grads_", "ShardedGradScaler")
+
 # Everything above that tests/unit/test_compat.py checks by name.
 PRIVATE_TORCH_API = {
     "_StridedShard": _StridedShard,
+    "ShardedGradScaler._unscale_grads_": ShardedGradScaler._unscale_grads_,
     "stage_backward_input": stage_backward_input,
     "stage_backward_weight": stage_backward_weight,
     "_PipelineScheduleRuntime": PipelineScheduleRuntime,

@@ -10,13 +10,16 @@ the engine scales each micro-batch loss inside the schedule's loss function (las
 then flow through every stage. All ranks hold one ``ShardedGradScaler`` whose inf/NaN check is all-reduced over the
 whole world (pipeline and data-parallel), so every rank skips the same optimizer step and moves its scale
 identically. Ranks other than the last never call ``scale()`` on a loss, and a scaler that never scaled refuses
-``unscale_``: every rank initialises its scale up front.
+``unscale_``: every rank initialises its scale up front. Its unscale and inf check run on each rank's local
+parts of the gradients (:class:`LocalPartsGradScaler`), so tensor-parallel stages, which mix DTensor and plain
+gradients, take part too.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Generator
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -30,7 +33,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_pipe._compat.lightning import DtypeContextManager, convert_fp_tensor
+from lightning_pipe._compat.torch import ShardedGradScaler
 from lightning_pipe.config import config_error
+from lightning_pipe.fsdp import local
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_pipe.engine import PipelineEngine
@@ -39,6 +44,25 @@ PrecisionName = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-tr
 SUPPORTED_PRECISION: tuple[str, ...] = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 _HALF = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "bf16-true": torch.bfloat16,
          "16-true": torch.float16}
+
+
+class LocalPartsGradScaler(ShardedGradScaler):
+    """The world-agreeing fp16 scaler, unscaling each rank's local parts of its gradients.
+
+    A tensor-parallel stage holds split (DTensor) and whole gradients side by side, and torch unscales with one
+    ``_amp_foreach_non_finite_check_and_unscale_`` per device and dtype, which refuses such a mix. Unscaling and the
+    inf check are elementwise, so each rank doing its parts (in place: a DTensor's local part shares its storage)
+    and the all-reduce of the found-inf flag over the world (``ShardedGradScaler.unscale_``) give every rank the
+    same verdict as on whole gradients. Without DTensors the parts are the gradients themselves.
+    """
+
+    def _unscale_grads_(self, optimizer: Any, inv_scale: Tensor, found_inf: Tensor,
+                        allow_fp16: bool = True) -> dict[torch.device, Tensor]:
+        # torch reads only ``param_groups[i]["params"][j].grad``: hand it stand-ins holding the local parts
+        parts = SimpleNamespace(param_groups=[
+            {"params": [SimpleNamespace(grad=local(p.grad)) for p in group["params"] if p.grad is not None]}
+            for group in optimizer.param_groups])
+        return super()._unscale_grads_(parts, inv_scale, found_inf, allow_fp16)
 
 
 class PipelinePrecision(Precision):
@@ -117,11 +141,9 @@ class PipelinePrecision(Precision):
         self.engine = engine
         self.device = device.type
         if self.precision == "16-mixed" and self.scaler is None:
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-            self.scaler = ShardedGradScaler(device=device.type, init_scale=self._init_scale,
-                                            growth_interval=self._growth_interval,
-                                            process_group=dist.group.WORLD if dist.is_initialized() else None)
+            self.scaler = LocalPartsGradScaler(device=device.type, init_scale=self._init_scale,
+                                               growth_interval=self._growth_interval,
+                                               process_group=dist.group.WORLD if dist.is_initialized() else None)
         if self.scaler is not None:
             self.scaler.scale(torch.ones((), device=device))  # every rank initialises its scale
             engine.loss_scaler = self.scaler.scale
@@ -154,6 +176,12 @@ class PipelinePrecision(Precision):
         if self.engine is None:  # not set up / one process: torch's clipping is global already
             return super().clip_grad_by_norm(optimizer, clip_val)
         self.engine.grads.clip_grad_norm_(list(self.main_params(optimizer)), float(clip_val))
+
+    @override
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        if self.engine is None:
+            return super().clip_grad_by_value(optimizer, clip_val)
+        self.engine.grads.clip_grad_value_(list(self.main_params(optimizer)), float(clip_val))
 
     # ------------------------------------------------------------------ state
     @override

@@ -72,7 +72,7 @@ def attach_microbatch_updates(strategy: Any, trainer: Trainer) -> None:
                 "Trainer(gradient_clip_val=None), Hydra trainer.gradient_clip_val=null", also=("schedule",))
     ties = [(param, tie_group.group) for param, tie_group in engine.grads.ties]
     engine.set_microbatch_update(MicrobatchUpdate(strategy.optimizers[0], engine.parameters, engine.groups.dp, ties,
-                                                  clip))
+                                                  clip, engine.grads if engine.groups.tensor is not None else None))
 
 
 def _stage_of(ranges: Any, layer: int) -> int:

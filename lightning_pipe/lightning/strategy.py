@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from lightning_pipe._compat import lightning as _compat
 from lightning_pipe.checkpoint import remove as remove_checkpoint_files
-from lightning_pipe.config import MEASURED_PARTITIONS, PartitionSpec, Topology, config_error
+from lightning_pipe.config import MEASURED_PARTITIONS, PartitionSpec, Topology
 from lightning_pipe.engine import PipelineEngine
 from lightning_pipe.fsdp import ShardingOptions
 from lightning_pipe.layout import PipelineLayout, build_engine
@@ -227,10 +227,6 @@ class PipelineStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         check_module(module)
-        if self.pipeline_config.tensor_parallel_size > 1 and self.precision_plugin.precision == "16-mixed":
-            raise config_error("fp16 loss scaling is not verified with tensor-parallel (DTensor) gradients yet.",
-                               f"precision='16-mixed', tensor_parallel_size={self.pipeline_config.tensor_parallel_size}",
-                               "precision", "use 'bf16-mixed' or '32-true'", also=("tensor_parallel_size",))
         if self._auto and self.auto_plan is None:
             self.auto_plan, self.pipeline_config = plan_automatically(
                 trainer, module, self.pipeline_config, self._memory_budget, self.world_size, self.root_device)

@@ -4,7 +4,7 @@ The reference is plain torch on the whole model cut into the same stage chunks, 
 each micro-batch j of batch b it runs every stage's layers (``functional_call``) on that stage's weight version
 ``b * m + max(0, j - min(m, p - s) + 1)`` ([Note: PipeDream version formula] in lightning_pipe/stashing.py), takes the
 gradient of micro-batch j's mean loss (averaged over replicas; tied uses summed), clips each stage's gradients by
-that stage's own norm, and steps the model's own optimizer once; its scheduler steps once per batch. The ranks
+that stage's own norm (or by value), and steps the model's own optimizer once; its scheduler steps once per batch. The ranks
 record which version each of their forwards used: it must equal the formula. Control: the same loop without
 staleness (every micro-batch on the latest weights) and synchronous mini-batch training must both be far away.
 """
@@ -68,7 +68,10 @@ def pipedream_reference(case: TrainingCase, p: int = P, stale: bool = True) -> d
                 q.grad = grads.get(id(q))
             if case.clip is not None:
                 for params in stage_params:
-                    torch.nn.utils.clip_grad_norm_(params, case.clip)
+                    if case.clip_algo == "value":
+                        torch.nn.utils.clip_grad_value_(params, case.clip)
+                    else:
+                        torch.nn.utils.clip_grad_norm_(params, case.clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             history.append({id(q): q.detach().clone() for q in model.parameters()})

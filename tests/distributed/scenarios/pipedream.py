@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from tests.distributed.scenarios.training import DATA, MODELS, LossRecorder, TrainingCase, _trainer
+from tests.distributed.scenarios.training import DATA, MODELS, LossRecorder, TrainingCase, _trainer, full_tensor
 from tests.models import loader, regression_data
 
 
@@ -37,7 +37,7 @@ def run_pipedream(case: TrainingCase) -> dict[str, Any]:
     trainer = _trainer(case, True, recorder)
     trainer.fit(model, loader(data, case.batch), loader(data, case.batch) if case.validate else None)
     out: dict[str, Any] = {
-        "params": {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)},
+        "params": {n: full_tensor(p) for n, p in model.named_parameters(remove_duplicate=False)},
         "losses": recorder.losses, "versions": recorder.versions, "lrs": recorder.lrs,
         "max_stashes": recorder.max_stashes, "global_step": trainer.global_step, "pp_rank": recorder.pp_rank,
         "calls": dict(getattr(model, "calls", {}))}

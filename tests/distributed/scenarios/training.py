@@ -62,6 +62,7 @@ class TrainingCase:
     clip: float | None = None
     clip_algo: str = "norm"
     precision: str = "32-true"
+    fp16_init_scale: float = 2.0**16  # 16-mixed: the loss scale both sides start from
     monitor_dir: str | None = None  # ModelCheckpoint(monitor="val_loss") writes here
     # the data (per replica)
     batch: int = 8
@@ -225,8 +226,9 @@ def _precision(case: TrainingCase, pipeline: bool) -> dict[str, Any]:
     if case.precision != "16-mixed":
         return {"precision": case.precision}
     if pipeline:
-        return {"plugins": [PipelinePrecision("16-mixed", device="cpu")]}
-    return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]}
+        return {"plugins": [PipelinePrecision("16-mixed", device="cpu", init_scale=case.fp16_init_scale)]}
+    return {"plugins": [MixedPrecision("16-mixed", "cpu",
+                                       scaler=torch.amp.GradScaler("cpu", init_scale=case.fp16_init_scale))]}
 
 
 def _trainer(case: TrainingCase, pipeline: bool, recorder: Callback, *extra: Callback) -> L.Trainer:
