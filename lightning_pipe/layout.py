@@ -102,9 +102,11 @@ def build_engine(module: PipelineModel, config: PipelineConfig, plan: SchedulePl
     split: Callable[[int, torch.nn.Module], None] | None = None
     tensor_parallel = topology.tensor_parallel_size > 1
     if tensor_parallel:
-        # split each local layer in place (identical over the tensor group first): [Note: tensor parallel stages]
+        # split each local layer in place (identical over the tensor group first): [Note: tensor parallel stages];
+        # this callable is the FSDP path's (shard_stages splits, then shards, layer by layer)
         assert mesh is not None
-        split = partial(split_layer, module, tp_mesh=mesh[TENSOR], tensor_group=groups.tensor if fresh else None)
+        split = partial(split_layer, module, tp_mesh=mesh[TENSOR], tensor_group=groups.tensor if fresh else None,
+                        for_fsdp=True)
     ties_before = tie_copies(module, layout.tied) if tensor_parallel else []
     failure: Exception | None = None
     try:

@@ -89,6 +89,11 @@ def strided_shard(dim: int, blocks: int) -> Any:
     return _StridedShard(dim, split_factor=blocks)
 
 
+def is_strided_shard(placement: Any) -> bool:
+    """Whether ``placement`` is a strided shard (:func:`strided_shard`, or FSDP's over a tensor-parallel split)."""
+    return isinstance(placement, _StridedShard)
+
+
 # fp16 under tensor parallelism overrides how the world-agreeing scaler unscales (lightning/precision.py).
 _sharded_scaler = _module("torch.distributed.fsdp.sharded_grad_scaler")
 ShardedGradScaler = _resolve(_sharded_scaler, "ShardedGradScaler", _sharded_scaler.__name__)

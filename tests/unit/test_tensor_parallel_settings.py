@@ -74,3 +74,32 @@ def test_fsdp_and_tensor_parallel_together():
     with pytest.raises(PipelineConfigError, match="data_parallel_size x fsdp_size x tensor_parallel_size"):
         L.Trainer(strategy=PipelineStrategy(fsdp_size=2, tensor_parallel_size=2), accelerator="cpu", devices=6,
                   logger=False)
+
+
+def test_fused_split_keeps_blocks_and_fsdp_refuses_it(tmp_path):
+    """FusedColwiseParallel puts a strided placement on the fused weight and bias (on one rank: everything, still
+    strided), and the FSDP path refuses such a parameter with the rule. (A one-rank gloo group: DTensors need one.)"""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from lightning_pipe import FusedColwiseParallel
+    from lightning_pipe.tensor_parallel import check_fsdp_can_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        layer = nn.Sequential(nn.Linear(4, 12))
+        whole = layer[0].weight.detach().clone()
+        x = torch.randn(2, 4)
+        expected = layer(x)
+        parallelize_module(layer, init_device_mesh("cpu", (1,)), {"0": FusedColwiseParallel(3)})
+        torch.testing.assert_close(layer(x), expected)
+        torch.testing.assert_close(layer[0].weight.full_tensor(), whole)
+        with pytest.raises(PipelineConfigError, match=r"strided placement.*layer 5 \(Sequential\): 0\.weight"):
+            check_fsdp_can_shard(5, layer)
+        with pytest.raises(ValueError, match="out_features must be divisible by 3"):
+            parallelize_module(nn.Linear(4, 10), init_device_mesh("cpu", (1,)), FusedColwiseParallel(3))
+    finally:
+        dist.destroy_process_group()
