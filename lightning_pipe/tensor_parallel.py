@@ -33,7 +33,8 @@ for slices of the same root. A split parameter becomes a DTensor over ``(dp_shar
 strided shard when the tensor split is along the same dimension); one the hook left plain (a LayerNorm's) is sharded
 over ``dp_shard`` only: every tensor rank holds the same shards, replicated over ``tensor``. FSDP averages each
 tensor rank's gradients over its data-parallel ranks (its reduce-scatter), the norm counts each element once
-([Note: counting sharded gradients]), and checkpoints gather over both dimensions (``full_tensor``).
+([Note: counting sharded gradients]), and checkpoints gather over both dimensions (``full_tensor``). A strided split
+(:class:`FusedColwiseParallel`) is refused there: FSDP2 would shard it across its blocks (:func:`check_fsdp_can_shard`).
 
 Tied parameters (GPT-2's embedding and head) stay tied as long as the hook leaves every copy alike: the usual plan
 keeps the tied layers whole (replicated over the tensor group), and each tensor rank sums its copies with the same
@@ -115,6 +116,7 @@ class FusedColwiseParallel(ColwiseParallel):
     2): each tensor rank holds its part of every block, so its local output is ``[q_t | k_t | v_t]`` (its own heads
     of each) rather than a contiguous slice that would cut across q and k. The weight and bias are DTensors with a
     strided placement, so gathering them (checkpoints) gives the original layout back; the output stays local.
+    FSDP cannot shard such a parameter yet (:func:`check_fsdp_can_shard`).
     """
 
     def __init__(self, blocks: int, *, use_local_output: bool = True) -> None:
