@@ -123,12 +123,19 @@ DROPOUT = TrainingCase(model="gpt", n_layers=5, tied=True, optimizer="adamw", tp
 FSDP_TRAINING = [
     TrainingCase(model="tp", schedule="interleaved_1f1b", stages_per_rank=2, fsdp=2, tp=2, acc=2, clip=0.5,
                  skewed_init=True, predict=True),
+    # V placement (both stages on the one pipeline rank) with its split input/weight backward; every layer recomputed
+    TrainingCase(model="tp", schedule="zbv", stages_per_rank=2, fsdp=2, tp=2, acc=2, clip=0.5, validate=False),
+    TrainingCase(model="tp", schedule="interleaved_1f1b", stages_per_rank=2, fsdp=2, tp=2, acc=2, clip=0.5,
+                 recompute="all", validate=False),
 ]
 # bf16-mixed: FSDP gathers the split weights in bf16 and reduces in fp32 (tolerance as tests/distributed/test_fsdp.py);
 # gathered again for each micro-batch's backward (fsdp_reshard_after_forward)
 FSDP_PRECISION = [
     (TrainingCase(model="tp", precision="bf16-mixed", schedule="interleaved_1f1b", stages_per_rank=2, fsdp=2, tp=2,
-                  fsdp_reshard=True, acc=2, clip=0.05, validate=False), 2 * 2**-8),
+                  fsdp_reshard=True, acc=2, clip=0.05, validate=False), BF16_TOL),
+    # 16-mixed: the local-parts scaler on 2-D DTensor gradients (scale starting at 2**10 as in BF16 below)
+    (TrainingCase(model="tp", precision="16-mixed", fp16_init_scale=2.0**10, schedule="interleaved_1f1b",
+                  stages_per_rank=2, fsdp=2, tp=2, acc=2, validate=False), FP16_TOL),
 ]
 # (4 steps, saved every 2: half the suite time of the 8-step checkpoint cases)
 # FSDP's collectives stay once per layer per batch with split layers ([Note: FSDP under the pipeline schedule]): one
@@ -247,7 +254,7 @@ def test_pipeline1_x_fsdp2_x_tensor2_matches_single_device(pp2_tp2: list[list[di
 
 
 @pytest.mark.timeout(600)
-def test_fsdp_x_tensor_parallel_bf16_matches_single_device(pp2_tp2: list[list[dict[str, Any]]],
+def test_fsdp_x_tensor_parallel_mixed_precision_matches_single_device(pp2_tp2: list[list[dict[str, Any]]],
                                                           pp2_tp2_at: dict[str, int]) -> None:
     for i, (case, tol) in enumerate(FSDP_PRECISION, start=pp2_tp2_at["fsdp_precision"]):
         ref = run_training(case, pipeline=False)
@@ -261,6 +268,8 @@ def test_fsdp_x_tensor_parallel_bf16_matches_single_device(pp2_tp2: list[list[di
         # each shard rank logs its half of the batch (ranks 0 and 2: shards 0 and 1, tensor rank 0)
         mean = torch.stack([torch.tensor(pp2_tp2[r][i]["losses"]) for r in (0, 2)]).mean(0)
         torch.testing.assert_close(mean, torch.tensor(ref["losses"]), atol=tol * 4, rtol=0)
+        for rank in pp2_tp2:  # fp16: the same loss scale as one device on every rank (bf16: none)
+            assert rank[i]["scales"] == ref["scales"]
 
 
 @pytest.mark.timeout(600)
