@@ -103,11 +103,11 @@ def build_engine(module: PipelineModel, config: PipelineConfig, plan: SchedulePl
     tensor_parallel = topology.tensor_parallel_size > 1
     if tensor_parallel:
         # split each local layer in place (identical over the tensor group first): [Note: tensor parallel stages];
-        # this callable is the FSDP path's (shard_stages splits, then shards, layer by layer)
+        # with FSDP, shard_stages splits then shards, layer by layer
         assert mesh is not None
         split = partial(split_layer, module, tp_mesh=mesh[TENSOR], tensor_group=groups.tensor if fresh else None,
-                        for_fsdp=True)
-    ties_before = tie_copies(module, layout.tied) if tensor_parallel else []
+                        for_fsdp=topology.fsdp_size > 1)
+    ties_before = tie_copies(module, layout.tied) if tensor_parallel and fresh else []
     failure: Exception | None = None
     try:
         if topology.fsdp_size > 1:
@@ -125,10 +125,9 @@ def build_engine(module: PipelineModel, config: PipelineConfig, plan: SchedulePl
         else:
             # Layers built on the meta device (configure_model) are allocated now, on this rank only.
             materialize(module, config.layers_attr, stage_modules, layout.tied, device)
-            if tensor_parallel:
-                assert mesh is not None
+            if split is not None:
                 module.to(device)
-                parallelize_stages(module, stage_modules, mesh[TENSOR], groups.tensor if fresh else None)
+                parallelize_stages(stage_modules, split)
     except Exception as err:
         if not (tensor_parallel and fresh):
             raise

@@ -39,7 +39,7 @@ tensor rank's gradients over its data-parallel ranks (its reduce-scatter), the n
 Tied parameters (GPT-2's embedding and head) stay tied as long as the hook leaves every copy alike: the usual plan
 keeps the tied layers whole (replicated over the tensor group), and each tensor rank sums its copies with the same
 tensor rank of the other holding stages (grads.py). A plan that splits one copy and not the other, or splits the two
-ends of a tie on one rank into two ``Parameter`` s, would train them apart silently: :func:`parallelize_stages`
+ends of a tie on one rank into two ``Parameter`` s, would train them apart silently: :func:`agree_after_split`
 compares every copy after the hooks (over the world, once at setup) and raises on every rank; a hook that fails on
 some ranks is reported to all of them by the same gather (:func:`agree_after_split`).
 
@@ -79,7 +79,7 @@ Refused (plain-data errors, before any rank waits on another): a schedule regist
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 from weakref import WeakSet
@@ -93,6 +93,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 
 from lightning_pipe._compat.torch import is_strided_shard, strided_shard
 from lightning_pipe.config import PipelineConfigError, config_error
+from lightning_pipe.grads import split_dims
 from lightning_pipe.stages import StageModule, TiedParameter
 
 HOOK = "parallelize_layer"
@@ -146,12 +147,12 @@ class FusedColwiseParallel(ColwiseParallel):
         return outputs.to_local() if use_local_output else outputs
 
 
-def parallelize_stages(module: nn.Module, stage_modules: Sequence[StageModule], tp_mesh: DeviceMesh,
-                       tensor_group: dist.ProcessGroup | None) -> None:
-    """:func:`split_layer` for each of this rank's layers. Collective over the tensor group."""
+def parallelize_stages(stage_modules: Sequence[StageModule], split: Callable[[int, nn.Module], None]) -> None:
+    """``split(index, layer)`` (:func:`split_layer` with its mesh and group bound) for each of this rank's layers.
+    Collective over the tensor group."""
     for stage in stage_modules:
         for index, layer in zip(stage.layer_indices, stage.layers):
-            split_layer(module, index, layer, tp_mesh, tensor_group)
+            split(index, layer)
 
 
 def split_layer(module: nn.Module, index: int, layer: nn.Module, tp_mesh: DeviceMesh,
@@ -237,7 +238,8 @@ def tie_copies(module: nn.Module, tied: Sequence[TiedParameter]) -> list[dict[st
 def _layout(param: Tensor) -> str:
     """What must agree between the copies of a tie (with the same tensor rank): placements and local shape.
     Replicated or whole are the same thing for the tie's sum."""
-    if isinstance(param, DTensor) and not all(p.is_replicate() for p in param.placements):
+    if split_dims(param):
+        assert isinstance(param, DTensor)
         placements = ", ".join(map(str, param.placements))
         return f"split {placements}: local {tuple(param.to_local().shape)} of {tuple(param.shape)}"
     return f"whole {tuple(param.shape)}"
@@ -283,14 +285,11 @@ def sync_random_state(tensor_group: dist.ProcessGroup, device: torch.device) -> 
     the whole parameters would drift apart silently. (Inside a split region, e.g. attention dropout on each rank's
     own heads, equal states mean equal masks on different heads: still dropout, correlated across ranks.)
     """
-    states = [torch.get_rng_state()]
-    if device.type == "cuda":
-        states.append(torch.cuda.get_rng_state(device))
-    for i, state in enumerate(states):
-        # (NCCL moves device tensors only; gloo, CPU ones)
-        buffer = state.to(device) if device.type == "cuda" else state.clone()
+    def from_rank0(state: Tensor) -> Tensor:
+        buffer = state.to(device) if device.type == "cuda" else state.clone()  # (NCCL moves device tensors only)
         dist.broadcast(buffer, group=tensor_group, group_src=0)
-        if i == 0:
-            torch.set_rng_state(buffer.cpu())
-        else:
-            torch.cuda.set_rng_state(buffer.cpu(), device)
+        return buffer.cpu()
+
+    torch.set_rng_state(from_rank0(torch.get_rng_state()))
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(from_rank0(torch.cuda.get_rng_state(device)), device)
