@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -17,15 +19,26 @@ import torch
 from torch.distributed.pipelining import schedules as _torch_schedules
 from torch.distributed.pipelining import stage as _torch_stage
 
-CHECKED_TORCH = ("2.13",)
+
+def _release(version: str) -> tuple[int, int]:
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+TORCH_VERSION = _release(torch.__version__)
+"""The installed torch's (major, minor)."""
+CHECKED_TORCH = ("2.11", "2.12", "2.13", "2.14", "2.15")
+"""Releases this module was checked against (docs/versions.md says what ran on each)."""
+FULL_SUPPORT = (2, 13)
+"""From this release on every feature is available; 2.11 and 2.12 are the restricted tier (:data:`TORCH_GAPS`)."""
 
 
 def _resolve(owner: Any, name: str, where: str) -> Any:
     obj = getattr(owner, name, None)
     if obj is None:
         raise ImportError(
-            f"torch {torch.__version__} has no {where}.{name}; lightning_pipe was checked on torch {CHECKED_TORCH} "
-            "and needs it. Install torch 2.13 or update lightning_pipe/_compat/torch.py."
+            f"torch {torch.__version__} has no {where}.{name}; lightning_pipe was checked on torch "
+            f"{', '.join(CHECKED_TORCH)} and needs it. Install one of those or update lightning_pipe/_compat/torch.py."
         )
     return obj
 
@@ -35,12 +48,56 @@ def _module(name: str) -> Any:
         return importlib.import_module(name)
     except ImportError as err:
         raise ImportError(f"torch {torch.__version__} has no module {name}; lightning_pipe was checked on torch "
-                          f"{CHECKED_TORCH}. Update lightning_pipe/_compat/torch.py.") from err
+                          f"{', '.join(CHECKED_TORCH)}. Update lightning_pipe/_compat/torch.py.") from err
 
 
 def versions_checked() -> bool:
-    """Whether the installed torch is a version this module was verified against."""
-    return torch.__version__.startswith(CHECKED_TORCH)
+    """Whether the installed torch is a release this module was verified against."""
+    return f"{TORCH_VERSION[0]}.{TORCH_VERSION[1]}" in CHECKED_TORCH
+
+
+# ------------------------------------------------------------------------------------------- the restricted tier
+# [Note: torch versions]
+# ``import lightning_pipe`` works on every checked release. A feature that a release lacks *or computes wrongly* is
+# refused where it is used (the strategy's constructor, before any process starts), naming the feature, the
+# installed torch and the release that has it right; never an ImportError for the package, never a silent change
+# of results. The gaps below were measured on each release's CPU build (docs/versions.md).
+@dataclass(frozen=True)
+class TorchGap:
+    """A feature that torch releases before ``fixed_in`` lack or get wrong."""
+
+    feature: str
+    fixed_in: tuple[int, int]
+    why: str
+
+    def applies(self) -> bool:
+        return TORCH_VERSION < self.fixed_in
+
+    def message(self) -> str:
+        return (f"{self.feature} needs torch >= {self.fixed_in[0]}.{self.fixed_in[1]}: {self.why}. "
+                f"Installed: torch {torch.__version__}.")
+
+
+TORCH_GAPS = {
+    "split_backward": TorchGap(
+        "A split input/weight backward (schedules zb_h1, zbv, dualpipev, and custom action lists with I/W actions)",
+        (2, 13),
+        "torch's stage_backward_weight computes wrong weight gradients when a weight is used more than once inside "
+        "one stage (measured 17 % and 62 % off against autograd; torch 2.13 fixed it by clamping saved gradients)"),
+    "strided_shard": TorchGap(
+        "Tensor parallelism of a fused projection (FusedColwiseParallel, e.g. the GPT recipe's q|k|v)", (2, 12),
+        "DTensor's _StridedShard redistribution raises a ValueError for it"),
+}
+
+
+def torch_gap(key: str) -> str | None:
+    """The refusal message for feature ``key`` of :data:`TORCH_GAPS` on this torch, or ``None`` if it is fine."""
+    gap = TORCH_GAPS[key]
+    return gap.message() if gap.applies() else None
+
+
+PRIVATE_TORCH_STATE: tuple[str, ...] = ()
+"""Private *instance state* of torch's objects that this torch needs us to read or reset (per release)."""
 
 
 # ------------------------------------------------------------------------------------------- checkpoint loading
@@ -86,6 +143,10 @@ _StridedShard = _resolve(_placement_types, "_StridedShard", _placement_types.__n
 
 def strided_shard(dim: int, blocks: int) -> Any:
     """The placement that splits each of ``blocks`` equal blocks of ``dim`` over a mesh dimension."""
+    refusal = torch_gap("strided_shard")
+    if refusal is not None:
+        raise NotImplementedError(f"{refusal} Split q, k and v as separate projections (ColwiseParallel each) "
+                                  "or use torch >= 2.12.")
     return _StridedShard(dim, split_factor=blocks)
 
 
@@ -196,6 +257,14 @@ def reset_schedule_shapes(schedule: Any) -> None:
                 "lightning_pipe._compat.reset_schedule_shapes needs updating for this torch version."
             )
         setattr(schedule, flag, False)
+    if not METADATA_INFERENCE:
+        for stage in _schedule_stages(schedule):
+            if isinstance(stage, _PipelineStage):
+                _forget_inferred_shapes(stage)
+
+
+def _schedule_stages(schedule: Any) -> list[Any]:
+    return list(schedule._stages) if hasattr(schedule, "_stages") else [schedule._stage]
 
 
 # --------------------------------------------------------------------------- forward-only runs of action-list schedules
@@ -208,7 +277,9 @@ def reset_schedule_shapes(schedule: Any) -> None:
 # its original order, the forward halves of OVERLAP_F_B, nothing else. Dropping actions only removes waits (a
 # backward waits on a RECV_B), never adds one, so the forward-only list cannot deadlock where the full one did not.
 # UNSHARD / RESHARD stay too (in order, so in pairs): an FSDP stage must be gathered for its forwards (local only).
-_FORWARD_TYPES = ("F", "SEND_F", "RECV_F", "UNSHARD", "RESHARD")
+# Since torch 2.15 every send is paired with an explicit wait (WAIT_SEND_F after SEND_F) and the runtime refuses a
+# step that leaves a send unwaited ("Pipeline sends have no matching wait"): the forward sends keep their waits.
+_FORWARD_TYPES = ("F", "SEND_F", "WAIT_SEND_F", "RECV_F", "UNSHARD", "RESHARD")
 
 
 def _forward_part(actions: list[Any]) -> list[Any]:
@@ -283,20 +354,39 @@ if missing_trace_api():
 
 
 # --------------------------------------------------------------------------- shape inference without side effects
-# [Note: shape inference has no side effects] (engine.py). Torch 2.13's PipelineStage learns its P2P shapes by
-# running the stage for real: ``_forward_metadata_inference`` (a forward, in the module's current train/eval mode,
-# on the first micro-batch's inputs or on stand-ins made by ``_to_tensor``) and ``_backward_metadata_inference``
-# (the loss on the last stage and input gradients). The schedule calls them from ``_initialize_pp_stages`` whenever
-# its "initialized" flags are down (first step, train/eval switch, reset_schedule_shapes).
+# [Note: shape inference has no side effects] (engine.py). Torch's PipelineStage learns its P2P shapes by running
+# the stage for real, in the module's current train/eval mode, and the schedule calls it whenever its "initialized"
+# flags are down (first step, train/eval switch, reset_schedule_shapes). Two generations of that code exist:
+# * torch >= 2.12 (METADATA_INFERENCE): ``_forward_metadata_inference`` (a forward on the first micro-batch's
+#   inputs or on stand-ins made by ``_to_tensor``) and ``_backward_metadata_inference`` (the loss on the last stage
+#   and input gradients); stand-ins are ``torch.empty``, which we zero.
+# * torch 2.11: ``_shape_inference``, a forward only (under no_grad, on zero-filled stand-ins), run once per stage
+#   while ``inputs_meta`` is unset; nothing re-runs it, so ``reset_schedule_shapes`` also clears what it set.
 _STAGE_WHERE = "torch.distributed.pipelining.PipelineStage"
 _PipelineStage = _resolve(importlib.import_module("torch.distributed.pipelining"), "PipelineStage",
                           "torch.distributed.pipelining")
+METADATA_INFERENCE = hasattr(_PipelineStage, "_forward_metadata_inference")
+# torch >= 2.15: the public ``register_forward_context`` runs a context around every stage forward, metadata
+# inference included (``PipelineStageInfo.is_metadata_inference``): the forward guard needs no private override.
+FORWARD_CONTEXT = callable(getattr(_PipelineStage, "register_forward_context", None))
+_INFERENCE_NAMES = ((() if FORWARD_CONTEXT else ("_forward_metadata_inference",))
+                    + ("_backward_metadata_inference", "_to_tensor") if METADATA_INFERENCE else ("_shape_inference",))
 _STAGE_INFERENCE_API = {f"PipelineStage.{name}": _resolve(_PipelineStage, name, _STAGE_WHERE)
-                        for name in ("_forward_metadata_inference", "_backward_metadata_inference", "_to_tensor")}
+                        for name in _INFERENCE_NAMES}
 _batchnorm = _module("torch.nn.modules.batchnorm")
 BatchNormBase = _resolve(_batchnorm, "_BatchNorm", _batchnorm.__name__)
 """The base of every BatchNorm flavour (1d/2d/3d, lazy, SyncBatchNorm)."""
 PRIVATE_TORCH_API.update({**_STAGE_INFERENCE_API, "_BatchNorm": BatchNormBase})
+
+# torch 2.11 and 2.12 refuse to send "no gradient" for a received stage input that got none (an attention mask,
+# position ids: "... has gradients None and is expecting to send gradients"); 2.13 sends zeros, which is the exact
+# gradient of an input the stage's output does not depend on. Before 2.13 we send the zeros.
+_ZERO_FILL_MISSING_INPUT_GRADS = TORCH_VERSION < (2, 13)
+if _ZERO_FILL_MISSING_INPUT_GRADS:
+    PRIVATE_TORCH_STATE += ("PipelineStage.bwd_cache", "PipelineStage.args_recv_info",
+                            "PipelineStage.grad_send_info", "PipelineStage._create_grad_send_info")
+    _RecvInfo = _resolve(_torch_stage, "_RecvInfo", "torch.distributed.pipelining.stage")
+    PRIVATE_TORCH_API["_RecvInfo"] = _RecvInfo
 
 InferenceGuard = Callable[[torch.nn.Module, bool], contextlib.AbstractContextManager]
 """``guard(stage_module, forward)``: entered around each shape inference of a stage (``forward``: the forward one)."""
@@ -305,28 +395,70 @@ InferenceGuard = Callable[[torch.nn.Module, bool], contextlib.AbstractContextMan
 class GuardedPipelineStage(_PipelineStage):  # type: ignore[misc, valid-type]
     """torch's ``PipelineStage`` whose shape inference runs inside ``inference_guard`` and on zero-filled stand-ins.
 
-    Torch makes a later stage's stand-in inputs with ``torch.empty``: garbage values (NaN, 1e34, out-of-range
-    indices for integer inputs such as position ids) that can crash a layer. Zeros have the same shapes and dtypes.
+    Torch (>= 2.12) makes a later stage's stand-in inputs with ``torch.empty``: garbage values (NaN, 1e34,
+    out-of-range indices for integer inputs such as position ids) that can crash a layer. Zeros have the same shapes
+    and dtypes (torch 2.11 already uses zeros).
     """
 
     def __init__(self, *args: Any, inference_guard: InferenceGuard, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._inference_guard = inference_guard
+        if FORWARD_CONTEXT:
+            self.register_forward_context(self._forward_context)
 
-    def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
-        with self._inference_guard(self.submod, True):
-            return super()._forward_metadata_inference(*args, **kwargs)
+    def _forward_context(self, info: Any) -> contextlib.AbstractContextManager:
+        """torch >= 2.15: entered around every forward of this stage; guards the metadata-inference one."""
+        if info.is_metadata_inference:
+            return self._inference_guard(self.submod, True)
+        return contextlib.nullcontext()
 
-    def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
-        with self._inference_guard(self.submod, False):
-            return super()._backward_metadata_inference(*args, **kwargs)
+    if METADATA_INFERENCE and not FORWARD_CONTEXT:
+        def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+            with self._inference_guard(self.submod, True):
+                return super()._forward_metadata_inference(*args, **kwargs)
 
-    def _to_tensor(self, arg: Any) -> torch.Tensor:
-        tensor = super()._to_tensor(arg)
-        if not isinstance(arg, torch.Tensor) and type(tensor) in (torch.Tensor, torch.nn.Parameter):
-            with torch.no_grad():
-                tensor.zero_()
-        return tensor
+    if METADATA_INFERENCE:
+        def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+            with self._inference_guard(self.submod, False):
+                return super()._backward_metadata_inference(*args, **kwargs)
+
+        def _to_tensor(self, arg: Any) -> torch.Tensor:
+            tensor = super()._to_tensor(arg)
+            if not isinstance(arg, torch.Tensor) and type(tensor) in (torch.Tensor, torch.nn.Parameter):
+                with torch.no_grad():
+                    tensor.zero_()
+            return tensor
+    else:
+        def _shape_inference(self, *args: Any, **kwargs: Any) -> Any:
+            with self._inference_guard(self.submod, True):
+                return super()._shape_inference(*args, **kwargs)
+
+    if _ZERO_FILL_MISSING_INPUT_GRADS:
+        def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[Any]:
+            if self.has_backward and not self.is_first and bwd_chunk_id in self.bwd_cache:
+                if self.grad_send_info is None:  # type: ignore[has-type]  # torch creates it lazily, on the first send
+                    self.grad_send_info = self._create_grad_send_info(self.args_recv_info[0])
+                infos, sends = self.args_recv_info[bwd_chunk_id], list(self.grad_send_info or ())
+                self.bwd_cache[bwd_chunk_id] = tuple(
+                    torch.zeros_like(info.buffer) if grad is None and dst is not None and isinstance(info, _RecvInfo)
+                    else grad
+                    for grad, dst, info in zip(self.bwd_cache[bwd_chunk_id], sends, infos, strict=True))
+            return super().get_bwd_send_ops(bwd_chunk_id)
+
+
+def _forget_inferred_shapes(stage: Any) -> None:
+    """torch 2.11: clear what ``_shape_inference`` / ``_prepare_*_infra`` set, so the next step infers again."""
+    stage.inputs_meta = None
+    stage._outputs_meta = None
+    stage.args_recv_info.clear()
+    stage.act_send_info.clear()
+    stage.grad_recv_info.clear()
+    stage.grad_send_info = None
+
+
+if not METADATA_INFERENCE:
+    PRIVATE_TORCH_STATE += tuple(f"PipelineStage.{n}" for n in (
+        "inputs_meta", "_outputs_meta", "args_recv_info", "act_send_info", "grad_recv_info", "grad_send_info"))
 
 
 # --------------------------------------------------------------------------- failure propagation (watchdog.py)
@@ -364,10 +496,17 @@ def wait_batch_p2p(works: list[Any]) -> None:
     _torch_schedules._wait_batch_p2p(works)
 
 
+# torch 2.11's takes (args, kwargs): its shape inference is forward-only and needs no target.
+_INITIALIZE_TAKES_TARGET = "target" in inspect.signature(_torch_schedules.PipelineScheduleSingle._initialize_stage).parameters
+
+
 def initialize_stage(schedule: Any, args: tuple[Any, ...], target: Any) -> None:
     """A single-stage torch schedule's first-step set-up of its stage (P2P warm-up, forward and backward shape
     inference), without running a step; a no-op once done (until ``reset_schedule_shapes`` or a train/eval switch)."""
-    schedule._initialize_stage(args, {}, target)
+    if _INITIALIZE_TAKES_TARGET:
+        schedule._initialize_stage(args, {}, target)
+    else:
+        schedule._initialize_stage(args, {})
 
 
 PRIVATE_TORCH_API.update({"_batch_p2p": _torch_schedules._batch_p2p,

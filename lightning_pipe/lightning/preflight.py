@@ -17,7 +17,7 @@ from lightning_pipe._compat import lightning as _compat
 from lightning_pipe.config import MEASURED_PARTITIONS, PartitionSpec, PipelineConfig, Topology, config_error
 from lightning_pipe.planner.auto import balance_on_ranks, plan_on_ranks
 from lightning_pipe.planner.plan import apply_plan, explain, load_plan
-from lightning_pipe.schedules import SchedulePlan, check_schedule_settings
+from lightning_pipe.schedules import SchedulePlan, check_schedule_settings, check_split_backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,8 +69,10 @@ def resolve_settings(schedule: str, microbatches: int | None, data_parallel_size
                            "partition='time' / 'memory' and rebalancing take tensor_parallel_size=1.",
                            f"tensor_parallel_size={config.tensor_parallel_size} with {used}", "tensor_parallel_size",
                            also=("schedule", "plan", "partition", "rebalance_every_n_steps"))
-    # Unknown schedule names and options the schedule does not take fail here, not on the ranks after launch.
-    check_schedule_settings(config)
+    # Unknown schedule names and options the schedule does not take fail here, not on the ranks after launch; so
+    # does a schedule whose split backward this torch computes wrongly (custom lists: at set_world_ranks).
+    if check_schedule_settings(config).split_backward:
+        check_split_backward(f"schedule={config.schedule!r}")
     return ResolvedSettings(config, auto, budget, plan_data)
 
 

@@ -45,7 +45,7 @@ from lightning_pipe.lightning.rebalancing import start as start_rebalancing
 from lightning_pipe.lightning.stashing import attach_microbatch_updates
 from lightning_pipe.planner.plan import apply_plan
 from lightning_pipe.rebalance import check_rebalance
-from lightning_pipe.schedules import SchedulePlan, plan_schedule
+from lightning_pipe.schedules import SchedulePlan, check_torch_runs, plan_schedule
 
 
 class PipelineStrategy(ParallelStrategy):
@@ -193,6 +193,7 @@ class PipelineStrategy(ParallelStrategy):
             apply_plan(self._plan_source, world_size=self.world_size)  # a plan is made for one world size
         # World-shape rules are checked here, before any process waits on another; the plan is resolved once.
         self.plan = plan_schedule(self.pipeline_config, self._topology().pipeline_size)
+        check_torch_runs(self.plan)  # what this torch would compute wrongly ([Note: torch versions])
         check_rebalance(self.pipeline_config, self.plan)  # before any rank waits on another
 
     @override

@@ -16,6 +16,7 @@ import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from lightning_pipe._compat.torch import torch_gap
 from lightning_pipe.config import PipelineConfig, PipelineConfigError, config_error
 from lightning_pipe.partition import balanced_counts, uniform_counts
 from lightning_pipe.planner.model import Candidate, CostModel, Prediction, action_counts, bounds_of, predict
@@ -23,6 +24,7 @@ from lightning_pipe.planner.profile import ModelProfile
 from lightning_pipe.schedules import (
     SchedulePlan,
     available_schedules,
+    check_split_backward,
     compute_order,
     get_schedule_spec,
     plan_schedule,
@@ -87,6 +89,7 @@ def combinations(world_size: int, batch_size: int, num_layers: int, schedules: S
                  ) -> Iterator[tuple[int, int, SchedulePlan]]:
     """Yield (pp, dp, plan) for every layout the registry accepts. ``batch_size`` is the global batch of a step:
     each replica gets ``batch_size / dp`` samples, cut into m micro-batches of equal size."""
+    split_backward_refused = torch_gap("split_backward") is not None
     for pp in pipeline_sizes or [d for d in divisors(world_size) if d >= 2]:
         dp = world_size // pp
         if pp * dp != world_size or batch_size % dp:
@@ -94,6 +97,10 @@ def combinations(world_size: int, batch_size: int, num_layers: int, schedules: S
         per_replica = batch_size // dp
         for name in schedules or [s for s in SEARCHABLE if s in available_schedules()]:
             spec = get_schedule_spec(name)
+            if spec.split_backward and split_backward_refused:
+                if schedules:  # asked for by name: say why it cannot be
+                    check_split_backward(f"schedules={list(schedules)}")
+                continue  # this torch computes it wrongly ([Note: torch versions]): not a candidate
             for v in stages_per_rank:
                 if pp * v > num_layers:
                     continue

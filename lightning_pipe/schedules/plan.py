@@ -54,6 +54,9 @@ class ScheduleSpec:
     :func:`compute_order`). ``None``: read torch's IR."""
     options: tuple[str, ...] = ()
     """The ``schedule_options`` keys this schedule reads; any other key is refused (it would be ignored)."""
+    split_backward: bool = False
+    """Runs torch's split input/weight backward (I/W actions): refused on a torch that computes it wrongly
+    ([Note: torch versions] in ``_compat/torch.py``). Custom action lists are checked by their actions."""
     stage_class: type | None = None
     """The ``PipelineStage`` subclass the engine builds this schedule's stages with (same constructor as
     ``_compat.GuardedPipelineStage``); ``None``: that class. Weight versions: ``lightning_pipe/versioned.py``."""
@@ -118,13 +121,13 @@ _SCHEDULES: dict[str, ScheduleSpec] = {
         ScheduleSpec("zb_h1", torch_schedules.ScheduleInterleavedZeroBubble,
                      "ZeroBubble with split input/weight gradients (interleaved)", multi_stage=True,
                      default_stages_per_rank=2, allowed_stages_per_rank=None, rounds_divisible=True,
-                     theory_bubble=_bubble_zero),
+                     theory_bubble=_bubble_zero, split_backward=True),
         ScheduleSpec("zbv", torch_schedules.ScheduleZBVZeroBubble, "ZeroBubble V schedule",
                      multi_stage=True, placement="v", default_stages_per_rank=2, allowed_stages_per_rank=(2,),
-                     theory_bubble=_bubble_zero),
+                     theory_bubble=_bubble_zero, split_backward=True),
         ScheduleSpec("dualpipev", torch_schedules.ScheduleDualPipeV, "DualPipeV (DeepSeek), V placement",
                      multi_stage=True, placement="v", default_stages_per_rank=2, allowed_stages_per_rank=(2,),
-                     min_microbatches="stages", theory_bubble=_bubble_zero),
+                     min_microbatches="stages", theory_bubble=_bubble_zero, split_backward=True),
     )
 }
 
@@ -155,6 +158,19 @@ def check_schedule_settings(config: PipelineConfig) -> ScheduleSpec:
                            f"schedule_options with {unknown}", "schedule_options",
                            "remove them, or choose the schedule that reads them", also=("schedule",))
     return spec
+
+
+def check_split_backward(seen: str) -> None:
+    """Refuse torch's split input/weight backward on a torch that gets it wrong ([Note: torch versions]).
+
+    Called where training will run it (the strategy's constructor, the engine's assembly), not where schedules are
+    only planned, simulated or drawn: those compute no gradient and work on every torch.
+    """
+    refusal = _compat.torch_gap("split_backward")
+    if refusal is not None:
+        raise config_error(refusal, seen, "schedule",
+                           "a schedule without a split backward (gpipe, 1f1b, interleaved_1f1b, looped_bfs, "
+                           "pipedream, pipedream_2bw, chimera, custom lists of F/B actions) or torch >= 2.13")
 
 
 def register_schedule(spec: ScheduleSpec) -> None:
@@ -260,3 +276,17 @@ def compute_order(plan: SchedulePlan) -> dict[int, list[Any]]:
         order = _compat.torch_pipeline_order(plan.spec.torch_class, plan.spec.multi_stage, plan.pipeline_size,
                                              plan.num_stages, local, plan.microbatches)
     return {rank: [a for a in actions if a is None or _compat.is_compute(a)] for rank, actions in order.items()}
+
+
+def check_torch_runs(plan: SchedulePlan) -> None:
+    """Refuse a plan whose actions this torch would run wrongly ([Note: torch versions] in ``_compat/torch.py``).
+
+    Called by the strategy once the plan is resolved (every rank, before any communication): it covers built-in,
+    custom and extension schedules alike, by their actions rather than their names.
+    """
+    if _compat.torch_gap("split_backward") is None:
+        return
+    split = sorted({str(part) for actions in compute_order(plan).values() for a in actions if a is not None
+                    for part in (a.sub_actions or (a,)) if part.computation_type.value in ("I", "W")})
+    if split:
+        check_split_backward(f"schedule={plan.spec.name!r}, whose actions include {', '.join(split[:4])}, ...")

@@ -182,11 +182,17 @@ class _Run:
 
             original_batch, original_wait = torch_schedules._batch_p2p, torch_schedules._wait_batch_p2p
 
+            depth = [0]  # torch >= 2.14 splits a batch by process group and calls _batch_p2p once per group
+
             def batch_p2p(p2p_ops: list, *args: Any, **kwargs: Any) -> Any:
-                if not p2p_ops:
+                if not p2p_ops or depth[0]:  # a nested call is part of the span its caller records
                     return original_batch(p2p_ops, *args, **kwargs)
                 label = " + ".join(self._op_tags.get(id(op), (None, "p2p"))[1] for op in p2p_ops)
-                works = self._timed("post", None, None, label, lambda: original_batch(p2p_ops, *args, **kwargs))
+                depth[0] += 1
+                try:
+                    works = self._timed("post", None, None, label, lambda: original_batch(p2p_ops, *args, **kwargs))
+                finally:
+                    depth[0] -= 1
                 self._work_labels[id(works)] = (works, label)
                 return works
 

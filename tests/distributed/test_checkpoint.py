@@ -74,6 +74,7 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"root": root, "results": results, "index": {n: i for i, n in enumerate(names)}}
 
 
+@pytest.mark.compact  # make test-torch: on every supported torch
 @pytest.mark.timeout(600)
 def test_exact_resume_same_layout(four_ranks: dict[str, Any]) -> None:
     """Stopped after 4 of 8 steps and resumed == uninterrupted: params, logged losses (AdamW + StepLR)."""

@@ -79,6 +79,7 @@ def assert_parity(results: Sequence[Sequence[dict[str, Any]]], i: int, case: Har
     return ref
 
 
+@pytest.mark.compact  # make test-torch: on every supported torch
 @pytest.mark.timeout(900)
 def test_pp2_variable_shapes_batchnorm_tuples_and_token_weighted_loss(tmp_path) -> None:
     results = launch("hardening", 2, PP2_CASES, tmp_path, timeout=600)

@@ -36,6 +36,7 @@ def check_parity(results: list, index: int, case: HFCase) -> None:
     assert ref["losses"][0] != ref["losses"][-1]
 
 
+@pytest.mark.compact  # make test-torch: on every supported torch
 @pytest.mark.timeout(600)
 def test_hf_models_match_transformers_on_one_device(tmp_path) -> None:
     pretrained = tmp_path / "llama_tied"

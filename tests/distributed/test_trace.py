@@ -81,6 +81,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[list[dict[str, 
     return launch("trace", 2, cases, tmp / "run", timeout=300), tmp
 
 
+@pytest.mark.compact  # make test-torch: on every supported torch
 @pytest.mark.timeout(360)
 def test_1f1b_trace_holds_exactly_what_each_rank_ran(runs: Any) -> None:
     results, _ = runs

@@ -88,7 +88,8 @@ def test_action_list_schedule_lowers_to_sends_and_receives_and_forward_only_filt
     with _compat.forward_only_actions(schedule):
         fwd = schedule.pipeline_order_with_comms
         # (UNSHARD / RESHARD: FSDP stages gather their weights for the forwards too)
-        assert {a.computation_type.value for r in fwd for a in fwd[r]} <= {"F", "SEND_F", "RECV_F", "UNSHARD", "RESHARD"}
+        assert {a.computation_type.value for r in fwd for a in fwd[r]} <= {"F", "SEND_F", "WAIT_SEND_F", "RECV_F",
+                                                                          "UNSHARD", "RESHARD"}
         assert [str(a) for a in fwd[1] if a.computation_type.value == "F"] == ["1F0", "1F1"]
     assert schedule.pipeline_order_with_comms is lowered  # restored
     _compat.reset_schedule_shapes(schedule)
@@ -121,7 +122,7 @@ def test_missing_lightning_internal_fails_at_import_naming_it() -> None:
 
 
 def test_missing_torch_internal_fails_at_import_naming_it() -> None:
-    with pytest.raises(ImportError, match=r"torch\.distributed\.pipelining\.schedules\._NoSuchThing.*2\.13"):
+    with pytest.raises(ImportError, match=r"torch\.distributed\.pipelining\.schedules\._NoSuchThing.*2\.11.*2\.15"):
         _compat._resolve(torch_schedules, "_NoSuchThing", "torch.distributed.pipelining.schedules")
 
 
@@ -138,3 +139,83 @@ def test_dcp_private_loader_exists() -> None:
 
     assert hasattr(default_planner, "_EmptyStateDictLoadPlanner"), "used by _compat.dcp_load_everything"
     assert "no_dist" in inspect.signature(state_dict_loader._load_state_dict).parameters
+
+
+# ----------------------------------------------------------------------------- per-release paths ([Note: torch versions])
+def test_release_parsing_and_tier() -> None:
+    assert _compat._release("2.11.0+cu130") == (2, 11) and _compat._release("2.15.0") == (2, 15)
+    assert _compat.TORCH_VERSION == _compat._release(torch.__version__)
+    # the metadata-inference generation is a fact of the release, not a guess from its number
+    assert _compat.METADATA_INFERENCE == hasattr(torch.distributed.pipelining.PipelineStage,
+                                                 "_forward_metadata_inference")
+    assert _compat.METADATA_INFERENCE == (_compat.TORCH_VERSION >= (2, 12))
+    for gap in _compat.TORCH_GAPS.values():
+        assert gap.applies() == (_compat.TORCH_VERSION < gap.fixed_in)
+
+
+def test_forward_only_lists_keep_every_send_with_its_wait() -> None:
+    """torch 2.15 pairs each SEND_F with a WAIT_SEND_F and refuses a step that leaves one unwaited; the forward-only
+    filter keeps both (before 2.15 there is no wait action, and nothing changes)."""
+    from lightning_pipe.config import PipelineConfig
+    from lightning_pipe.schedules import compute_order, plan_schedule
+
+    for name, v in (("interleaved_1f1b", 2), ("zbv", 2), ("dualpipev", 2), ("looped_bfs", 2), ("zb_h1", 2)):
+        plan = plan_schedule(PipelineConfig(schedule=name, stages_per_rank=v, microbatches=4), 2)
+        order = compute_order(plan)
+        stages = [[s for s in plan.stages_of_rank(r)] for r in range(2)]
+        schedule = _compat.action_list_schedule(_fake_stages(stages[0], plan.num_stages), 4, lambda o, t: o, order)
+        with _compat.forward_only_actions(schedule):
+            for rank, actions in schedule.pipeline_order_with_comms.items():
+                kinds = [(a.computation_type.value, a.stage_index, a.microbatch_index) for a in actions]
+                sends = [(s, m) for k, s, m in kinds if k == "SEND_F"]
+                waits = [(s, m) for k, s, m in kinds if k == "WAIT_SEND_F"]
+                has_waits = any(t.value == "WAIT_SEND_F" for t in _compat.ComputationType)
+                assert sorted(waits) == (sorted(sends) if has_waits else []), (name, rank, kinds)
+                for s, m in waits:  # each wait after its send
+                    assert kinds.index(("SEND_F", s, m)) < kinds.index(("WAIT_SEND_F", s, m))
+
+
+def test_split_backward_is_refused_exactly_where_torch_gets_it_wrong() -> None:
+    """On 2.11 / 2.12 torch's split backward double-counts a weight used twice in a stage: refused in the strategy's
+    constructor (by name) and once the plan is resolved (by its actions: custom lists, extensions); planning and
+    simulating the same schedules as data work on every torch."""
+    from lightning_pipe import PipelineStrategy
+    from lightning_pipe.config import PipelineConfig, PipelineConfigError
+    from lightning_pipe.schedules import check_torch_runs, plan_schedule
+
+    wrong = _compat.TORCH_VERSION < (2, 13)
+    assert (_compat.torch_gap("split_backward") is not None) == wrong
+    zbv = plan_schedule(PipelineConfig(schedule="zbv", stages_per_rank=2, microbatches=4), 2)  # data: always fine
+    custom = plan_schedule(PipelineConfig(schedule="custom", schedule_options={"actions": [
+        ["0F0", "0I0", "0W0"], ["1F0", "1I0", "1W0"]]}), 2)
+    plain = plan_schedule(PipelineConfig(schedule="interleaved_1f1b", stages_per_rank=2, microbatches=4), 2)
+    check_torch_runs(plain)
+    for plan in (zbv, custom):
+        if wrong:
+            with pytest.raises(PipelineConfigError, match=r"needs torch >= 2\.13.*wrong weight gradients.*Installed"):
+                check_torch_runs(plan)
+        else:
+            check_torch_runs(plan)
+    for name in ("zb_h1", "zbv", "dualpipev"):
+        if wrong:
+            with pytest.raises(PipelineConfigError, match=rf"needs torch >= 2\.13.*schedule='{name}'.*`schedule`"):
+                PipelineStrategy(schedule=name)
+        else:
+            PipelineStrategy(schedule=name)
+    PipelineStrategy(schedule="interleaved_1f1b")
+
+
+def test_fused_projection_split_is_refused_where_torch_raises() -> None:
+    if _compat.TORCH_VERSION < (2, 12):
+        with pytest.raises(NotImplementedError, match=r"FusedColwiseParallel.*needs torch >= 2\.12.*separate"):
+            _compat.strided_shard(0, 3)
+    else:
+        assert _compat.is_strided_shard(_compat.strided_shard(0, 3))
+
+
+def test_private_names_per_release() -> None:
+    """What this torch makes us touch (docs/versions.md lists the count per release)."""
+    names = set(_compat.PRIVATE_TORCH_API) | set(_compat.TRACE_TORCH_API) | set(_compat.PRIVATE_TORCH_STATE)
+    assert "PipelineStage._shape_inference" in names or "PipelineStage._forward_metadata_inference" in names
+    assert ("PipelineStage.bwd_cache" in names) == (_compat.TORCH_VERSION < (2, 13))
+    assert ("PipelineStage.inputs_meta" in names) == (not _compat.METADATA_INFERENCE)

@@ -18,6 +18,7 @@ from lightning_pipe.planner.model import CostModel, predict
 from lightning_pipe.planner.search import combinations, compositions, parse_bytes
 from lightning_pipe.schedules import compute_order, plan_schedule, simulate
 from lightning_pipe.schedules.simulate import compile_order, peak_activations, replay
+from tests.torch_tiers import needs
 
 NAMED = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("looped_bfs", 2), ("zb_h1", 2), ("zbv", 2),
          ("dualpipev", 2)]
@@ -75,6 +76,7 @@ def synthetic(n: int, seed: int = 0, sizes=(1, 2, 4, 8)) -> ModelProfile:
     return ModelProfile(layers, link_latency=1e-4, link_bandwidth=1e9)
 
 
+@needs("split_backward")
 @pytest.mark.parametrize("seed", [0, 1])
 def test_search_finds_the_brute_force_optimum(seed: int) -> None:
     profile = synthetic(6, seed)
@@ -165,6 +167,7 @@ def test_profile_measures_every_layer_and_frees_meta_layers() -> None:
     assert ModelProfile.from_json(json.loads(json.dumps(prof.to_json()))).layers == prof.layers
 
 
+@needs("split_backward")
 def test_the_strategy_replays_a_plan_file(tmp_path) -> None:
     from lightning_pipe import PipelineStrategy
 

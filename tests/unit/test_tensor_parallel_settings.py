@@ -8,6 +8,7 @@ from lightning_pipe.config import TENSOR_PARALLEL_SCHEDULES, Topology
 from lightning_pipe.schedules import available_schedules
 from lightning_pipe.tensor_parallel import check_module
 from tests.models import TensorParallelRegressor, ToyRegressor
+from tests.torch_tiers import needs
 
 
 def test_rank_order_puts_tensor_innermost():
@@ -76,6 +77,7 @@ def test_fsdp_and_tensor_parallel_together():
                   logger=False)
 
 
+@needs("strided_shard")
 def test_fused_split_keeps_blocks_and_fsdp_refuses_it(tmp_path):
     """FusedColwiseParallel puts a strided placement on the fused weight and bias (on one rank: everything, still
     strided), and the FSDP path refuses such a parameter with the rule. (A one-rank gloo group: DTensors need one.)"""
