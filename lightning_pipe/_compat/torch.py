@@ -385,8 +385,13 @@ _ZERO_FILL_MISSING_INPUT_GRADS = TORCH_VERSION < (2, 13)
 if _ZERO_FILL_MISSING_INPUT_GRADS:
     PRIVATE_TORCH_STATE += ("PipelineStage.bwd_cache", "PipelineStage.args_recv_info",
                             "PipelineStage.grad_send_info", "PipelineStage._create_grad_send_info")
+    if METADATA_INFERENCE:
+        PRIVATE_TORCH_STATE += ("PipelineStage._stage_meta.inputs",)
     _RecvInfo = _resolve(_torch_stage, "_RecvInfo", "torch.distributed.pipelining.stage")
     PRIVATE_TORCH_API["_RecvInfo"] = _RecvInfo
+if not METADATA_INFERENCE:
+    PRIVATE_TORCH_API.update({f"PipelineStage.{name}": _resolve(_PipelineStage, name, _STAGE_WHERE)
+                              for name in ("_prepare_forward_infra", "_get_init_p2p_neighbors_ops")})
 
 InferenceGuard = Callable[[torch.nn.Module, bool], contextlib.AbstractContextManager]
 """``guard(stage_module, forward)``: entered around each shape inference of a stage (``forward``: the forward one)."""
@@ -433,17 +438,50 @@ class GuardedPipelineStage(_PipelineStage):  # type: ignore[misc, valid-type]
             with self._inference_guard(self.submod, True):
                 return super()._shape_inference(*args, **kwargs)
 
+        def _prepare_forward_infra(self, num_microbatches: int, *args: Any, **kwargs: Any) -> Any:
+            # torch 2.11 marks every receive buffer requires_grad, integer ones (position ids, masks) included,
+            # which torch refuses; later releases mark floating-point buffers only. So do we.
+            has_backward, self.has_backward = self.has_backward, False  # type: ignore[has-type]
+            try:
+                out = super()._prepare_forward_infra(num_microbatches, *args, **kwargs)
+            finally:
+                self.has_backward = has_backward
+            if has_backward:
+                for infos in self.args_recv_info.values():
+                    for info in infos:
+                        if isinstance(info, _RecvInfo) and info.buffer.is_floating_point():
+                            info.buffer.requires_grad_(True)
+            return out
+
+        def _get_init_p2p_neighbors_ops(self) -> list[Any]:
+            # torch 2.11 warms up P2P with each neighbouring stage, one held by this rank too (V placement, pipeline
+            # size 1), and gloo cannot send to itself; a stage on the same rank needs no warm-up (both sides drop it).
+            return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
+
     if _ZERO_FILL_MISSING_INPUT_GRADS:
         def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[Any]:
             if self.has_backward and not self.is_first and bwd_chunk_id in self.bwd_cache:
                 if self.grad_send_info is None:  # type: ignore[has-type]  # torch creates it lazily, on the first send
                     self.grad_send_info = self._create_grad_send_info(self.args_recv_info[0])
                 infos, sends = self.args_recv_info[bwd_chunk_id], list(self.grad_send_info or ())
-                self.bwd_cache[bwd_chunk_id] = tuple(
-                    torch.zeros_like(info.buffer) if grad is None and dst is not None and isinstance(info, _RecvInfo)
-                    else grad
-                    for grad, dst, info in zip(self.bwd_cache[bwd_chunk_id], sends, infos, strict=True))
+                grads = list(self.bwd_cache[bwd_chunk_id])
+                for i, (grad, dst, info) in enumerate(zip(grads, sends, infos, strict=True)):
+                    if grad is None and dst is not None and isinstance(info, _RecvInfo):
+                        if _receiver_has_buffer(self, i):
+                            grads[i] = torch.zeros_like(info.buffer)
+                        else:  # 2.12: the sender of an input that needs no gradient posts no receive for one
+                            sends[i] = None
+                self.bwd_cache[bwd_chunk_id], self.grad_send_info = tuple(grads), sends
             return super().get_bwd_send_ops(bwd_chunk_id)
+
+
+def _receiver_has_buffer(stage: Any, index: int) -> bool:
+    """Whether the stage that sent input ``index`` posts a receive for its gradient: torch 2.11 always does; 2.12
+    only for an output that requires grad (as recorded in the metadata this stage received)."""
+    if not METADATA_INFERENCE:
+        return True
+    metas = stage._stage_meta.inputs
+    return metas is None or index >= len(metas) or metas[index] is None or bool(metas[index].requires_grad)
 
 
 def _forget_inferred_shapes(stage: Any) -> None:
