@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
+import importlib.util
 import json
 import sys
 import traceback
@@ -22,18 +23,27 @@ def environment() -> dict[str, Any]:
     dev = device()
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     info: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
-                            "device": name, "peak_bf16_tflops": peak_tflops(name),
-                            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if dev.type == "cuda" else None}
+                            "device": name, "peak_bf16_tflops": peak_tflops(name)}
+    if dev.type == "cuda":
+        try:
+            version = torch.cuda.nccl.version()
+            info["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+        except Exception as err:
+            info["nccl"] = f"unknown: {err}"
     for module in ("lightning", "lightning_pipe", "recipes.gpt.model", "recipes.llama.model"):
         try:  # the library names a private torch name it misses here
             info[module] = getattr(importlib.import_module(module), "__version__", "imports")
         except Exception as err:
             info[module] = f"import failed: {type(err).__name__}: {err}"
-    for dist in ("transformers", "hydra-core", "omegaconf"):  # installed or not (not needed by the check)
-        try:
+    for dist, module in (("transformers", "transformers"), ("hydra-core", "hydra"), ("omegaconf", "omegaconf")):
+        try:  # installed or not, importable or not: the check needs none of them
             info[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             info[dist] = None
+        try:
+            info[f"{module}_importable"] = importlib.util.find_spec(module) is not None
+        except ImportError:
+            info[f"{module}_importable"] = False
     return info
 
 
@@ -56,6 +66,7 @@ def run_child(args: argparse.Namespace) -> int:
         dev = device()
         out.update(what=what, device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu")
         if dev.type == "cuda":
+            torch.cuda.set_device(dev)
             torch.cuda.reset_peak_memory_stats(dev)
         torch.set_float32_matmul_precision("high")  # the speed cases run bf16; parity's fp32 turns TF32 off
         ctx = cases.Ctx(model_spec(model, args.smoke), dev, args.warmup, args.steps, args.smoke,

@@ -221,7 +221,7 @@ class SyncCounter:
 
     def record(self, stack: list[traceback.FrameSummary], filename: str, lineno: int) -> None:
         frames = [f for f in stack if "/warnings.py" not in f.filename]
-        ours = [f for f in frames if any(mark in _short(f.filename) for mark in self.OURS)
+        ours = [f for f in frames if _short(f.filename).startswith(self.OURS)
                 and not _short(f.filename).startswith("bench/gpu/")]  # the check's own harness is not a site
         site = ours[-1] if ours else None
         self.events.append({

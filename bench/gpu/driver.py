@@ -31,6 +31,10 @@ for _schedule in ("interleaved_1f1b", "zbv"):
 for _kind, _what in SPEED.items():
     CASES[f"llama_1b-{_kind}"] = (_kind, "llama_1b", _what, 150.0)
 ENV_TIMEOUT = 60.0
+# --smoke runs each code path once (a process costs seconds of imports on a CPU): both parity schedules and both
+# precisions, every speed anchor on the GPT, the Llama through torch's schedule and ours; --cases all runs all
+SMOKE_CASES = ["gpt2_124m-a", "gpt2_124m-a2", "gpt2_124m-a3", "gpt2_124m-c", "parity-interleaved_1f1b-fp32",
+               "parity-zbv-bf16", "llama_1b-a3", "llama_1b-c"]
 
 
 def _stream(cmd: list[str], timeout: float, env: dict[str, str], log_prefix: str) -> tuple[int, list[str]]:
@@ -117,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny models on the CPU (gloo, fp32 parity): tests the script")
     p.add_argument("--out", help="results.json and the traces (default $OUT if set, else bench/out/gpu)")
-    p.add_argument("--cases", default=None, help=f"comma-separated subset of {list(CASES)}")
+    p.add_argument("--cases", default=None,
+                   help=f"comma-separated subset of {list(CASES)}, or 'all' (the default; smoke: {SMOKE_CASES})")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; smoke 1)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 10; smoke 2)")
     p.add_argument("--budget", type=float, default=None,
@@ -132,7 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.gpu.child import run_child
 
         return run_child(args)
-    cases = [c.strip() for c in args.cases.split(",") if c.strip()] if args.cases else list(CASES)
+    if args.cases in (None, "all"):
+        cases = SMOKE_CASES if args.smoke and args.cases is None else list(CASES)
+    else:
+        cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         p.error(f"unknown case(s) {unknown}; known: {list(CASES)}")
