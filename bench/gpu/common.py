@@ -10,7 +10,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,6 @@ class ModelSpec:
     lr: float = 6e-4
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = 0.1
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def batch(self) -> int:
