@@ -92,3 +92,18 @@ def test_sync_counter_names_the_site_and_lets_other_warnings_through() -> None:
     site = summary["sites"]["lightning_pipe/engine.py:300 <- engine.py:300"]
     assert site == {"count": 1, "in_schedule": True, "code": "if packed[1] < 0:", "function": "_step_loss"}
     assert SYNC_MESSAGE in "called a synchronizing CUDA operation"
+
+
+def test_sync_counter_catches_every_warning_raised_in_cpp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA's sync report is a C++ TORCH_WARN turned into a Python warning when the op returns: stand in a C++
+    warning that the CPU raises (copy-constructing a tensor) for it; each occurrence counts, at the calling line."""
+    import bench.gpu.common as common
+
+    monkeypatch.setattr(common, "SYNC_MESSAGE", "To copy construct from a tensor")
+    counter = SyncCounter(torch.device("cpu"))
+    x, y = torch.ones(2), torch.ones(3)
+    with counter.counting():
+        for _ in range(3):
+            x.new_tensor(y)
+    assert [e["innermost"] for e in counter.events] == [counter.events[0]["innermost"]] * 3
+    assert counter.events[0]["innermost"].startswith("tests/recipes/test_gpu_script.py:")
