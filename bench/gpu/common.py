@@ -214,8 +214,7 @@ class SyncCounter:
             try:
                 yield
             finally:
-                if self.available:
-                    sync(self.dev)
+                if self.available:  # off before anything else: a synchronize here would count too
                     torch.cuda.set_sync_debug_mode(0)
 
     def record(self, stack: list[traceback.FrameSummary], filename: str, lineno: int) -> None:
