@@ -1,0 +1,5 @@
+import sys
+
+from bench.gpu.driver import main
+
+sys.exit(main())
