@@ -99,6 +99,7 @@ class TrainingResult(TypedDict):
     dp_sync: NotRequired[dict[str, int]]  # pipeline only: batches whose gradients were averaged each way
     tp_rank: NotRequired[int]  # pipeline only
     sharded_params: NotRequired[int]  # pipeline only: parameters held as split DTensors (FSDP / tensor parallel)
+    per_edge_p2p: NotRequired[bool]  # pipeline only: torch 2.15 per-edge communicators in use
 
 
 class NoLayerList(ToyRegressor):
@@ -292,6 +293,8 @@ def run_training(case: TrainingCase, pipeline: bool) -> TrainingResult:
         out["topology"] = (trainer.strategy.topology.dp_rank, trainer.strategy.topology.pp_rank)
         out["dp_sync"] = dp_sync.counts
         out["tp_rank"] = trainer.strategy.topology.tp_rank
+        # torch >= 2.15: one communicator per directed edge (the flag every PipelineStage reads when it is built)
+        out["per_edge_p2p"] = bool(getattr(getattr(torch.distributed, "config", None), "pipeline_per_edge_p2p", False))
         out["sharded_params"] = sum(isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)
                                     for p in model.parameters())
     callback = trainer.checkpoint_callback
