@@ -231,3 +231,31 @@ def test_callback_rejects_bad_settings_and_ignores_other_strategies() -> None:
     with pytest.warns(UserWarning, match="PipelineTimeline does nothing"):
         cb.on_train_start(trainer, None)  # type: ignore[arg-type]
     assert cb.recorder is None and cb.records == []
+
+
+def test_a_nested_batch_p2p_is_recorded_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Since torch 2.14 ``_batch_p2p`` splits a batch by process group (per-direction / per-edge P2P) and calls
+    itself once per group: the recorder wraps the module function, so it sees the nested calls; only the outer one
+    is a span (its label names every op)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    from lightning_pipe.trace.recorder import _CpuClock, _Run
+
+    def fake_batch_p2p(ops: list, desc: str | None = None) -> list:
+        if len(ops) > 1:  # torch 2.14+: one nested call per group, through the module's name
+            return [w for op in ops for w in torch_schedules._batch_p2p([op], desc=desc)]
+        return [object()]
+
+    monkeypatch.setattr(torch_schedules, "_batch_p2p", fake_batch_p2p)
+    stage = SimpleNamespace(stage_index=0, is_last=False, forward_one_chunk=None, backward_one_chunk=None,
+                            backward_weight_one_chunk=None, get_fwd_send_ops=lambda mb: ["send"],
+                            get_fwd_recv_ops=lambda mb: ["recv"], get_bwd_send_ops=lambda mb: [],
+                            get_bwd_recv_ops=lambda mb: [])
+    run = _Run(_CpuClock())
+    with run.patched([stage], SimpleNamespace(_compute_loss=None)):
+        works = torch_schedules._batch_p2p(stage.get_fwd_send_ops(1) + stage.get_fwd_recv_ops(1), desc="x")
+    assert len(works) == 2
+    assert [(kind, label) for kind, _, _, label, _, _ in run.raw] == [("post", "send F1 + recv F1")]
+    assert torch_schedules._batch_p2p is fake_batch_p2p  # restored
