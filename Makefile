@@ -39,7 +39,7 @@ test-fast: setup
 	$(BIN)/python -m pytest -q tests/unit $(ARGS)
 
 # Another torch in its own venv. Releases above this machine's pip cap (2.14.1) need the cap skipped for the one
-# command, e.g. PIP_CONFIG_FILE=/dev/null make test-torch TORCH=2.15.0 (docs/development.md, "Other torch versions").
+# command, e.g. PIP_CONFIG_FILE=/dev/null make test-torch TORCH=2.15.0 (docs/versions.md, "Running another torch").
 $(TVENV)/.installed-stamp: pyproject.toml
 	@test -x $(TVENV)/bin/python || $(PYTHON) -m venv $(TVENV)
 	$(TVENV)/bin/python -m pip install -q --upgrade pip "setuptools>=68,<82" wheel
