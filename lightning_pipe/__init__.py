@@ -14,8 +14,8 @@ from lightning_pipe.lightning.callbacks import PipelineTimeline
 from lightning_pipe.lightning.module import PipelineModule
 from lightning_pipe.lightning.precision import PipelinePrecision
 from lightning_pipe.lightning.strategy import PipelineStrategy
+from lightning_pipe.parallel.tensor_parallel import FusedColwiseParallel
 from lightning_pipe.schedules import available_schedules, compute_order
-from lightning_pipe.tensor_parallel import FusedColwiseParallel
 
 __version__ = "0.1.0"
 

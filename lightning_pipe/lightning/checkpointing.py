@@ -43,7 +43,7 @@ from lightning_pipe.checkpoint.format import (
     optimizer_entries,
 )
 from lightning_pipe.config import PipelineConfig, Topology
-from lightning_pipe.fsdp import full_values, shard_optimizer_state, shard_state_like
+from lightning_pipe.parallel.fsdp import full_values, shard_optimizer_state, shard_state_like
 
 T = TypeVar("T")
 NO_OPTIMIZER_STATE = ("The checkpoint holds no optimizer state (saved with weights_only=True), so training cannot "

@@ -3,7 +3,7 @@
 Two mechanisms, wired into the strategy's hooks by :class:`PipelineFaults` (one per trainer run):
 
 * **a failure on one rank** is written to the store and stops the others ([Note: failure propagation] in
-  :mod:`lightning_pipe.watchdog`);
+  :mod:`lightning_pipe.runtime.watchdog`);
 * **SIGTERM** (SLURM preemption, Kubernetes) stops every rank together at a step boundary ([Note: SIGTERM at a
   step boundary]).
 
@@ -12,7 +12,7 @@ Lightning 2.6's SIGTERM handler runs ``dist.broadcast`` *inside the signal handl
 lands mid-schedule: rank 0 enters the broadcast while rank 1 is blocked on rank 0's next activation, and both wait
 until the process-group timeout. Our handler only records the signal (and forwards it to the ranks this process
 launched, as Lightning does); no collective, no I/O. After every step each rank joins a MAX all-reduce of "SIGTERM
-seen here" over the world (:func:`~lightning_pipe.watchdog.any_rank`), so all ranks learn it at the same step and
+seen here" over the world (:func:`~lightning_pipe.runtime.watchdog.any_rank`), so all ranks learn it at the same step and
 then stop the way Lightning stops on SIGTERM (``SIGTERMException``, exit code 0, the callbacks' ``on_exception``):
 in training after the optimizer step that closes the current accumulation window, in evaluation and prediction
 after the current batch. Because every rank is at the same point, checkpoint saves (collective here) work:
@@ -41,7 +41,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_pipe._compat import lightning as _compat
 from lightning_pipe._compat import torch as _compat_torch
 from lightning_pipe.config import config_error
-from lightning_pipe.watchdog import FailureWatch, any_rank
+from lightning_pipe.runtime.watchdog import FailureWatch, any_rank
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 """The process-group timeout: how long one collective or P2P transfer may wait before it fails.

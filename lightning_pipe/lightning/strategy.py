@@ -25,13 +25,11 @@ from typing_extensions import override
 from lightning_pipe._compat import lightning as _compat
 from lightning_pipe.checkpoint import remove as remove_checkpoint_files
 from lightning_pipe.config import MEASURED_PARTITIONS, PartitionSpec, Topology
-from lightning_pipe.engine import PipelineEngine
-from lightning_pipe.fsdp import ShardingOptions
-from lightning_pipe.layout import PipelineLayout, build_engine
 from lightning_pipe.lightning import world
 from lightning_pipe.lightning.checkpointing import RankGroup, ShardedCheckpointer
 from lightning_pipe.lightning.faults import DEFAULT_TIMEOUT, PipelineFaults, resolve_timeout
 from lightning_pipe.lightning.launchers import PipelineMultiProcessingLauncher
+from lightning_pipe.lightning.pipedream import attach_microbatch_updates
 from lightning_pipe.lightning.precision import PipelinePrecision, to_pipeline_precision
 from lightning_pipe.lightning.preflight import (
     balance_partition,
@@ -42,9 +40,11 @@ from lightning_pipe.lightning.preflight import (
 )
 from lightning_pipe.lightning.rebalancing import StrategyRebalancer
 from lightning_pipe.lightning.rebalancing import start as start_rebalancing
-from lightning_pipe.lightning.stashing import attach_microbatch_updates
+from lightning_pipe.parallel.fsdp import ShardingOptions
 from lightning_pipe.planner.plan import apply_plan
 from lightning_pipe.rebalance import check_rebalance
+from lightning_pipe.runtime.build import PipelineLayout, build_engine
+from lightning_pipe.runtime.engine import PipelineEngine
 from lightning_pipe.schedules import SchedulePlan, plan_schedule
 
 
@@ -289,7 +289,7 @@ class PipelineStrategy(ParallelStrategy):
 
         def closure_then_sync() -> Any:
             # After every accumulated backward, before on_before_optimizer_step and clipping see the gradients:
-            # average over replicas, sum tied copies (lightning_pipe.grads).
+            # average over replicas, sum tied copies (lightning_pipe.parallel.grads).
             result = closure()
             if engine is not None:
                 engine.sync_gradients()

@@ -23,11 +23,11 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pipe.config import PipelineConfig, config_error
-from lightning_pipe.engine import PipelineEngine
-from lightning_pipe.layout import PipelineLayout
 from lightning_pipe.rebalance.decide import Decision, LayerTime, Move, counts_of, decide, describe
 from lightning_pipe.rebalance.measure import LayerTimer
 from lightning_pipe.rebalance.move import move_layers, rebuild_engine
+from lightning_pipe.runtime.build import PipelineLayout
+from lightning_pipe.runtime.engine import PipelineEngine
 from lightning_pipe.schedules import SchedulePlan
 
 MEASURED_STEPS = 5

@@ -27,7 +27,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from lightning_pipe.partition import balanced_counts
+from lightning_pipe.layers.partition import balanced_counts
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def busiest_stage(costs: Sequence[float], counts: Sequence[int], stage_speed: Se
 def best_counts(costs: Sequence[float], stage_speed: Sequence[float]) -> tuple[int, ...]:
     """Contiguous split minimising the busiest stage, stage ``s`` running ``stage_speed[s]`` times slower.
 
-    Exact (:func:`lightning_pipe.partition.balanced_counts`); ties go to the split whose earlier stages are larger.
+    Exact (:func:`lightning_pipe.layers.partition.balanced_counts`); ties go to the split whose earlier stages are larger.
     """
     return tuple(balanced_counts(costs, len(stage_speed), stage_speed))
 

@@ -3,10 +3,10 @@
 A new schedule is one file here plus a Hydra config: a :class:`ScheduleSpec` registered below.
 """
 
-from lightning_pipe.schedules.chimera import CHIMERA
+from lightning_pipe.schedules.chimera.spec import CHIMERA
 from lightning_pipe.schedules.custom import CUSTOM
-from lightning_pipe.schedules.pipedream import PIPEDREAM, PIPEDREAM_2BW
-from lightning_pipe.schedules.plan import (
+from lightning_pipe.schedules.pipedream.spec import PIPEDREAM, PIPEDREAM_2BW
+from lightning_pipe.schedules.registry import (
     SchedulePlan,
     ScheduleSpec,
     available_schedules,

@@ -30,7 +30,7 @@ from typing import Any
 
 from lightning_pipe._compat import torch as _compat
 from lightning_pipe.config import PipelineConfig, config_error
-from lightning_pipe.schedules.plan import SchedulePlan, ScheduleSpec
+from lightning_pipe.schedules.registry import SchedulePlan, ScheduleSpec
 from lightning_pipe.schedules.simulate import ScheduleDeadlock, flatten, simulate
 
 KEY = "schedule_options"  # every error here is about the action lists (see config.SETTINGS)

@@ -63,7 +63,7 @@ GRAPH = {name: {m for m in imports_of(name) if m in MODULES and m != name} for n
 
 
 def test_the_package_is_found() -> None:
-    assert f"{PACKAGE}.engine" in MODULES and f"{PACKAGE}.lightning.strategy" in MODULES
+    assert f"{PACKAGE}.runtime.engine" in MODULES and f"{PACKAGE}.lightning.strategy" in MODULES
 
 
 @pytest.mark.parametrize("name", sorted(n for n in MODULES if not in_adapter(n)))
@@ -103,7 +103,7 @@ def test_no_import_cycles() -> None:
 
 def test_the_parser_sees_local_and_relative_imports() -> None:
     """A rule that cannot fail proves nothing: function-local and relative imports are seen and resolved."""
-    source = "def f():\n    from .lightning.strategy import PipelineStrategy\n    import lightning.pytorch\n"
-    found = imports_in(source, f"{PACKAGE}.engine", package=False)
+    source = "def f():\n    from ..lightning.strategy import PipelineStrategy\n    import lightning.pytorch\n"
+    found = imports_in(source, f"{PACKAGE}.runtime.engine", package=False)
     assert f"{PACKAGE}.lightning.strategy" in found and "lightning.pytorch" in found
-    assert in_adapter(f"{PACKAGE}.lightning.strategy") and not in_adapter(f"{PACKAGE}.engine")
+    assert in_adapter(f"{PACKAGE}.lightning.strategy") and not in_adapter(f"{PACKAGE}.runtime.engine")

@@ -8,7 +8,7 @@ import pytest
 
 from lightning_pipe.config import PipelineConfig, PipelineConfigError
 from lightning_pipe.schedules import available_schedules, compute_order, plan_schedule, simulate
-from lightning_pipe.schedules.chimera import (
+from lightning_pipe.schedules.chimera.spec import (
     PRIORITIES,
     bubble_chimera,
     chimera_order,
@@ -95,7 +95,7 @@ def test_refuses_what_cannot_hold(p: int, settings: dict, names: list[str]) -> N
 def test_refuses_non_cpu_devices_before_any_group() -> None:
     import torch
 
-    from lightning_pipe.chimera import ChimeraEngine
+    from lightning_pipe.schedules.chimera.engine import ChimeraEngine
 
     with pytest.raises(PipelineConfigError) as err:  # raised before it touches the module, groups or stages
         ChimeraEngine(None, [], [], plan(4), None, torch.device("meta"))  # type: ignore[arg-type]

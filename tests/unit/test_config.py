@@ -174,7 +174,7 @@ def test_recompute_setting():
 def test_stray_parameter_error_says_to_move_it_into_a_layer():
     from torch import nn
 
-    from lightning_pipe.stages import check_no_stray_parameters
+    from lightning_pipe.layers.stages import check_no_stray_parameters
 
     model = nn.Module()
     model.layers = nn.Sequential(nn.Linear(2, 2))

@@ -7,7 +7,7 @@ import pytest
 
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.config import PipelineConfig, PipelineConfigError
-from lightning_pipe.partition import partition_layers
+from lightning_pipe.layers.partition import partition_layers
 from lightning_pipe.schedules import (
     ScheduleDeadlock,
     available_schedules,

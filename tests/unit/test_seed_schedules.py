@@ -7,8 +7,8 @@ import pytest
 
 from lightning_pipe.config import PipelineConfig, PipelineConfigError
 from lightning_pipe.schedules import available_schedules, compute_order, get_schedule_spec, plan_schedule, simulate
-from lightning_pipe.stashing import StashingPipelineStage, pipedream_max_stashes, pipedream_version
-from lightning_pipe.versioned import VersionedPipelineStage
+from lightning_pipe.schedules.pipedream.stages import StashingPipelineStage, pipedream_max_stashes, pipedream_version
+from lightning_pipe.schedules.pipedream.versioned import VersionedPipelineStage
 
 
 def plan(name: str, p: int = 2, m: int | None = 4, **settings):

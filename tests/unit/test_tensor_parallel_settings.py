@@ -5,8 +5,8 @@ import pytest
 
 from lightning_pipe import PipelineConfig, PipelineConfigError, PipelineStrategy
 from lightning_pipe.config import TENSOR_PARALLEL_SCHEDULES, Topology
+from lightning_pipe.parallel.tensor_parallel import check_module
 from lightning_pipe.schedules import available_schedules
-from lightning_pipe.tensor_parallel import check_module
 from tests.models import TensorParallelRegressor, ToyRegressor
 
 
@@ -86,7 +86,7 @@ def test_fused_split_keeps_blocks_and_fsdp_refuses_it(tmp_path):
     from torch.distributed.tensor.parallel import parallelize_module
 
     from lightning_pipe import FusedColwiseParallel
-    from lightning_pipe.tensor_parallel import check_fsdp_can_shard
+    from lightning_pipe.parallel.tensor_parallel import check_fsdp_can_shard
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:

@@ -53,8 +53,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_pipe._compat import torch as _compat
-from lightning_pipe.fsdp import local
-from lightning_pipe.versioned import parameter_slots
+from lightning_pipe.parallel.fsdp import local
+from lightning_pipe.schedules.pipedream.versioned import parameter_slots
 
 
 def pipedream_version(stage: int, pipeline_size: int, microbatches: int, batch: int, microbatch: int) -> int:

@@ -3,8 +3,8 @@
 [Note: rank order] (config.py) says why the dimensions are ``(dp_replicate, pipeline, dp_shard)``, outermost first.
 The mesh exists when a dimension needs torch's composable APIs (FSDP2's ``fully_shard`` over ``dp_shard``, HSDP's
 replicate dimension, DTensor ``parallelize_module`` over ``tensor``); the pipeline x replicas layout keeps its plain
-process groups (lightning_pipe/grads.py), so nothing changes for it. The ``tensor`` dimension is innermost and
-exists only with ``tensor_parallel_size > 1`` (lightning_pipe/tensor_parallel.py). A run builds one mesh and slices
+process groups (lightning_pipe/parallel/grads.py), so nothing changes for it. The ``tensor`` dimension is innermost and
+exists only with ``tensor_parallel_size > 1`` (lightning_pipe/parallel/tensor_parallel.py). A run builds one mesh and slices
 it: FSDP2 can only combine a tensor-parallel DTensor with its data-parallel dimensions when both are slices of the
 same root mesh.
 """

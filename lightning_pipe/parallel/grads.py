@@ -17,10 +17,10 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_pipe.config import Topology
-from lightning_pipe.fsdp import local as local_part
-from lightning_pipe.mesh import SHARD, TENSOR
+from lightning_pipe.layers.stages import TiedParameter
+from lightning_pipe.parallel.fsdp import local as local_part
+from lightning_pipe.parallel.topology import SHARD, TENSOR
 from lightning_pipe.schedules import SchedulePlan
-from lightning_pipe.stages import TiedParameter
 
 
 @dataclass(frozen=True)
@@ -39,11 +39,11 @@ class ProcessGroups:
     def __init__(self, topology: Topology, tied: Sequence[TiedParameter], ranges: Sequence[range],
                  plan: SchedulePlan, mesh: Any = None) -> None:
         self.topology = topology
-        # FSDP (lightning_pipe/fsdp.py): the mesh, and the group each stage is sharded over (norms count shards once)
+        # FSDP (lightning_pipe/parallel/fsdp.py): the mesh, and the group each stage is sharded over (norms count shards once)
         self.mesh = mesh
         self.shard: dist.ProcessGroup | None = (mesh.get_group("dp_shard")
                                                if mesh is not None and topology.fsdp_size > 1 else None)
-        # Tensor parallelism (lightning_pipe/tensor_parallel.py): the group each layer is split over
+        # Tensor parallelism (lightning_pipe/parallel/tensor_parallel.py): the group each layer is split over
         self.tensor: dist.ProcessGroup | None = (mesh.get_group("tensor")
                                                 if mesh is not None and topology.tensor_parallel_size > 1 else None)
         p, d, tp = topology.pipeline_size, topology.dp_degree, topology.tensor_parallel_size

@@ -58,7 +58,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_pipe._compat import torch as _compat
-from lightning_pipe.batches import (
+from lightning_pipe.config import config_error
+from lightning_pipe.layers.batches import (
     LossParts,
     Signature,
     check_target,
@@ -69,12 +70,11 @@ from lightning_pipe.batches import (
     target_elements,
     trim_rows,
 )
-from lightning_pipe.config import config_error
-from lightning_pipe.dp_overlap import DataParallelOverlap, settle
-from lightning_pipe.fsdp import reshard
-from lightning_pipe.grads import GradientSync, ProcessGroups
+from lightning_pipe.layers.stages import StageModule
+from lightning_pipe.parallel.dp_overlap import DataParallelOverlap, settle
+from lightning_pipe.parallel.fsdp import reshard
+from lightning_pipe.parallel.grads import GradientSync, ProcessGroups
 from lightning_pipe.schedules import SchedulePlan, build_torch_schedule
-from lightning_pipe.stages import StageModule
 
 PipelineModel = Any
 """The user's module as the core sees it: an ``nn.Module`` with the layer-list contract of
@@ -128,7 +128,7 @@ class PipelineEngine:
         self.loss_scaler: Callable[[Tensor], Tensor] | None = None
         self._records: list[LossParts] = []  # this step's micro-batch losses (last stage)
         self._owner = type(module).__name__
-        # Context managers entered around every training schedule step (see lightning_pipe.memory / trace).
+        # Context managers entered around every training schedule step (see lightning_pipe.trace.memory / trace).
         self.step_contexts: list[Callable[[], contextlib.AbstractContextManager]] = []
 
     def _build_runtime(self, stage_modules: list[StageModule], local_stage_ids: list[int]) -> tuple[list[Any], Any]:

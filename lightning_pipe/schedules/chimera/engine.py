@@ -29,14 +29,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_pipe._compat import torch as _compat
-from lightning_pipe.batches import LossParts
 from lightning_pipe.config import config_error
-from lightning_pipe.engine import PipelineEngine, PipelineModel
-from lightning_pipe.fsdp import local as local_part
-from lightning_pipe.grads import GradientSync, ProcessGroups, all_reduce_coalesced
+from lightning_pipe.layers.batches import LossParts
+from lightning_pipe.layers.stages import StageModule
+from lightning_pipe.parallel.fsdp import local as local_part
+from lightning_pipe.parallel.grads import GradientSync, ProcessGroups, all_reduce_coalesced
+from lightning_pipe.runtime.engine import PipelineEngine, PipelineModel
 from lightning_pipe.schedules import SchedulePlan, compute_order
-from lightning_pipe.schedules.chimera_runtime import ChimeraRuntime
-from lightning_pipe.stages import StageModule
+from lightning_pipe.schedules.chimera.runtime import ChimeraRuntime
 
 
 class ChimeraGradientSync(GradientSync):
@@ -95,7 +95,7 @@ class ChimeraEngine(PipelineEngine):
                 "Schedule 'chimera' runs on CPU (gloo) only for now: its runtime posts each send right after its "
                 "compute and waits on it at the end of the step, which cannot block on gloo but can on NCCL, whose "
                 "sends and receives between two ranks share one stream ([Note: driving two pipelines from one "
-                "thread] in lightning_pipe/schedules/chimera_runtime.py); that path is not built and tested yet.",
+                "thread] in lightning_pipe/schedules/chimera/runtime.py); that path is not built and tested yet.",
                 f"device {device}", "schedule", "e.g. 1f1b, zbv or dualpipev on GPUs")
         if groups.topology.fsdp_size > 1:
             raise config_error(

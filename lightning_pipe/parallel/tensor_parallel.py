@@ -17,7 +17,7 @@ or ``Replicate`` DTensors (e.g. a row-wise layer's bias), identical on every ten
 
 - the global gradient norm counts a sharded gradient's local part on every tensor rank (summed over the tensor
   group) and a replicated one once (on tensor rank 0): [Note: counting sharded gradients] in grads.py;
-  clipping by value clamps each rank's parts (:meth:`~lightning_pipe.grads.GradientSync.clip_grad_value_`): torch's
+  clipping by value clamps each rank's parts (:meth:`~lightning_pipe.parallel.grads.GradientSync.clip_grad_value_`): torch's
   own clipping functions refuse a list that mixes DTensor and plain gradients;
 - replicas average each tensor rank's local parts with the same tensor rank of the other replicas (the
   data-parallel group is per tensor rank); the overlapped data-parallel sync is off (one all-reduce after the
@@ -25,7 +25,7 @@ or ``Replicate`` DTensors (e.g. a row-wise layer's bias), identical on every ten
 - checkpoints gather whole tensors per stage (``full_values``), written by tensor rank 0 only; a load cuts them again.
 
 With FSDP too (``fsdp_size > 1``: 2-D sharding per stage) each layer is split first, then ``fully_shard`` ed over the
-data-parallel dimensions (lightning_pipe/fsdp.py, ``shard_stages``), one layer at a time: allocated, made identical
+data-parallel dimensions (lightning_pipe/parallel/fsdp.py, ``shard_stages``), one layer at a time: allocated, made identical
 over the data-parallel group and then the tensor group, split by the hook, sharded. ``tp_mesh`` is the ``tensor``
 dimension of the run's one ``DeviceMesh`` (``mesh.build_mesh``) and FSDP's mesh is its ``dp_shard`` (or
 ``(dp_replicate, dp_shard)``) dimension: FSDP joins the two into one mesh for a split parameter, which only works
@@ -93,8 +93,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 
 from lightning_pipe._compat.torch import is_strided_shard, strided_shard
 from lightning_pipe.config import PipelineConfigError, config_error
-from lightning_pipe.grads import split_dims
-from lightning_pipe.stages import StageModule, TiedParameter
+from lightning_pipe.layers.stages import StageModule, TiedParameter
+from lightning_pipe.parallel.grads import split_dims
 
 HOOK = "parallelize_layer"
 
@@ -161,7 +161,7 @@ def split_layer(module: nn.Module, index: int, layer: nn.Module, tp_mesh: Device
     ``tensor_group=None``: the layer was made identical before (a reused layout). A layer split earlier in this
     process is left as it is. Collective over the tensor group.
 
-    With FSDP the caller shards the layer right after (lightning_pipe/fsdp.py): the hook sees whole, plain
+    With FSDP the caller shards the layer right after (lightning_pipe/parallel/fsdp.py): the hook sees whole, plain
     parameters either way, and ``tp_mesh`` is the ``tensor`` dimension of the run's one mesh, so FSDP can combine
     it with the data-parallel dimensions into 2-D (3-D for HSDP) DTensors (``for_fsdp``: refuse what it cannot).
     """

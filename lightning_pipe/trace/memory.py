@@ -16,7 +16,7 @@ from torch import nn
 
 
 class ActivationMeter:
-    """Attach to a :class:`~lightning_pipe.engine.PipelineEngine`; read ``peak_bytes`` after some steps."""
+    """Attach to a :class:`~lightning_pipe.runtime.engine.PipelineEngine`; read ``peak_bytes`` after some steps."""
 
     def __init__(self, params: list[nn.Parameter] | None = None) -> None:
         self.live_bytes = 0

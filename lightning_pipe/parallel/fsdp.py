@@ -41,7 +41,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_pipe.config import config_error
-from lightning_pipe.stages import StageModule, TiedParameter, init_layer
+from lightning_pipe.layers.stages import StageModule, TiedParameter, init_layer
 
 
 @dataclass(frozen=True)

@@ -56,10 +56,10 @@ class ScheduleSpec:
     """The ``schedule_options`` keys this schedule reads; any other key is refused (it would be ignored)."""
     stage_class: type | None = None
     """The ``PipelineStage`` subclass the engine builds this schedule's stages with (same constructor as
-    ``_compat.GuardedPipelineStage``); ``None``: that class. Weight versions: ``lightning_pipe/versioned.py``."""
+    ``_compat.GuardedPipelineStage``); ``None``: that class. Weight versions: ``lightning_pipe/schedules/pipedream/versioned.py``."""
     engine: str | None = None
     """``"module:Class"`` of a ``PipelineEngine`` subclass that builds this rank's runtime instead (same arguments),
-    for schedules that run more than one torch pipeline per rank (Chimera: ``lightning_pipe.chimera:ChimeraEngine``).
+    for schedules that run more than one torch pipeline per rank (Chimera: ``lightning_pipe.schedules.chimera.engine:ChimeraEngine``).
     A name, not the class: the engine imports this package, so the spec cannot import the engine."""
 
 
