@@ -15,12 +15,6 @@ PartitionSpec = str | Sequence[int]
 PARTITION_METHODS = ("uniform", "parameters", "time", "memory")
 MEASURED_PARTITIONS = ("time", "memory")
 """Partitions the strategy measures at setup (the planner's profile), then replaces by per-stage layer counts."""
-TENSOR_PARALLEL_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zbv", "dualpipev", "custom",
-                             "pipedream_2bw", "pipedream", "chimera")
-"""Schedules verified with tensor-parallel stages (tests/distributed/test_tensor_parallel.py): every built-in one
-(``schedule='auto'`` is the planner's, refused under tensor parallelism by the strategy); a schedule registered by an
-extension is refused until it is added here. Why they all hold: [Note: tensor parallel stages] in
-tensor_parallel.py."""
 
 
 class PipelineConfigError(ValueError):
@@ -153,12 +147,6 @@ class PipelineConfig:
         if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
             raise config_error("The tensor-parallel size (ranks each layer is split over) must be a positive integer.",
                                f"tensor_parallel_size={self.tensor_parallel_size!r}", "tensor_parallel_size")
-        if self.tensor_parallel_size > 1 and self.schedule not in TENSOR_PARALLEL_SCHEDULES:
-            raise config_error(
-                f"Tensor parallelism runs with the schedules {list(TENSOR_PARALLEL_SCHEDULES)}; '{self.schedule}' "
-                "is not verified with DTensor layers (lightning_pipe.config.TENSOR_PARALLEL_SCHEDULES).",
-                f"schedule={self.schedule!r}, tensor_parallel_size={self.tensor_parallel_size}", "schedule",
-                also=("tensor_parallel_size",))
         if not isinstance(self.fsdp_reshard_after_forward, bool):
             raise config_error("fsdp_reshard_after_forward is true or false.",
                                f"fsdp_reshard_after_forward={self.fsdp_reshard_after_forward!r}",

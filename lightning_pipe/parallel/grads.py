@@ -7,7 +7,7 @@ and the initial broadcast that makes replicas and tied copies start identical.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +20,6 @@ from lightning_pipe.config import Topology
 from lightning_pipe.layers.stages import TiedParameter
 from lightning_pipe.parallel.fsdp import local as local_part
 from lightning_pipe.parallel.topology import SHARD, TENSOR
-from lightning_pipe.schedules import SchedulePlan
 
 
 @dataclass(frozen=True)
@@ -37,7 +36,8 @@ class ProcessGroups:
     """The groups one rank talks over. Built collectively: every rank creates every group, in the same order."""
 
     def __init__(self, topology: Topology, tied: Sequence[TiedParameter], ranges: Sequence[range],
-                 plan: SchedulePlan, mesh: Any = None) -> None:
+                 ranks_of_stage: Callable[[int], Sequence[int]], mesh: Any = None) -> None:
+        """``ranks_of_stage``: the pipeline ranks holding a copy of a stage (``SchedulePlan.ranks_of_stage``)."""
         self.topology = topology
         # FSDP (lightning_pipe/parallel/fsdp.py): the mesh, and the group each stage is sharded over (norms count shards once)
         self.mesh = mesh
@@ -64,7 +64,7 @@ class ProcessGroups:
         # Tied parameters held by several pipeline ranks: one group per tie and replica, over the holding ranks.
         self.tied: list[TieGroup] = []
         for tie in tied:
-            holders = sorted({r for i in tie.layer_indices for r in plan.ranks_of_stage(_stage_of(ranges, i))})
+            holders = sorted({r for i in tie.layer_indices for r in ranks_of_stage(_stage_of(ranges, i))})
             if len(holders) < 2:
                 continue
             mine = None

@@ -72,8 +72,8 @@ likewise (2 fp16 ulps); its scaler unscales and checks each rank's parts (torch'
 a mix of DTensor and plain gradients: ``LocalPartsGradScaler`` in lightning/precision.py), and the found-inf flag is
 all-reduced over the world, so an overflow in one tensor rank's part skips the step everywhere (tested).
 
-Refused (plain-data errors, before any rank waits on another): a schedule registered by an extension (not in
-:data:`~lightning_pipe.config.TENSOR_PARALLEL_SCHEDULES`, which holds every built-in one), the planner
+Refused (plain-data errors, before any rank waits on another): a schedule registered by an extension that does not
+declare ``ScheduleSpec.tensor_parallel`` (every built-in one does), the planner
 (``schedule='auto'``, plan files, measured partitions, rebalancing), a module without the hook.
 """
 

@@ -6,7 +6,6 @@ The Lightning strategy calls :func:`build_engine` at setup (collectively, on eve
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -37,7 +36,7 @@ from lightning_pipe.parallel.tensor_parallel import (
 from lightning_pipe.parallel.tensor_parallel import check_module as check_tensor_parallel
 from lightning_pipe.parallel.topology import TENSOR, build_mesh, data_parallel_mesh
 from lightning_pipe.runtime.engine import PipelineEngine, PipelineModel
-from lightning_pipe.schedules import SchedulePlan
+from lightning_pipe.runtime.spec import SchedulePlan
 
 
 @dataclass(frozen=True)
@@ -51,12 +50,9 @@ class PipelineLayout:
 
 
 def engine_class(plan: SchedulePlan) -> type[PipelineEngine]:
-    """``PipelineEngine``, or the subclass the schedule names (``ScheduleSpec.engine``: ``"module:Class"``)."""
-    if plan.spec.engine is None:
-        return PipelineEngine
-    module_name, _, name = plan.spec.engine.partition(":")
-    cls = getattr(importlib.import_module(module_name), name)
-    if not (isinstance(cls, type) and issubclass(cls, PipelineEngine)):
+    """``PipelineEngine``, or the subclass the schedule names (``ScheduleSpec.engine``)."""
+    cls = plan.spec.engine or PipelineEngine
+    if not issubclass(cls, PipelineEngine):
         raise TypeError(f"schedule {plan.spec.name!r}: engine {plan.spec.engine!r} is not a PipelineEngine subclass")
     return cls
 
@@ -96,7 +92,7 @@ def build_engine(module: PipelineModel, config: PipelineConfig, plan: SchedulePl
     # into one DTensor, which needs both to be slices of the same root mesh.
     mesh = (build_mesh(topology, device.type)
             if topology.fsdp_size > 1 or topology.tensor_parallel_size > 1 else None)
-    groups = ProcessGroups(topology, layout.tied, layout.ranges, plan, mesh=mesh)
+    groups = ProcessGroups(topology, layout.tied, layout.ranges, plan.ranks_of_stage, mesh=mesh)
     stage_modules = localize_layers(module, config.layers_attr, layout.ranges, local_ids, plan.stage_to_rank,
                                     config.recompute_every)
     split: Callable[[int, torch.nn.Module], None] | None = None

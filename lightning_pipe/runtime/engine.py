@@ -74,7 +74,7 @@ from lightning_pipe.layers.stages import StageModule
 from lightning_pipe.parallel.dp_overlap import DataParallelOverlap, settle
 from lightning_pipe.parallel.fsdp import reshard
 from lightning_pipe.parallel.grads import GradientSync, ProcessGroups
-from lightning_pipe.schedules import SchedulePlan, build_torch_schedule
+from lightning_pipe.runtime.spec import SchedulePlan, build_torch_schedule
 
 PipelineModel = Any
 """The user's module as the core sees it: an ``nn.Module`` with the layer-list contract of

@@ -30,7 +30,7 @@ from typing import Any
 
 from lightning_pipe._compat import torch as _compat
 from lightning_pipe.config import PipelineConfig, config_error
-from lightning_pipe.schedules.registry import SchedulePlan, ScheduleSpec
+from lightning_pipe.runtime.spec import SchedulePlan, ScheduleSpec
 from lightning_pipe.schedules.simulate import ScheduleDeadlock, flatten, simulate
 
 KEY = "schedule_options"  # every error here is about the action lists (see config.SETTINGS)
@@ -215,4 +215,5 @@ def build(plan: SchedulePlan, stages: list[Any], loss_fn: Callable[..., Any]) ->
 CUSTOM = ScheduleSpec("custom", _compat.PipelineScheduleRuntime,
                       "per-rank action lists (inline or CSV) run by torch's schedule runtime",
                       multi_stage=True, placement="given", default_stages_per_rank=1, allowed_stages_per_rank=None,
-                      min_microbatches="none", resolve=resolve, build=build, options=OPTIONS)
+                      min_microbatches="none", resolve=resolve, build=build, options=OPTIONS,
+                      tensor_parallel=True)

@@ -35,8 +35,9 @@ from lightning_pipe.layers.stages import StageModule
 from lightning_pipe.parallel.fsdp import local as local_part
 from lightning_pipe.parallel.grads import GradientSync, ProcessGroups, all_reduce_coalesced
 from lightning_pipe.runtime.engine import PipelineEngine, PipelineModel
-from lightning_pipe.schedules import SchedulePlan, compute_order
+from lightning_pipe.runtime.spec import SchedulePlan
 from lightning_pipe.schedules.chimera.runtime import ChimeraRuntime
+from lightning_pipe.schedules.registry import compute_order
 
 
 class ChimeraGradientSync(GradientSync):

@@ -38,8 +38,9 @@ from typing import Any
 
 from lightning_pipe._compat import torch as _compat
 from lightning_pipe.config import PipelineConfig, config_error
+from lightning_pipe.runtime.spec import SchedulePlan, ScheduleSpec
+from lightning_pipe.schedules.chimera.engine import ChimeraEngine
 from lightning_pipe.schedules.chimera.runtime import ChimeraRuntime
-from lightning_pipe.schedules.registry import SchedulePlan, ScheduleSpec
 from lightning_pipe.schedules.simulate import simulate
 
 DOWN, UP = 0, 1  # the pipelines, as in chimera_runtime
@@ -151,4 +152,5 @@ def order(plan: SchedulePlan) -> dict[int, list[Any]]:
 CHIMERA = ScheduleSpec(
     "chimera", ChimeraRuntime,
     "Chimera: two synchronous 1F1B pipelines in opposite directions on the same ranks (p even)",
-    placement="mirror", theory_bubble=bubble_chimera, resolve=resolve, order=order, engine="lightning_pipe.schedules.chimera.engine:ChimeraEngine")
+    placement="mirror", theory_bubble=bubble_chimera, resolve=resolve, order=order, engine=ChimeraEngine,
+    tensor_parallel=True)

@@ -29,9 +29,10 @@ from __future__ import annotations
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from lightning_pipe.config import PipelineConfig, config_error
+from lightning_pipe.runtime.spec import SchedulePlan, ScheduleSpec
 from lightning_pipe.schedules.pipedream.stages import StashingPipelineStage
 from lightning_pipe.schedules.pipedream.versioned import VersionedPipelineStage
-from lightning_pipe.schedules.registry import SchedulePlan, ScheduleSpec, _bubble_flush, _order_1f1b
+from lightning_pipe.schedules.registry import _bubble_flush, _order_1f1b
 
 
 def resolve_versioned(spec: ScheduleSpec, config: PipelineConfig, pipeline_size: int) -> SchedulePlan:
@@ -62,11 +63,11 @@ PIPEDREAM_2BW = ScheduleSpec(
     "pipedream_2bw", torch_schedules.Schedule1F1B,
     "PipeDream-2BW: 1F1B on the previous batch's weights (two versions per stage), one update per batch",
     theory_bubble=_bubble_flush, resolve=resolve_versioned, order=_order_1f1b,
-    stage_class=VersionedPipelineStage)
+    stage_class=VersionedPipelineStage, tensor_parallel=True)
 
 
 PIPEDREAM = ScheduleSpec(
     "pipedream", torch_schedules.Schedule1F1B,
     "PipeDream: 1F1B with weight stashing, one optimizer update per micro-batch per stage",
     theory_bubble=_bubble_flush, resolve=resolve_versioned, order=_order_1f1b,
-    stage_class=StashingPipelineStage)
+    stage_class=StashingPipelineStage, tensor_parallel=True)
