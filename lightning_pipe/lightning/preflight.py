@@ -14,7 +14,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_pipe._compat import lightning as _compat
-from lightning_pipe.config import MEASURED_PARTITIONS, PartitionSpec, PipelineConfig, Topology, config_error
+from lightning_pipe.config import MEASURED_PARTITIONS, PartitionSpec, PipelineConfig, config_error
+from lightning_pipe.parallel.topology import Topology
 from lightning_pipe.planner.auto import balance_on_ranks, plan_on_ranks
 from lightning_pipe.planner.plan import apply_plan, explain, load_plan
 from lightning_pipe.schedules import SchedulePlan, check_schedule_settings

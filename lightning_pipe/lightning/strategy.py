@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from lightning_pipe._compat import lightning as _compat
 from lightning_pipe.checkpoint import remove as remove_checkpoint_files
-from lightning_pipe.config import MEASURED_PARTITIONS, PartitionSpec, Topology
+from lightning_pipe.config import MEASURED_PARTITIONS, PartitionSpec
 from lightning_pipe.lightning import world
 from lightning_pipe.lightning.checkpointing import RankGroup, ShardedCheckpointer
 from lightning_pipe.lightning.faults import DEFAULT_TIMEOUT, PipelineFaults, resolve_timeout
@@ -41,6 +41,7 @@ from lightning_pipe.lightning.preflight import (
 from lightning_pipe.lightning.rebalancing import StrategyRebalancer
 from lightning_pipe.lightning.rebalancing import start as start_rebalancing
 from lightning_pipe.parallel.fsdp import ShardingOptions
+from lightning_pipe.parallel.topology import Topology
 from lightning_pipe.planner.plan import apply_plan
 from lightning_pipe.rebalance import check_rebalance
 from lightning_pipe.runtime.build import PipelineLayout, build_engine

@@ -13,7 +13,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from lightning_pipe.config import PipelineConfig, Topology
+from lightning_pipe.config import PipelineConfig
 from lightning_pipe.layers.partition import layer_param_counts, partition_layers
 from lightning_pipe.layers.stages import (
     TiedParameter,
@@ -25,7 +25,6 @@ from lightning_pipe.layers.stages import (
     warn_batch_norm,
 )
 from lightning_pipe.parallel.fsdp import ShardingOptions, check_schedule, check_ties, shard_stages
-from lightning_pipe.parallel.grads import ProcessGroups
 from lightning_pipe.parallel.tensor_parallel import (
     agree_after_split,
     parallelize_stages,
@@ -34,7 +33,7 @@ from lightning_pipe.parallel.tensor_parallel import (
     tie_copies,
 )
 from lightning_pipe.parallel.tensor_parallel import check_module as check_tensor_parallel
-from lightning_pipe.parallel.topology import TENSOR, build_mesh, data_parallel_mesh
+from lightning_pipe.parallel.topology import TENSOR, ProcessGroups, Topology, build_mesh, data_parallel_mesh
 from lightning_pipe.runtime.engine import PipelineEngine, PipelineModel
 from lightning_pipe.runtime.spec import SchedulePlan
 

@@ -73,7 +73,8 @@ from lightning_pipe.layers.batches import (
 from lightning_pipe.layers.stages import StageModule
 from lightning_pipe.parallel.dp_overlap import DataParallelOverlap, settle
 from lightning_pipe.parallel.fsdp import reshard
-from lightning_pipe.parallel.grads import GradientSync, ProcessGroups
+from lightning_pipe.parallel.grads import GradientSync
+from lightning_pipe.parallel.topology import ProcessGroups
 from lightning_pipe.runtime.spec import SchedulePlan, build_torch_schedule
 
 PipelineModel = Any

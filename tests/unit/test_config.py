@@ -7,7 +7,8 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 import lightning_pipe
 from lightning_pipe import PipelineConfig, PipelineConfigError, PipelineStrategy
-from lightning_pipe.config import SETTINGS, Topology, config_error, describe_setting
+from lightning_pipe.config import SETTINGS, config_error, describe_setting
+from lightning_pipe.parallel.topology import Topology
 from lightning_pipe.schedules import available_schedules, plan_schedule
 
 

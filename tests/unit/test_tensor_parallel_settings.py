@@ -4,8 +4,8 @@ import lightning.pytorch as L
 import pytest
 
 from lightning_pipe import PipelineConfig, PipelineConfigError, PipelineStrategy
-from lightning_pipe.config import Topology
 from lightning_pipe.parallel.tensor_parallel import check_module
+from lightning_pipe.parallel.topology import Topology
 from lightning_pipe.runtime.spec import ScheduleSpec
 from lightning_pipe.schedules import available_schedules, get_schedule_spec, registry
 from tests.models import TensorParallelRegressor, ToyRegressor
