@@ -43,7 +43,7 @@ from lightning_pipe.checkpoint.format import (
     optimizer_entries,
 )
 from lightning_pipe.config import PipelineConfig
-from lightning_pipe.parallel.fsdp import full_values, shard_optimizer_state, shard_state_like
+from lightning_pipe.parallel.dtensor import full_values, shard_optimizer_state, shard_state_like
 from lightning_pipe.parallel.topology import Topology
 
 T = TypeVar("T")

@@ -35,7 +35,7 @@ from typing_extensions import override
 from lightning_pipe._compat.lightning import DtypeContextManager, convert_fp_tensor
 from lightning_pipe._compat.torch import ShardedGradScaler
 from lightning_pipe.config import config_error
-from lightning_pipe.parallel.fsdp import local
+from lightning_pipe.parallel.dtensor import local
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_pipe.runtime.engine import PipelineEngine

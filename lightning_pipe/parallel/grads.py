@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_pipe.parallel.fsdp import local as local_part
+from lightning_pipe.parallel.dtensor import local as local_part
 from lightning_pipe.parallel.topology import SHARD, TENSOR, ProcessGroups, TieGroup
 
 

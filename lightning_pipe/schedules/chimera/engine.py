@@ -32,7 +32,7 @@ from lightning_pipe._compat import torch as _compat
 from lightning_pipe.config import config_error
 from lightning_pipe.layers.batches import LossParts
 from lightning_pipe.layers.stages import StageModule
-from lightning_pipe.parallel.fsdp import local as local_part
+from lightning_pipe.parallel.dtensor import local as local_part
 from lightning_pipe.parallel.grads import GradientSync, all_reduce_coalesced
 from lightning_pipe.parallel.topology import ProcessGroups
 from lightning_pipe.runtime.engine import PipelineEngine, PipelineModel

@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_pipe._compat import torch as _compat
-from lightning_pipe.parallel.fsdp import local
+from lightning_pipe.parallel.dtensor import local
 from lightning_pipe.schedules.pipedream.versioned import parameter_slots
 
 
