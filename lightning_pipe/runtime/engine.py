@@ -111,7 +111,7 @@ class PipelineEngine:
         self.parameters = list({id(p): p for sm in stage_modules for p in sm.parameters()}.values())
         self.grads = GradientSync(module, self.parameters, groups, device)
         # [Note: what the overlapped sync averages]; the strategy sets the two hints before each training batch.
-        # PipeDream averages each micro-batch's gradients in its own update (stashing.MicrobatchUpdate); FSDP
+        # PipeDream averages each micro-batch's gradients in its own update (pipedream.stages.MicrobatchUpdate); FSDP
         # stages average in their own reduce-scatter ([Note: FSDP under the pipeline schedule] in fsdp.py).
         self.dp_overlap = (DataParallelOverlap(self.stages, self.parameters, groups.dp)
                            if groups.dp is not None and groups.shard is None and groups.tensor is None
@@ -162,7 +162,7 @@ class PipelineEngine:
         parts = loss_parts(self.module.loss_fn(output, target), self._owner)
         if not self._inferring:  # torch's shape inference calls the loss too: not one of the step's micro-batches
             self._records.append(parts.detached())
-        if self.per_microbatch_updates:  # each update takes its own micro-batch's mean loss (stashing.py)
+        if self.per_microbatch_updates:  # each update takes its own micro-batch's mean loss (schedules/pipedream/)
             scaled = parts.value if parts.count is None else parts.value / parts.count.clamp_min(1)
         else:  # [Note: loss scaling]; a (sum, count) pair: [Note: token-weighted loss]
             scaled = parts.value * (self._loss_scale if parts.count is None else self._sum_scale)
@@ -346,13 +346,13 @@ class PipelineEngine:
         self._grads_averaged = True
 
     def set_microbatch_update(self, updater: Any) -> None:
-        """PipeDream: each stage's update after every micro-batch's backward (``stashing.MicrobatchUpdate``)."""
+        """PipeDream: each stage's update after every micro-batch's backward (``pipedream.stages.MicrobatchUpdate``)."""
         for stage in self.stages:
             stage.updater = updater
 
     def before_optimizer_step(self) -> None:
         """Called by the strategy after the gradient sync, right before the optimizer updates the weights: stages
-        that keep weight versions stash the current ones ([Note: weight versions in a stage] in versioned.py)."""
+        that keep weight versions stash the current ones ([Note: weight versions in a stage] in schedules/pipedream/stages.py)."""
         for stage in self.stages:
             stash_live = getattr(stage, "stash_live", None)
             if stash_live is not None:

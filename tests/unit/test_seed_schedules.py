@@ -7,8 +7,12 @@ import pytest
 
 from lightning_pipe.config import PipelineConfig, PipelineConfigError
 from lightning_pipe.schedules import available_schedules, compute_order, get_schedule_spec, plan_schedule, simulate
-from lightning_pipe.schedules.pipedream.stages import StashingPipelineStage, pipedream_max_stashes, pipedream_version
-from lightning_pipe.schedules.pipedream.versioned import VersionedPipelineStage
+from lightning_pipe.schedules.pipedream.stages import (
+    StashingPipelineStage,
+    VersionedPipelineStage,
+    pipedream_max_stashes,
+    pipedream_version,
+)
 
 
 def plan(name: str, p: int = 2, m: int | None = 4, **settings):

@@ -1,7 +1,7 @@
 """Chimera's engine: two pipelines per rank, their process groups, and the gradient rules that make a step exact.
 
-See [Note: Chimera placement and semantics] in ``schedules/chimera.py`` for what is computed, and
-[Note: driving two pipelines from one thread] in ``schedules/chimera_runtime.py`` for how it runs.
+See [Note: Chimera placement and semantics] in ``schedules/chimera/spec.py`` for what is computed, and
+[Note: driving two pipelines from one thread] in ``schedules/chimera/runtime.py`` for how it runs.
 
 [Note: Chimera's process groups]
 P2P messages carry no tag, so the up pipeline cannot share the down pipeline's group (two pipelines sharing one group

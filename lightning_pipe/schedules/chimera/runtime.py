@@ -1,5 +1,5 @@
 """The runtime of one Chimera rank: two torch ``PipelineStage`` objects (down and up pipeline) driven from one thread
-through a merged per-rank action order ([Note: the merged order] in ``schedules/chimera.py``).
+through a merged per-rank action order ([Note: the merged order] in ``schedules/chimera/spec.py``).
 
 [Note: driving two pipelines from one thread]
 Everything that touches the wire is torch's: each stage builds its own send / receive ops

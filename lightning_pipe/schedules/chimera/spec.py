@@ -43,7 +43,7 @@ from lightning_pipe.schedules.chimera.engine import ChimeraEngine
 from lightning_pipe.schedules.chimera.runtime import ChimeraRuntime
 from lightning_pipe.schedules.simulate import simulate
 
-DOWN, UP = 0, 1  # the pipelines, as in chimera_runtime
+DOWN, UP = 0, 1  # the pipelines, as in runtime.py
 
 
 def stage_rank(pipeline: int, stage: int, p: int) -> int:

@@ -1,6 +1,6 @@
 """PipeDream-2BW (Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel DNN Training"): double-buffered weights;
 and PipeDream (Narayanan et al. 2019): weight stashing, one update per micro-batch ([Note: PipeDream weight
-stashing] in ``lightning_pipe/schedules/pipedream/stages.py``; the Lightning side: ``lightning/stashing.py``).
+stashing] in ``lightning_pipe/schedules/pipedream/stages.py``; the Lightning side: ``lightning/pipedream.py``).
 
 [Note: PipeDream-2BW semantics]
 ``W(b+1) = W(b) - update(mean_j grad f_{b,j}(W(b-1)))`` with ``W(-1) = W(0)``: every micro-batch j of batch b runs
@@ -30,8 +30,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from lightning_pipe.config import PipelineConfig, config_error
 from lightning_pipe.runtime.spec import SchedulePlan, ScheduleSpec
-from lightning_pipe.schedules.pipedream.stages import StashingPipelineStage
-from lightning_pipe.schedules.pipedream.versioned import VersionedPipelineStage
+from lightning_pipe.schedules.pipedream.stages import StashingPipelineStage, VersionedPipelineStage
 from lightning_pipe.schedules.registry import _bubble_flush, _order_1f1b
 
 
