@@ -76,6 +76,7 @@ from lightning_pipe.parallel.fsdp import reshard
 from lightning_pipe.parallel.grads import GradientSync
 from lightning_pipe.parallel.topology import ProcessGroups
 from lightning_pipe.runtime.spec import SchedulePlan, build_torch_schedule
+from lightning_pipe.runtime.stage import PipelineStage
 
 PipelineModel = Any
 """The user's module as the core sees it: an ``nn.Module`` with the layer-list contract of
@@ -95,7 +96,7 @@ class PipelineEngine:
         self.stage_modules = stage_modules
         self.stages, self.schedule = self._build_runtime(stage_modules, local_stage_ids)
         # PipeDream: the optimizer steps inside the schedule, per micro-batch ([Note: PipeDream weight stashing])
-        self.per_microbatch_updates = any(getattr(st, "updates_per_microbatch", False) for st in self.stages)
+        self.per_microbatch_updates = any(st.updates_per_microbatch for st in self.stages)
         self.has_first = any(st.is_first for st in self.stages)
         self.has_last = any(st.is_last for st in self.stages)
         self.phase: str | None = None
@@ -132,10 +133,11 @@ class PipelineEngine:
         # Context managers entered around every training schedule step (see lightning_pipe.trace.memory / trace).
         self.step_contexts: list[Callable[[], contextlib.AbstractContextManager]] = []
 
-    def _build_runtime(self, stage_modules: list[StageModule], local_stage_ids: list[int]) -> tuple[list[Any], Any]:
+    def _build_runtime(self, stage_modules: list[StageModule],
+                       local_stage_ids: list[int]) -> tuple[list[PipelineStage], Any]:
         """This rank's torch stages and the schedule that drives them (a subclass may run several pipelines)."""
         stages = [
-            (self.plan.spec.stage_class or _compat.GuardedPipelineStage)(
+            (self.plan.spec.stage_class or PipelineStage)(
                 sm, s, self.plan.num_stages, self.device, group=self.groups.pp, inference_guard=self._inference_guard)
             for sm, s in zip(stage_modules, local_stage_ids)
         ]
@@ -259,8 +261,7 @@ class PipelineEngine:
             if overlap is not None:
                 overlap.end_schedule()
             for stage in self.stages:  # PipeDream: the last backward's update ([Note: PipeDream weight stashing])
-                if getattr(stage, "updates_per_microbatch", False):
-                    stage.flush_update()
+                stage.flush_update()
         self._pending_grads = [p.grad for p in self.parameters]
         for p, g in zip(self.parameters, saved):
             p.grad = g
@@ -354,9 +355,7 @@ class PipelineEngine:
         """Called by the strategy after the gradient sync, right before the optimizer updates the weights: stages
         that keep weight versions stash the current ones ([Note: weight versions in a stage] in schedules/pipedream/stages.py)."""
         for stage in self.stages:
-            stash_live = getattr(stage, "stash_live", None)
-            if stash_live is not None:
-                stash_live()
+            stage.stash_live()
 
     # ------------------------------------------------------------------ forward only
     def _forward_only(self, args: tuple[Tensor, ...]) -> Any:

@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_pipe._compat import torch as _compat
 from lightning_pipe.config import config_error
 from lightning_pipe.layers.batches import LossParts
 from lightning_pipe.layers.stages import StageModule
@@ -37,6 +36,7 @@ from lightning_pipe.parallel.grads import GradientSync, all_reduce_coalesced
 from lightning_pipe.parallel.topology import ProcessGroups
 from lightning_pipe.runtime.engine import PipelineEngine, PipelineModel
 from lightning_pipe.runtime.spec import SchedulePlan
+from lightning_pipe.runtime.stage import PipelineStage
 from lightning_pipe.schedules.chimera.runtime import ChimeraRuntime
 from lightning_pipe.schedules.registry import compute_order
 
@@ -120,7 +120,8 @@ class ChimeraEngine(PipelineEngine):
                                          up_only)
         self.microbatches_per_stage = plan.microbatches // 2  # each pipeline runs half the batch (data-parallel overlap)
 
-    def _build_runtime(self, stage_modules: list[StageModule], local_stage_ids: list[int]) -> tuple[list[Any], Any]:
+    def _build_runtime(self, stage_modules: list[StageModule],
+                       local_stage_ids: list[int]) -> tuple[list[PipelineStage], Any]:
         """[Note: Chimera's process groups]; collective (every rank creates every group, in the same order)."""
         topo, p = self.groups.topology, self.plan.pipeline_size
         # one up pipeline and one group per stage pair for each (replica, tensor rank), as the down pipelines
@@ -137,10 +138,9 @@ class ChimeraEngine(PipelineEngine):
                         self.pair_group = pair
         r = topo.pp_rank
         by_id = dict(zip(local_stage_ids, stage_modules))
-        down = _compat.GuardedPipelineStage(by_id[r], r, p, self.device, group=self.groups.pp,
-                                            inference_guard=self._inference_guard)
-        up = _compat.GuardedPipelineStage(by_id[p - 1 - r], p - 1 - r, p, self.device, group=self.up_group,
-                                          inference_guard=self._inference_guard)
+        down = PipelineStage(by_id[r], r, p, self.device, group=self.groups.pp, inference_guard=self._inference_guard)
+        up = PipelineStage(by_id[p - 1 - r], p - 1 - r, p, self.device, group=self.up_group,
+                           inference_guard=self._inference_guard)
         up.stage_index_to_group_rank = {s: p - 1 - s for s in range(p)}
         runtime = ChimeraRuntime(down, up, compute_order(self.plan)[r], self.plan.microbatches, self._schedule_loss)
         return [down, up], runtime

@@ -71,9 +71,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_pipe._compat import torch as _compat
 from lightning_pipe.parallel.dtensor import local
 from lightning_pipe.parallel.grads import all_reduce_coalesced
+from lightning_pipe.runtime.stage import PipelineStage
 
 
 def parameter_slots(submod: torch.nn.Module) -> tuple[list[Tensor], list[tuple[str, int]]]:
@@ -85,7 +85,7 @@ def parameter_slots(submod: torch.nn.Module) -> tuple[list[Tensor], list[tuple[s
     return list(unique.values()), [(name, slot[id(p)]) for name, p in named]
 
 
-class VersionedPipelineStage(_compat.GuardedPipelineStage):
+class VersionedPipelineStage(PipelineStage):
     """A stage whose training forward/backward run on one stashed version of its parameters.
 
     The stash starts as a copy of the live parameters (on the first training forward) and is refreshed by
@@ -154,7 +154,7 @@ def pipedream_max_stashes(stage: int, pipeline_size: int, microbatches: int) -> 
     return min(warmup, microbatches - warmup + 1)
 
 
-class StashingPipelineStage(_compat.GuardedPipelineStage):
+class StashingPipelineStage(PipelineStage):
     """A stage that stashes one weight version per in-flight micro-batch and updates after every backward.
 
     ``updater`` (a :class:`MicrobatchUpdate`, set by the engine) updates the live parameters from their ``.grad``;
