@@ -62,6 +62,15 @@ class ScheduleSpec:
     with ``tensor_parallel_size > 1`` before any rank starts (``check_schedule_settings``)."""
 
 
+def placed_rank(placement: str, stage: int, pipeline_size: int) -> int:
+    """The pipeline rank a rule places ``stage`` on: ``v``: r and 2p-1-r; ``loop`` (and ``mirror``'s first pipeline):
+    ``stage % p``."""
+    p = pipeline_size
+    if placement == "v":
+        return stage if stage < p else 2 * p - 1 - stage
+    return stage % p
+
+
 @dataclass(frozen=True)
 class SchedulePlan:
     """The resolved shape of one pipeline: what every rank agrees on before any communication."""
@@ -84,12 +93,9 @@ class SchedulePlan:
     def stage_to_rank(self, stage: int) -> int:
         """The rank holding ``stage`` (with ``mirror`` placement: its copy in the first pipeline, see
         :meth:`ranks_of_stage`)."""
-        p = self.pipeline_size
         if self.stage_ranks is not None:
             return self.stage_ranks[stage]
-        if self.spec.placement == "v":
-            return stage if stage < p else 2 * p - 1 - stage
-        return stage % p
+        return placed_rank(self.spec.placement, stage, self.pipeline_size)
 
     def stages_of_rank(self, pp_rank: int) -> list[int]:
         if self.spec.placement == "mirror":
