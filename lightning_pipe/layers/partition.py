@@ -98,3 +98,8 @@ def layer_param_counts(layers: Iterable[nn.Module]) -> list[int]:
         seen.update(id(p) for p in fresh)
         counts.append(sum(p.numel() for p in fresh))
     return counts
+
+
+def stage_of(ranges: Sequence[range], layer: int) -> int:
+    """The stage whose layer range holds ``layer``."""
+    return next(s for s, r in enumerate(ranges) if layer in r)

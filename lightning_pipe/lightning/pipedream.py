@@ -32,6 +32,7 @@ from typing import Any
 from lightning.pytorch import Trainer
 
 from lightning_pipe.config import config_error
+from lightning_pipe.layers.partition import stage_of
 from lightning_pipe.schedules.pipedream.stages import MicrobatchUpdate
 
 
@@ -63,7 +64,7 @@ def attach_microbatch_updates(strategy: Any, trainer: Trainer) -> None:
         clip = (float(clip_val), "norm" if algorithm is None else str(algorithm.value))
         layout, plan = module._pipeline_layout, strategy.plan
         spanning = [tie.names for tie in layout.tied
-                    if len({plan.stage_to_rank(_stage_of(layout.ranges, i)) for i in tie.layer_indices}) > 1]
+                    if len({plan.stage_to_rank(stage_of(layout.ranges, i)) for i in tie.layer_indices}) > 1]
         if spanning:
             raise config_error(
                 f"{rule} and clips each stage's gradients by that stage's own norm; a weight tied across stages "
@@ -73,7 +74,3 @@ def attach_microbatch_updates(strategy: Any, trainer: Trainer) -> None:
     ties = [(param, tie_group.group) for param, tie_group in engine.grads.ties]
     engine.set_microbatch_update(MicrobatchUpdate(strategy.optimizers[0], engine.parameters, engine.groups.dp, ties,
                                                   clip, engine.grads if engine.groups.tensor is not None else None))
-
-
-def _stage_of(ranges: Any, layer: int) -> int:
-    return next(s for s, r in enumerate(ranges) if layer in r)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_pipe.config import config_error
+from lightning_pipe.layers.partition import stage_of
 from lightning_pipe.layers.stages import TiedParameter
 
 
@@ -188,7 +189,7 @@ class ProcessGroups:
         # Tied parameters held by several pipeline ranks: one group per tie and replica, over the holding ranks.
         self.tied: list[TieGroup] = []
         for tie in tied:
-            holders = sorted({r for i in tie.layer_indices for r in ranks_of_stage(_stage_of(ranges, i))})
+            holders = sorted({r for i in tie.layer_indices for r in ranks_of_stage(stage_of(ranges, i))})
             if len(holders) < 2:
                 continue
             mine = None
@@ -200,7 +201,3 @@ class ProcessGroups:
                         mine = group
             if mine is not None:
                 self.tied.append(TieGroup(tie, mine, topology.pp_rank == holders[0]))
-
-
-def _stage_of(ranges: Sequence[range], layer: int) -> int:
-    return next(s for s, r in enumerate(ranges) if layer in r)
