@@ -30,13 +30,15 @@ class Setting:
     """How it is passed in Python, e.g. ``PipelineStrategy(microbatches=...)``."""
     hydra: tuple[str, ...]
     """Its Hydra override(s), e.g. ``("schedule.microbatches",)``; ``schedule=<name>`` for a config group."""
+    doc: str = ""
+    """What it means, for a setting that is not a :class:`PipelineConfig` field (whose docstring says it)."""
 
     def describe(self) -> str:
         return f"`{self.name}` ({self.python}; Hydra: {' / '.join(self.hydra)})"
 
 
-def _strategy(name: str, hydra: str) -> Setting:
-    return Setting(name, f"PipelineStrategy({name}=...)", (hydra,))
+def _strategy(name: str, hydra: str, doc: str = "") -> Setting:
+    return Setting(name, f"PipelineStrategy({name}=...)", (hydra,), doc)
 
 
 # The one table of setting names. Every error names its setting through it, and tests/unit/test_configs.py
@@ -54,15 +56,25 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     _strategy("partition", "strategy.partition"),
     _strategy("layers_attr", "strategy.layers_attr"),
     _strategy("recompute", "strategy.recompute"),
-    _strategy("start_method", "strategy.start_method"),
-    _strategy("timeout", "strategy.timeout"),
-    _strategy("plan", "strategy.plan"),
-    _strategy("memory_budget", "schedule.options.memory_budget"),  # schedule=auto
+    _strategy("start_method", "strategy.start_method",
+              "``popen`` (default) re-runs the script per rank (like ``ddp``); ``spawn`` for notebooks "
+              "(``strategy=\"pipeline_spawn\"``)."),
+    _strategy("timeout", "strategy.timeout",
+              "How long a rank waits on another in one transfer before failing (seconds or a ``timedelta``); "
+              "default 10 minutes."),
+    _strategy("plan", "strategy.plan",
+              "A plan file (or its dict) from ``python -m lightning_pipe.planner search``: replaces schedule, "
+              "microbatches, stages_per_rank, data_parallel_size and partition (docs/planner.md); default ``None``."),
+    _strategy("memory_budget", "schedule.options.memory_budget",  # schedule=auto
+              "Per-device memory limit for ``schedule=\"auto\"`` (bytes or e.g. ``\"20GiB\"``); default no limit."),
     _strategy("rebalance_every_n_steps", "strategy.rebalance_every_n_steps"),
     _strategy("rebalance_threshold", "strategy.rebalance_threshold"),
-    Setting("devices", "Trainer(devices=..., num_nodes=...)", ("trainer.devices", "trainer.num_nodes")),
-    Setting("precision", "Trainer(precision=...)", ("trainer.precision",)),
-    Setting("batch_size", "DataLoader(batch_size=...)", ("data.batch_size",)),
+    Setting("devices", "Trainer(devices=..., num_nodes=...)", ("trainer.devices", "trainer.num_nodes"),
+            "The world: ``data_parallel_size x pipeline size x fsdp_size x tensor_parallel_size`` ranks."),
+    Setting("precision", "Trainer(precision=...)", ("trainer.precision",),
+            "``32-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``, ``16-true`` (docs/parallelism.md)."),
+    Setting("batch_size", "DataLoader(batch_size=...)", ("data.batch_size",),
+            "Training batches split into equal micro-batches: a multiple of ``microbatches`` (``drop_last=True``)."),
 )}
 
 
@@ -100,17 +112,17 @@ class PipelineConfig:
     tensor_parallel_size)."""
     fsdp_size: int = 1
     """Ranks each stage is sharded over with FSDP2 (``fully_shard``); 1: no FSDP. They read different data, like
-    replicas (README: "Bigger than one device per stage")."""
+    replicas (docs/parallelism.md)."""
     fsdp_reshard_after_forward: bool = False
     """FSDP: free the gathered parameters after each micro-batch's forward (gather again for its backward): less
     memory, one more all-gather per micro-batch. Default: keep them gathered until the batch's gradients are reduced."""
     tensor_parallel_size: int = 1
     """Ranks each layer is split over with tensor parallelism (the module's ``parallelize_layer`` hook, DTensor
-    ``parallelize_module``); 1: none. They read the same data (README: "Bigger than one device per stage")."""
+    ``parallelize_module``); 1: none. They read the same data (docs/parallelism.md)."""
     partition: PartitionSpec = "uniform"
     """How layers go to stages: ``"uniform"`` (equal counts), ``"parameters"`` (balanced parameter counts),
     ``"time"`` / ``"memory"`` (measured at setup: the split of the chosen schedule with the fastest predicted step /
-    the smallest predicted peak memory, README "Let it plan"), or explicit per-stage layer counts such as ``[3, 5]``."""
+    the smallest predicted peak memory, docs/planner.md), or explicit per-stage layer counts such as ``[3, 5]``."""
     stages_per_rank: int | None = None
     """Stages each rank holds. ``None``: the schedule's default (1 for ``gpipe`` / ``1f1b``; 2 for
     ``interleaved_1f1b``, ``looped_bfs``, ``zb_h1``, ``zbv``, ``dualpipev``; ``custom``: read from the lists)."""
@@ -207,3 +219,61 @@ def _options(value: Any) -> dict[str, Any]:
         raise config_error("schedule_options is a mapping of option name to value, e.g. {'csv': 'my.csv'}.",
                            f"schedule_options={value!r}", "schedule_options")
     return {str(k): v for k, v in value.items() if v is not None}
+
+
+def settings_markdown() -> str:
+    """``docs/settings.md``: every setting of :data:`SETTINGS`, its Python and Hydra forms, its default and meaning
+    (a :class:`PipelineConfig` field's docstring, or the setting's own ``doc``). ``python -m lightning_pipe.config
+    --markdown`` prints it; ``tests/unit/test_docs.py`` fails when the page is stale."""
+    import ast
+    import dataclasses
+    import inspect
+    import re
+    import sys
+
+    source = ast.parse(inspect.getsource(sys.modules[__name__]))
+    config = next(n for n in source.body if isinstance(n, ast.ClassDef) and n.name == "PipelineConfig")
+    docs: dict[str, str] = {}
+    for node, after in zip(config.body, config.body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[node.target.id] = inspect.cleandoc(after.value.value)
+    defaults = {f.name: f.default if f.default is not dataclasses.MISSING
+                else f.default_factory() if callable(f.default_factory) else None
+                for f in dataclasses.fields(PipelineConfig)}
+
+    def cell(text: str) -> str:
+        text = re.sub(r":\w+:`~?([^`]+)`", r"`\1`", " ".join(text.split()))
+        return text.replace("``", "`").replace("|", "\\|")
+
+    lines = [
+        "# Settings",
+        "",
+        "<!-- Generated by `python -m lightning_pipe.config --markdown` from PipelineConfig's field docstrings and",
+        "config.SETTINGS; tests/unit/test_docs.py fails when this page is stale. Edit those, not this page. -->",
+        "",
+        "Every setting, where you change it in Python and in the recipe's Hydra configs, its default and what it means.",
+        "This is the table every error message uses: ``Change `microbatches` (PipelineStrategy(microbatches=...);",
+        "Hydra: schedule.microbatches).`` A test composes the shipped configs with an override of every Hydra path here.",
+        "",
+        "| setting | Python | Hydra | default | meaning |",
+        "|---|---|---|---|---|",
+    ]
+    for name, setting in SETTINGS.items():
+        default = f"`{defaults[name]!r}`" if name in defaults else ""
+        meaning = docs.get(name) or setting.doc
+        hydra = " / ".join(f"`{h}`" for h in setting.hydra)
+        lines.append(f"| `{name}` | `{setting.python}` | {hydra} | {default} | {cell(meaning)} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m lightning_pipe.config", description=__doc__)
+    parser.add_argument("--markdown", action="store_true", help="print docs/settings.md")
+    if parser.parse_args().markdown:
+        print(settings_markdown(), end="")
+    else:
+        parser.print_help()
+
