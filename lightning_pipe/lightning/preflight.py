@@ -122,7 +122,7 @@ def check_module(module: LightningModule) -> None:
         raise TypeError(
             f"PipelineStrategy needs a layer-list module: {type(module).__name__} lacks {missing}. Derive it "
             "from `lightning_pipe.PipelineModule` (it provides split_batch/compute_loss) and implement "
-            "`loss_fn(output, target)`; see the README's module contract."
+            "`loss_fn(output, target)`; see docs/module-contract.md."
         )
     if not module.automatic_optimization:
         raise TypeError(

@@ -109,7 +109,7 @@ def check_module(module: nn.Module, tensor_parallel_size: int) -> None:
             f"Tensor parallelism needs the module to say how to split a layer: {type(module).__name__} has no "
             f"`{HOOK}(index, layer, tp_mesh)` method.", f"tensor_parallel_size={tensor_parallel_size}",
             "tensor_parallel_size", "or set it to 1",
-            fix=f"Implement `{HOOK}` (README: \"Bigger than one device per stage\")")
+            fix=f"Implement `{HOOK}` (docs/parallelism.md: \"Tensor parallelism per stage\")")
 
 
 class FusedColwiseParallel(ColwiseParallel):

@@ -21,7 +21,7 @@ Torch sizes its P2P receive buffers by shape inference on the first step and aga
 batch of another shape would land in the old buffers (wrong outputs in evaluation, a crash in training). The engine
 keys what torch last inferred by the batch's :class:`Signature` (mode, micro-batch rows, each input's trailing shape,
 dtype and requires_grad, the training target's) and makes torch infer again when it changes; the ranks of a pipeline
-read the same batch, so they agree. Cost: about one micro-batch's forward and backward per stage (README).
+read the same batch, so they agree. Cost: about one micro-batch's forward and backward per stage (docs/module-contract.md).
 
 [Note: shape inference has no side effects]
 Torch's inference runs each stage for real, in the module's current mode: BatchNorm would update its running

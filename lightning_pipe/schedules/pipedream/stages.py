@@ -175,7 +175,7 @@ class StashingPipelineStage(PipelineStage):
         self._due = False
         self.updater: MicrobatchUpdate | None = None
         self.versions_used: list[tuple[int, int]] = []
-        self.max_stashes = 0  # most stashes alive at once (memory: README)
+        self.max_stashes = 0  # most stashes alive at once (memory: docs/seed-schedules.md)
 
     def take_versions(self) -> list[tuple[int, int]]:
         used, self.versions_used = self.versions_used, []
