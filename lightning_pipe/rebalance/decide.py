@@ -27,7 +27,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from lightning_pipe.layers.partition import balanced_counts
+from lightning_pipe.layers.partition import balanced_counts, ranges_of
 
 
 @dataclass(frozen=True)
@@ -93,18 +93,6 @@ def rank_slowness(times: Sequence[LayerTime], pipeline_size: int) -> list[float]
     raw = [statistics.median_low(ratios[r]) if ratios[r] else 1.0 for r in range(pipeline_size)]
     fastest = min(raw)
     return [v / fastest if fastest > 0 else 1.0 for v in raw]
-
-
-def counts_of(ranges: Sequence[range]) -> tuple[int, ...]:
-    return tuple(len(r) for r in ranges)
-
-
-def ranges_of(counts: Sequence[int]) -> list[range]:
-    out, start = [], 0
-    for c in counts:
-        out.append(range(start, start + c))
-        start += c
-    return out
 
 
 def busiest_stage(costs: Sequence[float], counts: Sequence[int], stage_speed: Sequence[float]) -> float:

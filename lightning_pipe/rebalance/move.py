@@ -28,9 +28,10 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pipe.config import PipelineConfig
+from lightning_pipe.layers.partition import ranges_of
 from lightning_pipe.layers.stages import RemoteLayer, TiedParameter, find_layers
 from lightning_pipe.parallel.topology import Topology
-from lightning_pipe.rebalance.decide import Move, ranges_of
+from lightning_pipe.rebalance.decide import Move
 from lightning_pipe.runtime.build import PipelineLayout, build_engine
 from lightning_pipe.runtime.engine import PipelineEngine
 from lightning_pipe.trace.memory import ActivationMeter

@@ -23,7 +23,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pipe.config import PipelineConfig, config_error
-from lightning_pipe.rebalance.decide import Decision, LayerTime, Move, counts_of, decide, describe
+from lightning_pipe.layers.partition import counts_of
+from lightning_pipe.rebalance.decide import Decision, LayerTime, Move, decide, describe
 from lightning_pipe.rebalance.measure import LayerTimer
 from lightning_pipe.rebalance.move import move_layers, rebuild_engine
 from lightning_pipe.runtime.build import PipelineLayout
