@@ -85,6 +85,13 @@ def parameter_slots(submod: torch.nn.Module) -> tuple[list[Tensor], list[tuple[s
     return list(unique.values()), [(name, slot[id(p)]) for name, p in named]
 
 
+def _refuse_split_backward(full_backward: bool, stage: str, weights: str) -> None:
+    if not full_backward:
+        raise NotImplementedError(
+            f"{stage} needs full backward: torch's input/weight split differentiates the live parameters, not "
+            f"{weights}. Use a schedule without I/W actions.")
+
+
 class VersionedPipelineStage(PipelineStage):
     """A stage whose training forward/backward run on one stashed version of its parameters.
 
@@ -118,10 +125,7 @@ class VersionedPipelineStage(PipelineStage):
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
                            last_backward: bool = False) -> Any:
-        if not full_backward:
-            raise NotImplementedError(
-                "A versioned stage needs full backward: torch's input/weight split differentiates the live "
-                "parameters, not the stashed version the forward ran on. Use a schedule without I/W actions.")
+        _refuse_split_backward(full_backward, "A versioned stage", "the stashed version the forward ran on")
         result = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=True, last_backward=last_backward)
         self._move_grads()
         return result
@@ -203,10 +207,7 @@ class StashingPipelineStage(PipelineStage):
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
                            last_backward: bool = False) -> Any:
-        if not full_backward:
-            raise NotImplementedError(
-                "A weight-stashing stage needs full backward: torch's input/weight split differentiates the live "
-                "parameters, not the stash the forward ran on. Use a schedule without I/W actions.")
+        _refuse_split_backward(full_backward, "A weight-stashing stage", "the stash the forward ran on")
         if not self.has_backward:  # torch's eval() walks the same loop; its backward is a no-op
             return super().backward_one_chunk(bwd_chunk_id, loss=loss, last_backward=last_backward)
         self.flush_update()
