@@ -2,9 +2,10 @@
 
 ``import lightning_pipe`` registers ``Trainer(strategy="pipeline")`` (and ``"pipeline_spawn"``) with Lightning.
 
-Layout: a plain-torch core (``config``, ``partition``, ``stages``, ``schedules``, ``engine``, ``grads``,
-``checkpoint``, ``trace``, ``memory``) that never imports Lightning, and the Lightning adapter in
-``lightning_pipe.lightning``; private torch / Lightning names live in ``lightning_pipe._compat``.
+Layout: a plain-torch core that never imports Lightning, one folder per layer, each importing only those below it
+(``layers`` -> ``parallel`` -> ``runtime`` -> ``schedules`` -> ``planner`` / ``rebalance``; ``config``, ``_compat``,
+``trace``, ``checkpoint``, ``hf`` low), and the Lightning adapter in ``lightning_pipe.lightning``; private torch /
+Lightning names live in ``lightning_pipe._compat`` (docs/development.md).
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
