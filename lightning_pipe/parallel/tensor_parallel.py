@@ -8,7 +8,7 @@ allocated and made identical over the tensor group), which splits the layer in p
 layer's inputs and outputs stay plain, whole tensors (``use_local_output=True``, the default of the styles; an output
 ``Shard`` of the sequence dimension must be gathered back before the layer returns), so the stages' P2P shapes and
 the schedules are unchanged: each tensor rank sends and receives the whole activation to / from the same tensor rank
-of the neighbouring stage (its pipeline group, grads.py), and every tensor rank of the last stage computes the same
+of the neighbouring stage (its pipeline group, topology.py), and every tensor rank of the last stage computes the same
 loss.
 
 Parameters a plan splits become DTensors (``Shard`` placements: each rank holds a part); the rest stay plain tensors
@@ -27,7 +27,7 @@ or ``Replicate`` DTensors (e.g. a row-wise layer's bias), identical on every ten
 With FSDP too (``fsdp_size > 1``: 2-D sharding per stage) each layer is split first, then ``fully_shard`` ed over the
 data-parallel dimensions (lightning_pipe/parallel/fsdp.py, ``shard_stages``), one layer at a time: allocated, made identical
 over the data-parallel group and then the tensor group, split by the hook, sharded. ``tp_mesh`` is the ``tensor``
-dimension of the run's one ``DeviceMesh`` (``mesh.build_mesh``) and FSDP's mesh is its ``dp_shard`` (or
+dimension of the run's one ``DeviceMesh`` (``topology.build_mesh``) and FSDP's mesh is its ``dp_shard`` (or
 ``(dp_replicate, dp_shard)``) dimension: FSDP joins the two into one mesh for a split parameter, which only works
 for slices of the same root. A split parameter becomes a DTensor over ``(dp_shard, tensor)`` (FSDP's placement is a
 strided shard when the tensor split is along the same dimension); one the hook left plain (a LayerNorm's) is sharded
