@@ -61,7 +61,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
               "(``strategy=\"pipeline_spawn\"``)."),
     _strategy("timeout", "strategy.timeout",
               "How long a rank waits on another in one transfer before failing (seconds or a ``timedelta``); "
-              "default 10 minutes."),
+              "default 10 minutes. A failed rank stops the others within seconds regardless: raise it for a long "
+              "``prepare_data`` or compilation on some ranks only."),
     _strategy("plan", "strategy.plan",
               "A plan file (or its dict) from ``python -m lightning_pipe.planner search``: replaces schedule, "
               "microbatches, stages_per_rank, data_parallel_size and partition (docs/planner.md); default ``None``."),
