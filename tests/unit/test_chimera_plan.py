@@ -8,14 +8,8 @@ import pytest
 
 from lightning_pipe.config import PipelineConfig, PipelineConfigError
 from lightning_pipe.schedules import available_schedules, compute_order, plan_schedule, simulate
-from lightning_pipe.schedules.chimera.spec import (
-    PRIORITIES,
-    bubble_chimera,
-    chimera_order,
-    list_schedule,
-    pipeline_of,
-    stage_rank,
-)
+from lightning_pipe.schedules.chimera.runtime import pipeline_of
+from lightning_pipe.schedules.chimera.spec import PRIORITIES, bubble_chimera, chimera_order, list_schedule, stage_rank
 
 
 def plan(p: int = 4, m: int | None = 8, **settings):

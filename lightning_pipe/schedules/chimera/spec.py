@@ -40,20 +40,13 @@ from lightning_pipe._compat import torch as _compat
 from lightning_pipe.config import PipelineConfig, config_error
 from lightning_pipe.runtime.spec import SchedulePlan, ScheduleSpec
 from lightning_pipe.schedules.chimera.engine import ChimeraEngine
-from lightning_pipe.schedules.chimera.runtime import ChimeraRuntime
+from lightning_pipe.schedules.chimera.runtime import DOWN, UP, ChimeraRuntime
 from lightning_pipe.schedules.simulate import simulate
-
-DOWN, UP = 0, 1  # the pipelines, as in runtime.py
 
 
 def stage_rank(pipeline: int, stage: int, p: int) -> int:
     """Where a pipeline places a stage: down on rank ``stage``, up on rank ``p - 1 - stage``."""
     return stage if pipeline == DOWN else p - 1 - stage
-
-
-def pipeline_of(microbatch: int, m: int) -> int:
-    """The pipeline that runs a (global) micro-batch: the first half goes down, the second half up."""
-    return DOWN if microbatch < m // 2 else UP
 
 
 # Tie-breaks among actions ready at the same time, tried in turn (see [Note: the merged order]): the longest
