@@ -169,6 +169,6 @@ def rebuild_engine(old: PipelineEngine, module: nn.Module, config: PipelineConfi
             if hasattr(owner, "stage_ids"):
                 owner.stage_ids = [st.stage_index for st in engine.stages]
         if isinstance(owner, ActivationMeter):
-            owner._param_storages = {q.untyped_storage().data_ptr() for q in engine.parameters}
+            owner.track_parameters(engine.parameters)
         engine.step_contexts.append(context)
     return engine, new_layout

@@ -22,7 +22,13 @@ class ActivationMeter:
         self.live_bytes = 0
         self.peak_bytes = 0
         self._refs: dict[int, int] = {}
-        self._param_storages = {p.untyped_storage().data_ptr() for p in (params or [])}
+        self._param_storages: set[int] = set()
+        self.track_parameters(params or [])
+
+    def track_parameters(self, params: list[nn.Parameter]) -> None:
+        """The engine's parameters: a saved tensor sharing their storage is not an activation (set again when the
+        engine is rebuilt with other layers, lightning_pipe/rebalance/move.py)."""
+        self._param_storages = {p.untyped_storage().data_ptr() for p in params}
 
     def reset(self) -> None:
         self.peak_bytes = self.live_bytes
