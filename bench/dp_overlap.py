@@ -8,7 +8,7 @@ alternates every optimizer step, so both ways see the same machine noise. Per st
   optimizer (``sync_gradients`` returned). It also holds what is not sync at all (the loss broadcast, Lightning's
   hooks between ``training_step`` and the step), the same both ways, so the ratio is conservative.
 - *sync calls*: only the gradient-sync calls after the schedule, slowest rank: overlap off, the coalesced
-  all-reduce (``lightning_pipe.grads.all_reduce_coalesced``: flatten, all-reduce, divide, copy back); overlap on,
+  all-reduce (``lightning_pipe.parallel.grads.all_reduce_coalesced``: flatten, all-reduce, divide, copy back); overlap on,
   the wait for the buckets launched during the schedule (``DataParallelOverlap.wait``).
 - the step time (slowest rank), for context: on an oversubscribed CPU the all-reduce's own CPU work competes with
   compute, so hiding it need not shorten the step.
@@ -43,7 +43,7 @@ def worker(args: argparse.Namespace) -> None:
     from lightning.pytorch.callbacks import Callback
     from torch.utils.data import DataLoader, TensorDataset
 
-    import lightning_pipe.grads as grads_module
+    import lightning_pipe.parallel.grads as grads_module
     from bench._timing import StepClock
     from lightning_pipe import PipelineStrategy
 

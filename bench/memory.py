@@ -2,7 +2,7 @@
 
 What is measured: bytes autograd keeps for backward (saved tensors, deduplicated by storage, parameters excluded),
 live, at their peak during a training step — per rank, through the real Lightning strategy
-(``lightning_pipe.memory.ActivationMeter``). GPT-like model, m = 8 micro-batches, pipeline sizes 2 and 4 on CPU.
+(``lightning_pipe.trace.memory.ActivationMeter``). GPT-like model, m = 8 micro-batches, pipeline sizes 2 and 4 on CPU.
 Theory: GPipe keeps all m micro-batches' activations on the first stage, 1F1B at most p, so 1F1B / GPipe ≈ p / m.
 1F1B stage r holds at most p - r micro-batches in flight, so per rank the ratio is (p - r)/m.
 Last line: ``activation_ratio_1f1b_vs_gpipe=<x>`` on the first stage for the largest p (theory p/m = 0.5 at p = 4).
@@ -41,7 +41,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_pipe import PipelineStrategy
-    from lightning_pipe.memory import ActivationMeter
+    from lightning_pipe.trace.memory import ActivationMeter
     from recipes.gpt.model import GPT
 
     class Meter(Callback):

@@ -55,7 +55,7 @@ def _tokens(args: argparse.Namespace, rows: int):
 
 def _splits(n_layers: int, stages: int, world: int = 2) -> list[tuple[int, ...]]:
     """Uniform, blocks-balanced (embedding first, norm + head last) and one deliberately front-heavy split."""
-    from lightning_pipe.partition import uniform_counts
+    from lightning_pipe.layers.partition import uniform_counts
 
     blocks = n_layers - 3
     base, extra = divmod(blocks, stages)
@@ -104,7 +104,7 @@ def _calibrate(args: argparse.Namespace, base, speeds: list[float], pp: int, ms:
     import torch.distributed as dist
 
     from lightning_pipe.config import PipelineConfig
-    from lightning_pipe.partition import uniform_counts
+    from lightning_pipe.layers.partition import uniform_counts
     from lightning_pipe.planner import to_plan
     from lightning_pipe.planner.drift import calibrate, drift_by_kind, merge
     from lightning_pipe.planner.model import Candidate, CostModel, predict

@@ -1,5 +1,5 @@
 """What a new batch shape costs: torch re-infers its P2P buffer shapes whenever the batch's shape signature changes
-([Note: re-inference on a new shape] in lightning_pipe/engine.py). 2 CPU ranks, 1F1B, the recipe's GPT (4 blocks,
+([Note: re-inference on a new shape] in lightning_pipe/runtime/engine.py). 2 CPU ranks, 1F1B, the recipe's GPT (4 blocks,
 width 128, vocab 256, 8 rows per batch in 4 micro-batches).
 
 One run whose sequence length changes every ``--block`` batches (L1, L1, L1, L2, L2, L2, L1, ...): the first batch

@@ -2,9 +2,10 @@
 
 ``import lightning_pipe`` registers ``Trainer(strategy="pipeline")`` (and ``"pipeline_spawn"``) with Lightning.
 
-Layout: a plain-torch core (``config``, ``partition``, ``stages``, ``schedules``, ``engine``, ``grads``,
-``checkpoint``, ``trace``, ``memory``) that never imports Lightning, and the Lightning adapter in
-``lightning_pipe.lightning``; private torch / Lightning names live in ``lightning_pipe._compat``.
+Layout: a plain-torch core that never imports Lightning, one folder per layer, each importing only those below it
+(``layers`` -> ``parallel`` -> ``runtime`` -> ``schedules`` -> ``planner`` / ``rebalance``; ``config``, ``_compat``,
+``trace``, ``checkpoint``, ``hf`` low), and the Lightning adapter in ``lightning_pipe.lightning``; private torch /
+Lightning names live in ``lightning_pipe._compat`` (docs/development.md).
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
@@ -14,8 +15,8 @@ from lightning_pipe.lightning.callbacks import PipelineTimeline
 from lightning_pipe.lightning.module import PipelineModule
 from lightning_pipe.lightning.precision import PipelinePrecision
 from lightning_pipe.lightning.strategy import PipelineStrategy
+from lightning_pipe.parallel.tensor_parallel import FusedColwiseParallel
 from lightning_pipe.schedules import available_schedules, compute_order
-from lightning_pipe.tensor_parallel import FusedColwiseParallel
 
 __version__ = "0.1.0"
 

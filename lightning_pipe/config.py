@@ -15,12 +15,6 @@ PartitionSpec = str | Sequence[int]
 PARTITION_METHODS = ("uniform", "parameters", "time", "memory")
 MEASURED_PARTITIONS = ("time", "memory")
 """Partitions the strategy measures at setup (the planner's profile), then replaces by per-stage layer counts."""
-TENSOR_PARALLEL_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zbv", "dualpipev", "custom",
-                             "pipedream_2bw", "pipedream", "chimera")
-"""Schedules verified with tensor-parallel stages (tests/distributed/test_tensor_parallel.py): every built-in one
-(``schedule='auto'`` is the planner's, refused under tensor parallelism by the strategy); a schedule registered by an
-extension is refused until it is added here. Why they all hold: [Note: tensor parallel stages] in
-tensor_parallel.py."""
 
 
 class PipelineConfigError(ValueError):
@@ -36,13 +30,15 @@ class Setting:
     """How it is passed in Python, e.g. ``PipelineStrategy(microbatches=...)``."""
     hydra: tuple[str, ...]
     """Its Hydra override(s), e.g. ``("schedule.microbatches",)``; ``schedule=<name>`` for a config group."""
+    doc: str = ""
+    """What it means, for a setting that is not a :class:`PipelineConfig` field (whose docstring says it)."""
 
     def describe(self) -> str:
         return f"`{self.name}` ({self.python}; Hydra: {' / '.join(self.hydra)})"
 
 
-def _strategy(name: str, hydra: str) -> Setting:
-    return Setting(name, f"PipelineStrategy({name}=...)", (hydra,))
+def _strategy(name: str, hydra: str, doc: str = "") -> Setting:
+    return Setting(name, f"PipelineStrategy({name}=...)", (hydra,), doc)
 
 
 # The one table of setting names. Every error names its setting through it, and tests/unit/test_configs.py
@@ -60,15 +56,26 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     _strategy("partition", "strategy.partition"),
     _strategy("layers_attr", "strategy.layers_attr"),
     _strategy("recompute", "strategy.recompute"),
-    _strategy("start_method", "strategy.start_method"),
-    _strategy("timeout", "strategy.timeout"),
-    _strategy("plan", "strategy.plan"),
-    _strategy("memory_budget", "schedule.options.memory_budget"),  # schedule=auto
+    _strategy("start_method", "strategy.start_method",
+              "``popen`` (default) re-runs the script per rank (like ``ddp``); ``spawn`` for notebooks "
+              "(``strategy=\"pipeline_spawn\"``)."),
+    _strategy("timeout", "strategy.timeout",
+              "How long a rank waits on another in one transfer before failing (seconds or a ``timedelta``); "
+              "default 10 minutes. A failed rank stops the others within seconds regardless: raise it for a long "
+              "``prepare_data`` or compilation on some ranks only."),
+    _strategy("plan", "strategy.plan",
+              "A plan file (or its dict) from ``python -m lightning_pipe.planner search``: replaces schedule, "
+              "microbatches, stages_per_rank, data_parallel_size and partition (docs/planner.md); default ``None``."),
+    _strategy("memory_budget", "schedule.options.memory_budget",  # schedule=auto
+              "Per-device memory limit for ``schedule=\"auto\"`` (bytes or e.g. ``\"20GiB\"``); default no limit."),
     _strategy("rebalance_every_n_steps", "strategy.rebalance_every_n_steps"),
     _strategy("rebalance_threshold", "strategy.rebalance_threshold"),
-    Setting("devices", "Trainer(devices=..., num_nodes=...)", ("trainer.devices", "trainer.num_nodes")),
-    Setting("precision", "Trainer(precision=...)", ("trainer.precision",)),
-    Setting("batch_size", "DataLoader(batch_size=...)", ("data.batch_size",)),
+    Setting("devices", "Trainer(devices=..., num_nodes=...)", ("trainer.devices", "trainer.num_nodes"),
+            "The world: ``data_parallel_size x pipeline size x fsdp_size x tensor_parallel_size`` ranks."),
+    Setting("precision", "Trainer(precision=...)", ("trainer.precision",),
+            "``32-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``, ``16-true`` (docs/parallelism.md)."),
+    Setting("batch_size", "DataLoader(batch_size=...)", ("data.batch_size",),
+            "Training batches split into equal micro-batches: a multiple of ``microbatches`` (``drop_last=True``)."),
 )}
 
 
@@ -106,17 +113,17 @@ class PipelineConfig:
     tensor_parallel_size)."""
     fsdp_size: int = 1
     """Ranks each stage is sharded over with FSDP2 (``fully_shard``); 1: no FSDP. They read different data, like
-    replicas (README: "Bigger than one device per stage")."""
+    replicas (docs/parallelism.md)."""
     fsdp_reshard_after_forward: bool = False
     """FSDP: free the gathered parameters after each micro-batch's forward (gather again for its backward): less
     memory, one more all-gather per micro-batch. Default: keep them gathered until the batch's gradients are reduced."""
     tensor_parallel_size: int = 1
     """Ranks each layer is split over with tensor parallelism (the module's ``parallelize_layer`` hook, DTensor
-    ``parallelize_module``); 1: none. They read the same data (README: "Bigger than one device per stage")."""
+    ``parallelize_module``); 1: none. They read the same data (docs/parallelism.md)."""
     partition: PartitionSpec = "uniform"
     """How layers go to stages: ``"uniform"`` (equal counts), ``"parameters"`` (balanced parameter counts),
     ``"time"`` / ``"memory"`` (measured at setup: the split of the chosen schedule with the fastest predicted step /
-    the smallest predicted peak memory, README "Let it plan"), or explicit per-stage layer counts such as ``[3, 5]``."""
+    the smallest predicted peak memory, docs/planner.md), or explicit per-stage layer counts such as ``[3, 5]``."""
     stages_per_rank: int | None = None
     """Stages each rank holds. ``None``: the schedule's default (1 for ``gpipe`` / ``1f1b``; 2 for
     ``interleaved_1f1b``, ``looped_bfs``, ``zb_h1``, ``zbv``, ``dualpipev``; ``custom``: read from the lists)."""
@@ -153,12 +160,6 @@ class PipelineConfig:
         if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
             raise config_error("The tensor-parallel size (ranks each layer is split over) must be a positive integer.",
                                f"tensor_parallel_size={self.tensor_parallel_size!r}", "tensor_parallel_size")
-        if self.tensor_parallel_size > 1 and self.schedule not in TENSOR_PARALLEL_SCHEDULES:
-            raise config_error(
-                f"Tensor parallelism runs with the schedules {list(TENSOR_PARALLEL_SCHEDULES)}; '{self.schedule}' "
-                "is not verified with DTensor layers (lightning_pipe.config.TENSOR_PARALLEL_SCHEDULES).",
-                f"schedule={self.schedule!r}, tensor_parallel_size={self.tensor_parallel_size}", "schedule",
-                also=("tensor_parallel_size",))
         if not isinstance(self.fsdp_reshard_after_forward, bool):
             raise config_error("fsdp_reshard_after_forward is true or false.",
                                f"fsdp_reshard_after_forward={self.fsdp_reshard_after_forward!r}",
@@ -221,95 +222,59 @@ def _options(value: Any) -> dict[str, Any]:
     return {str(k): v for k, v in value.items() if v is not None}
 
 
-@dataclass(frozen=True)
-class Topology:
-    """How the world is cut: ``world = data_parallel_size x pipeline_size x fsdp_size x tensor_parallel_size``.
+def settings_markdown() -> str:
+    """``docs/settings.md``: every setting of :data:`SETTINGS`, its Python and Hydra forms, its default and meaning
+    (a :class:`PipelineConfig` field's docstring, or the setting's own ``doc``). ``python -m lightning_pipe.config
+    --markdown`` prints it; ``tests/unit/test_docs.py`` fails when the page is stale."""
+    import ast
+    import dataclasses
+    import inspect
+    import re
+    import sys
 
-    [Note: rank order]
-    Mesh dimensions, outermost first: ``(dp_replicate, pipeline, dp_shard, tensor)``, so
-    ``global rank = ((replica * pipeline_size + pp_rank) * fsdp_size + shard) * tensor_parallel_size + t``.
-    Consecutive ranks share a node, so the innermost dimension gets the best links: tensor parallelism
-    all-reduces activations inside every layer's forward and backward (the most, and the most latency-bound,
-    traffic), FSDP's all-gathers and reduce-scatters run every micro-batch / batch over whole stages, pipeline P2P
-    carries activations between stages, and replicas all-reduce gradients once per batch (the least). With
-    ``fsdp_size=1`` and ``tensor_parallel_size=1`` this is exactly the pipeline x replicas order
-    (``rank = replica * pipeline_size + pp_rank``), so that layout, its tests, plans and checkpoints are unchanged;
-    global rank 0 (loggers, progress bar) holds the first stage of replica 0 (shard 0, tensor rank 0).
+    source = ast.parse(inspect.getsource(sys.modules[__name__]))
+    config = next(n for n in source.body if isinstance(n, ast.ClassDef) and n.name == "PipelineConfig")
+    docs: dict[str, str] = {}
+    for node, after in zip(config.body, config.body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[node.target.id] = inspect.cleandoc(after.value.value)
+    defaults = {f.name: f.default if f.default is not dataclasses.MISSING
+                else f.default_factory() if callable(f.default_factory) else None
+                for f in dataclasses.fields(PipelineConfig)}
 
-    ``dp_rank`` / ``dp_degree`` count every rank that reads its own data for one stage (replicas x shards): they
-    shard the data (DistributedSampler) and average gradients. The tensor ranks of one (replica, shard) read the
-    same data and hold different parts of the same layers: they are not data-parallel. A pipeline (P2P) group is
-    the ranks with equal (replica, shard, tensor rank): each tensor rank talks to the same tensor rank of the next
-    stage, and every one of them sends and receives whole activations (the layers' outputs are full tensors).
-    """
+    def cell(text: str) -> str:
+        text = re.sub(r":\w+:`~?([^`]+)`", r"`\1`", " ".join(text.split()))
+        return text.replace("``", "`").replace("|", "\\|")
 
-    world_size: int
-    data_parallel_size: int
-    global_rank: int
-    fsdp_size: int = 1
-    tensor_parallel_size: int = 1
+    lines = [
+        "# Settings",
+        "",
+        "<!-- Generated by `python -m lightning_pipe.config --markdown` from PipelineConfig's field docstrings and",
+        "config.SETTINGS; tests/unit/test_docs.py fails when this page is stale. Edit those, not this page. -->",
+        "",
+        "Every setting, where you change it in Python and in the recipe's Hydra configs, its default and what it means.",
+        "This is the table every error message uses: ``Change `microbatches` (PipelineStrategy(microbatches=...);",
+        "Hydra: schedule.microbatches).`` A test composes the shipped configs with an override of every Hydra path here.",
+        "",
+        "| setting | Python | Hydra | default | meaning |",
+        "|---|---|---|---|---|",
+    ]
+    for name, setting in SETTINGS.items():
+        default = f"`{defaults[name]!r}`" if name in defaults else ""
+        meaning = docs.get(name) or setting.doc
+        hydra = " / ".join(f"`{h}`" for h in setting.hydra)
+        lines.append(f"| `{name}` | `{setting.python}` | {hydra} | {default} | {cell(meaning)} |")
+    return "\n".join(lines) + "\n"
 
-    @property
-    def pipeline_size(self) -> int:
-        return self.world_size // (self.data_parallel_size * self.fsdp_size * self.tensor_parallel_size)
 
-    @property
-    def tp_rank(self) -> int:
-        return self.global_rank % self.tensor_parallel_size
+if __name__ == "__main__":
+    import argparse
 
-    @property
-    def pp_rank(self) -> int:
-        return (self.global_rank // (self.fsdp_size * self.tensor_parallel_size)) % self.pipeline_size
+    parser = argparse.ArgumentParser(prog="python -m lightning_pipe.config", description=__doc__)
+    parser.add_argument("--markdown", action="store_true", help="print docs/settings.md")
+    if parser.parse_args().markdown:
+        print(settings_markdown(), end="")
+    else:
+        parser.print_help()
 
-    @property
-    def replica_rank(self) -> int:
-        return self.global_rank // (self.pipeline_size * self.fsdp_size * self.tensor_parallel_size)
-
-    @property
-    def shard_rank(self) -> int:
-        return (self.global_rank // self.tensor_parallel_size) % self.fsdp_size
-
-    @property
-    def dp_rank(self) -> int:
-        """Data-parallel index over replicas x shards (= the replica when ``fsdp_size=1``)."""
-        return self.replica_rank * self.fsdp_size + self.shard_rank
-
-    @property
-    def dp_degree(self) -> int:
-        """Data-parallel ranks per stage: replicas x shards."""
-        return self.data_parallel_size * self.fsdp_size
-
-    def rank_of(self, dp_rank: int, pp_rank: int, tp_rank: int = 0) -> int:
-        """The global rank of data-parallel index ``dp_rank`` at pipeline rank ``pp_rank`` and tensor rank
-        ``tp_rank`` ([Note: rank order])."""
-        replica, shard = divmod(dp_rank, self.fsdp_size)
-        return ((replica * self.pipeline_size + pp_rank) * self.fsdp_size + shard) * self.tensor_parallel_size + tp_rank
-
-    def pp_group_ranks(self, dp_rank: int, tp_rank: int = 0) -> list[int]:
-        return [self.rank_of(dp_rank, i, tp_rank) for i in range(self.pipeline_size)]
-
-    def dp_group_ranks(self, pp_rank: int, tp_rank: int = 0) -> list[int]:
-        return [self.rank_of(d, pp_rank, tp_rank) for d in range(self.dp_degree)]
-
-    @classmethod
-    def create(cls, world_size: int, data_parallel_size: int, global_rank: int, fsdp_size: int = 1,
-               tensor_parallel_size: int = 1) -> Topology:
-        if tensor_parallel_size > 1 and world_size % (data_parallel_size * fsdp_size * tensor_parallel_size) != 0:
-            raise config_error(
-                "The world size must be divisible by data_parallel_size x fsdp_size x tensor_parallel_size "
-                "(pipeline size = world / their product).",
-                f"world_size={world_size}, data_parallel_size={data_parallel_size}, fsdp_size={fsdp_size}, "
-                f"tensor_parallel_size={tensor_parallel_size}",
-                "tensor_parallel_size", also=("data_parallel_size", "devices"))
-        if world_size % (data_parallel_size * fsdp_size) != 0:
-            if fsdp_size == 1:
-                raise config_error(
-                    "The world size must be divisible by the data-parallel size (pipeline size = world / dp).",
-                    f"world_size={world_size}, data_parallel_size={data_parallel_size}",
-                    "data_parallel_size", also=("devices",))
-            raise config_error(
-                "The world size must be divisible by data_parallel_size x fsdp_size (pipeline size = world / "
-                "(data_parallel_size x fsdp_size)).",
-                f"world_size={world_size}, data_parallel_size={data_parallel_size}, fsdp_size={fsdp_size}",
-                "fsdp_size", also=("data_parallel_size", "devices"))
-        return cls(world_size, data_parallel_size, global_rank, fsdp_size, tensor_parallel_size)

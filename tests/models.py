@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 from lightning_pipe import PipelineModule
-from lightning_pipe.stages import RemoteLayer
+from lightning_pipe.layers.stages import RemoteLayer
 
 WIDTH = 8
 

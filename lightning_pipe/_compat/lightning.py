@@ -83,6 +83,26 @@ def train_dataloader(trainer: Any) -> Any:
     return trainer.fit_loop._data_source.dataloader()
 
 
+# lightning/faults.py: private attributes (instance attributes, so tests/unit/test_faults.py checks they exist).
+def signal_connector(trainer: Any) -> Any:
+    """The trainer's ``_signal_connector`` (lightning/faults.py replaces it with one that defers SIGTERM)."""
+    return trainer._signal_connector
+
+
+def set_signal_connector(trainer: Any, connector: Any) -> None:
+    trainer._signal_connector = connector
+
+
+def last_checkpoint_step(callback: Any) -> int:
+    """The global step a ``ModelCheckpoint`` last saved at (its ``_last_global_step_saved``)."""
+    return int(callback._last_global_step_saved)
+
+
+def save_last_checkpoint(callback: Any, trainer: Any) -> None:
+    """``ModelCheckpoint``'s own "last" save, with its monitor candidates (both private methods, checked above)."""
+    callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
+
+
 def versions_checked() -> bool:
     """Whether the installed Lightning is a version this module was verified against."""
     return lightning.__version__.startswith(CHECKED_LIGHTNING)

@@ -516,8 +516,8 @@ def tensor_version(tensor: torch.Tensor) -> int:
 
 
 # --------------------------------------------------------------------------- a runtime of our own over torch's pieces
-# Chimera (lightning_pipe/chimera.py) drives two single-stage pipelines from one thread. It uses torch's own P2P
-# batching and a torch schedule per pipeline for the P2P warm-up and shape inference; these are private names.
+# Chimera (lightning_pipe/schedules/chimera/) drives two single-stage pipelines from one thread. It uses torch's own
+# P2P batching and a torch schedule per pipeline for the P2P warm-up and shape inference; these are private names.
 # The P2P helpers are looked up in torch's module at every call, so the trace recorder's wrappers see them.
 _resolve(_torch_schedules, "_batch_p2p", _WHERE)
 _resolve(_torch_schedules, "_wait_batch_p2p", _WHERE)

@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from lightning_pipe._compat import transformers as _compat
 from lightning_pipe.hf.layers import HFLayer, _state_tensors, layers_from_config
 
 __all__ = [
@@ -28,21 +28,8 @@ __all__ = [
 
 
 def _init_weights_function(layer: nn.Module) -> Callable[[nn.Module], None] | None:
-    """The model class's ``_init_weights(module)``, without a model instance (keeping one would pin every weight).
-
-    ``_init_weights`` reads only ``self.config``; an uninitialised instance of the class carrying the config stands
-    in as ``self`` (so ``super()._init_weights`` inside it works too).
-    """
-    cls, config = getattr(layer, "hf_model_class", None), getattr(layer, "hf_config", None)
-    if cls is None or config is None or not hasattr(cls, "_init_weights"):
-        return None
-    shim = cls.__new__(cls)
-    object.__setattr__(shim, "config", config)
-
-    def init(module: nn.Module) -> None:
-        cls._init_weights(shim, module)
-
-    return init
+    """The layer's model class's own ``_init_weights(module)`` (:func:`_compat.init_weights_function`)."""
+    return _compat.init_weights_function(getattr(layer, "hf_model_class", None), getattr(layer, "hf_config", None))
 
 
 def materialize_layers_(layers: nn.ModuleList | Sequence[nn.Module], indices: Iterable[int],
@@ -81,10 +68,7 @@ def init_layer_(layer: nn.Module, seed: int) -> None:
     init_fn = _init_weights_function(layer)
     skip = {id(p) for n, p in layer.named_parameters() if n in getattr(layer, "tied", ())}
     saved = {id(p): p.detach().clone() for p in layer.parameters() if id(p) in skip}
-    flagged: list[Any] = [*layer.parameters(), *layer.modules()]
-    for obj in flagged:
-        if hasattr(obj, "_is_hf_initialized"):
-            obj._is_hf_initialized = False  # transformers' init functions skip flagged tensors / modules
+    _compat.clear_initialized_flags([*layer.parameters(), *layer.modules()])
     with torch.random.fork_rng(devices=_rng_devices(layer)):
         torch.manual_seed(seed)
         if init_fn is not None:
@@ -218,7 +202,7 @@ def load_layers(path: str | os.PathLike[str], only: Iterable[int] | None = None,
                                 "one. Nothing is downloaded: save a model with `save_pretrained(dir)` first.")
     config = AutoConfig.from_pretrained(path)
     if attn_implementation is not None:
-        config._attn_implementation = attn_implementation
+        _compat.set_attn_implementation(config, attn_implementation)
     layers = layers_from_config(config, device="meta", dtype=dtype)
     indices = range(len(layers)) if only is None else sorted(set(only))
     for i in indices:

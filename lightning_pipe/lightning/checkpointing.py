@@ -42,8 +42,9 @@ from lightning_pipe.checkpoint.format import (
     names_from_positions,
     optimizer_entries,
 )
-from lightning_pipe.config import PipelineConfig, Topology
-from lightning_pipe.fsdp import full_values, shard_optimizer_state, shard_state_like
+from lightning_pipe.config import PipelineConfig
+from lightning_pipe.parallel.dtensor import full_values, shard_optimizer_state, shard_state_like
+from lightning_pipe.parallel.topology import Topology
 
 T = TypeVar("T")
 NO_OPTIMIZER_STATE = ("The checkpoint holds no optimizer state (saved with weights_only=True), so training cannot "

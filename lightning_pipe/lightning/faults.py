@@ -3,7 +3,7 @@
 Two mechanisms, wired into the strategy's hooks by :class:`PipelineFaults` (one per trainer run):
 
 * **a failure on one rank** is written to the store and stops the others ([Note: failure propagation] in
-  :mod:`lightning_pipe.watchdog`);
+  :mod:`lightning_pipe.runtime.watchdog`);
 * **SIGTERM** (SLURM preemption, Kubernetes) stops every rank together at a step boundary ([Note: SIGTERM at a
   step boundary]).
 
@@ -12,7 +12,7 @@ Lightning 2.6's SIGTERM handler runs ``dist.broadcast`` *inside the signal handl
 lands mid-schedule: rank 0 enters the broadcast while rank 1 is blocked on rank 0's next activation, and both wait
 until the process-group timeout. Our handler only records the signal (and forwards it to the ranks this process
 launched, as Lightning does); no collective, no I/O. After every step each rank joins a MAX all-reduce of "SIGTERM
-seen here" over the world (:func:`~lightning_pipe.watchdog.any_rank`), so all ranks learn it at the same step and
+seen here" over the world (:func:`~lightning_pipe.runtime.watchdog.any_rank`), so all ranks learn it at the same step and
 then stop the way Lightning stops on SIGTERM (``SIGTERMException``, exit code 0, the callbacks' ``on_exception``):
 in training after the optimizer step that closes the current accumulation window, in evaluation and prediction
 after the current batch. Because every rank is at the same point, checkpoint saves (collective here) work:
@@ -41,7 +41,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_pipe._compat import lightning as _compat
 from lightning_pipe._compat import torch as _compat_torch
 from lightning_pipe.config import config_error
-from lightning_pipe.watchdog import FailureWatch, any_rank
+from lightning_pipe.runtime.watchdog import FailureWatch, any_rank
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 """The process-group timeout: how long one collective or P2P transfer may wait before it fails.
@@ -133,11 +133,11 @@ class PipelineFaults:
         store = dist.PrefixStore(f"lightning_pipe/faults/{token}/", _compat_torch.default_store())
         watch = FailureWatch(store, strategy.global_rank, before_exit=lambda: _end_launched_ranks(strategy))
         faults = cls(strategy, trainer, watch)
-        connector = trainer._signal_connector  # private attribute (checked in tests/unit/test_faults.py)
+        connector = _compat.signal_connector(trainer)
         if isinstance(connector, PipelineSignalConnector):
             connector.faults = faults
         else:
-            trainer._signal_connector = PipelineSignalConnector(trainer, faults)
+            _compat.set_signal_connector(trainer, PipelineSignalConnector(trainer, faults))
         trainer.callbacks.insert(0, faults._reporter)
         watch.start()
         return faults
@@ -172,7 +172,7 @@ class PipelineFaults:
                                         self.strategy.root_device)
             if requeue:
                 self._requeued = True  # once per run: ranks may get the signal a step apart
-                self.trainer._signal_connector.run_requeue()
+                _compat.signal_connector(self.trainer).run_requeue()
             if not sigterm:
                 return
             self.stopping = True
@@ -184,7 +184,7 @@ class PipelineFaults:
         accumulate = max(1, self.trainer.accumulate_grad_batches)
         if batch_idx is None or (batch_idx + 1) % accumulate == 0:
             # Lightning raises SIGTERMException after this batch's optimizer step (training_epoch_loop).
-            self.trainer._signal_connector.received_sigterm = True
+            _compat.signal_connector(self.trainer).received_sigterm = True
 
     def on_exception(self, exception: BaseException) -> None:
         """Strategy.on_exception: a failure is reported; an agreed SIGTERM stop saves ``last`` when asked."""
@@ -210,9 +210,9 @@ def _save_last_on_preemption(trainer: Any) -> None:
     for callback in trainer.checkpoint_callbacks:
         if not isinstance(callback, ModelCheckpoint) or not callback.save_last:
             continue
-        if getattr(callback, "save_on_exception", False) or callback._last_global_step_saved == trainer.global_step:
+        if getattr(callback, "save_on_exception", False) or _compat.last_checkpoint_step(callback) == trainer.global_step:
             continue
-        callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
+        _compat.save_last_checkpoint(callback, trainer)
         rank_zero_info(f"lightning_pipe: saved {callback.last_model_path} at global step {trainer.global_step} "
                        "after SIGTERM; resume with ckpt_path=\"last\" (or that path).")
 

@@ -27,8 +27,8 @@ from typing import Any, Protocol
 import lightning.pytorch as pl
 from torch import Tensor
 
-from lightning_pipe.batches import loss_parts
-from lightning_pipe.stages import run_layers
+from lightning_pipe.layers.batches import loss_parts
+from lightning_pipe.layers.stages import run_layers
 
 
 def default_split_batch(batch: Any) -> tuple[Any, Any]:
@@ -49,7 +49,7 @@ def default_split_batch(batch: Any) -> tuple[Any, Any]:
 
 
 class PipelineEngineHandle(Protocol):
-    """What :class:`PipelineModule` needs from the strategy's engine (:class:`lightning_pipe.engine.PipelineEngine`)."""
+    """What :class:`PipelineModule` needs from the strategy's engine (:class:`lightning_pipe.runtime.engine.PipelineEngine`)."""
 
     def loss(self, module: pl.LightningModule, batch: Any) -> Tensor: ...
 
@@ -67,7 +67,7 @@ class PipelineModule(pl.LightningModule):
     meta device) and ``parallelize_layer(index, layer, tp_mesh)`` (required with ``tensor_parallel_size > 1``):
     split layer ``index`` of the layer list in place over the 1-D ``tp_mesh`` (DTensor ``parallelize_module`` with
     ``ColwiseParallel`` / ``RowwiseParallel``); the layer's inputs and outputs must stay plain whole tensors
-    (``use_local_output=True``), so the pipeline's P2P is unchanged (lightning_pipe/tensor_parallel.py).
+    (``use_local_output=True``), so the pipeline's P2P is unchanged (lightning_pipe/parallel/tensor_parallel.py).
 
     Example::
 

@@ -35,10 +35,10 @@ from typing_extensions import override
 from lightning_pipe._compat.lightning import DtypeContextManager, convert_fp_tensor
 from lightning_pipe._compat.torch import ShardedGradScaler
 from lightning_pipe.config import config_error
-from lightning_pipe.fsdp import local
+from lightning_pipe.parallel.dtensor import local
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lightning_pipe.engine import PipelineEngine
+    from lightning_pipe.runtime.engine import PipelineEngine
 
 PrecisionName = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"]
 SUPPORTED_PRECISION: tuple[str, ...] = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")

@@ -14,7 +14,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_pipe._compat import lightning as _compat
-from lightning_pipe.config import MEASURED_PARTITIONS, PartitionSpec, PipelineConfig, Topology, config_error
+from lightning_pipe.config import MEASURED_PARTITIONS, PartitionSpec, PipelineConfig, config_error
+from lightning_pipe.layers.partition import counts_of
+from lightning_pipe.parallel.topology import Topology
 from lightning_pipe.planner.auto import balance_on_ranks, plan_on_ranks
 from lightning_pipe.planner.plan import apply_plan, explain, load_plan
 from lightning_pipe.schedules import SchedulePlan, check_schedule_settings, check_split_backward
@@ -101,7 +103,7 @@ def balance_partition(trainer: Trainer, module: LightningModule, config: Pipelin
     already split (e.g. ``trainer.validate`` after ``fit``) keeps its split (and there is no prediction)."""
     layout = getattr(module, "_pipeline_layout", None)
     if layout is not None:
-        return None, dataclasses.replace(config, partition=[len(r) for r in layout.ranges])
+        return None, dataclasses.replace(config, partition=list(counts_of(layout.ranges)))
     if trainer.state.fn != TrainerFn.FITTING:
         raise config_error(f"partition={config.partition!r} measures the layers on a training batch, so it needs "
                            "trainer.fit first.", f"trainer.{getattr(trainer.state.fn, 'value', None)}() with "
@@ -123,7 +125,7 @@ def check_module(module: LightningModule) -> None:
         raise TypeError(
             f"PipelineStrategy needs a layer-list module: {type(module).__name__} lacks {missing}. Derive it "
             "from `lightning_pipe.PipelineModule` (it provides split_batch/compute_loss) and implement "
-            "`loss_fn(output, target)`; see the README's module contract."
+            "`loss_fn(output, target)`; see docs/module-contract.md."
         )
     if not module.automatic_optimization:
         raise TypeError(

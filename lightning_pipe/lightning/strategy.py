@@ -24,14 +24,12 @@ from typing_extensions import override
 
 from lightning_pipe._compat import lightning as _compat
 from lightning_pipe.checkpoint import remove as remove_checkpoint_files
-from lightning_pipe.config import MEASURED_PARTITIONS, PartitionSpec, Topology
-from lightning_pipe.engine import PipelineEngine
-from lightning_pipe.fsdp import ShardingOptions
-from lightning_pipe.layout import PipelineLayout, build_engine
+from lightning_pipe.config import MEASURED_PARTITIONS, PartitionSpec
 from lightning_pipe.lightning import world
 from lightning_pipe.lightning.checkpointing import RankGroup, ShardedCheckpointer
 from lightning_pipe.lightning.faults import DEFAULT_TIMEOUT, PipelineFaults, resolve_timeout
 from lightning_pipe.lightning.launchers import PipelineMultiProcessingLauncher
+from lightning_pipe.lightning.pipedream import attach_microbatch_updates
 from lightning_pipe.lightning.precision import PipelinePrecision, to_pipeline_precision
 from lightning_pipe.lightning.preflight import (
     balance_partition,
@@ -42,16 +40,19 @@ from lightning_pipe.lightning.preflight import (
 )
 from lightning_pipe.lightning.rebalancing import StrategyRebalancer
 from lightning_pipe.lightning.rebalancing import start as start_rebalancing
-from lightning_pipe.lightning.stashing import attach_microbatch_updates
+from lightning_pipe.parallel.fsdp import ShardingOptions
+from lightning_pipe.parallel.topology import Topology
 from lightning_pipe.planner.plan import apply_plan
 from lightning_pipe.rebalance import check_rebalance
+from lightning_pipe.runtime.build import PipelineLayout, build_engine
+from lightning_pipe.runtime.engine import PipelineEngine
 from lightning_pipe.schedules import SchedulePlan, check_torch_runs, plan_schedule
 
 
 class PipelineStrategy(ParallelStrategy):
     """Pipeline parallelism (optionally times data parallelism) for a layer-list LightningModule.
 
-    ``world size = data_parallel_size x pipeline size x fsdp_size``. The module's layer list is split into
+    ``world size = data_parallel_size x pipeline size x fsdp_size x tensor_parallel_size``. The module's layer list is split into
     ``pipeline size x stages_per_rank`` stages; each rank keeps only its own layers (parameter names unchanged) and
     torch.distributed.pipelining runs the schedule. Settings are those of :class:`~lightning_pipe.PipelineConfig`.
 
@@ -59,17 +60,17 @@ class PipelineStrategy(ParallelStrategy):
         schedule, microbatches, data_parallel_size, fsdp_size, fsdp_reshard_after_forward, tensor_parallel_size,
             partition,
             stages_per_rank, layers_attr, recompute, schedule_options: the layout settings, documented once on :class:`~lightning_pipe.PipelineConfig`
-            (and in the README's settings table with their Hydra paths). ``schedule="auto"`` lets the planner
-            choose at setup (README: "Let it plan").
+            (and in docs/settings.md, generated from it, with their Hydra paths). ``schedule="auto"`` lets the planner
+            choose at setup (docs/planner.md).
         plan: a plan file (or its dict) from ``python -m lightning_pipe.planner search``: its schedule,
             micro-batches, stages per rank, replicas and partition replace those arguments.
         memory_budget: per-device limit for ``schedule="auto"`` (bytes or e.g. ``"20GiB"``).
         rebalance_every_n_steps, rebalance_threshold: move layers between ranks mid-run when measured times
-            predict a faster split (README: "Rebalancing while training"); see :class:`~lightning_pipe.PipelineConfig`.
+            predict a faster split (docs/planner.md: "Rebalancing while training"); see :class:`~lightning_pipe.PipelineConfig`.
         start_method: ``"popen"`` re-runs the script per rank (like ``ddp``); ``"spawn"`` for notebooks.
         timeout: how long a rank waits on another in one transfer before failing (a ``timedelta`` or seconds;
-            default 10 minutes). A rank that fails stops its peers within seconds regardless (README:
-            "Failures and preemption").
+            default 10 minutes). A rank that fails stops its peers within seconds regardless
+            (docs/failures.md).
     """
 
     strategy_name = "pipeline"
@@ -272,7 +273,7 @@ class PipelineStrategy(ParallelStrategy):
     def model_sharded_context(self) -> Generator[None, None, None]:
         """``configure_model`` builds on the meta device: no rank allocates layers it will not hold. Each rank
         allocates its own layers at setup and initialises them with the module's ``reset_layer(index, layer)``
-        (see the README's "Large models")."""
+        (docs/module-contract.md: "Large models")."""
         with torch.device("meta"):
             yield
 
@@ -290,7 +291,7 @@ class PipelineStrategy(ParallelStrategy):
 
         def closure_then_sync() -> Any:
             # After every accumulated backward, before on_before_optimizer_step and clipping see the gradients:
-            # average over replicas, sum tied copies (lightning_pipe.grads).
+            # average over replicas, sum tied copies (lightning_pipe.parallel.grads).
             result = closure()
             if engine is not None:
                 engine.sync_gradients()

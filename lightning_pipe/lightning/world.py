@@ -1,5 +1,6 @@
 """The strategy's process-group plumbing: start the default group, and the world-wide collectives Lightning asks for
-(barrier, object broadcast, tensor reduce). Pipeline and data-parallel groups live in :mod:`lightning_pipe.grads`."""
+(barrier, object broadcast, tensor reduce). Pipeline and data-parallel groups live in
+:mod:`lightning_pipe.parallel.topology`."""
 
 from __future__ import annotations
 

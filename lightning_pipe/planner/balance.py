@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 
 from lightning_pipe.config import MEASURED_PARTITIONS, config_error
-from lightning_pipe.partition import uniform_counts
+from lightning_pipe.layers.partition import uniform_counts
 from lightning_pipe.planner.model import Candidate, CostModel, Prediction, predict
 from lightning_pipe.planner.profile import ModelProfile
 from lightning_pipe.planner.search import (

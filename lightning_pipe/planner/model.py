@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from lightning_pipe.layers.partition import ranges_of
 from lightning_pipe.planner.profile import LayerCost, ModelProfile
 from lightning_pipe.schedules.simulate import CompiledOrder, peak_activations, replay
 
@@ -127,11 +128,8 @@ def _prefix(values: Sequence[float]) -> list[float]:
 
 
 def bounds_of(counts: Sequence[int]) -> list[tuple[int, int]]:
-    out, start = [], 0
-    for c in counts:
-        out.append((start, start + c))
-        start += c
-    return out
+    """Per-stage layer counts -> (first, end) layer bounds (:func:`~lightning_pipe.layers.partition.ranges_of`)."""
+    return [(r.start, r.stop) for r in ranges_of(counts)]
 
 
 def action_counts(compiled: CompiledOrder) -> list[dict[tuple[int, str], int]]:

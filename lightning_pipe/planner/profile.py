@@ -2,7 +2,7 @@
 
 Per layer and per micro-batch size: forward F, full backward B, and the split backward the runtime runs for
 zero-bubble schedules (I: input gradient, W: weight gradient, timed with torch's own ``stage_backward_input`` /
-``stage_backward_weight``); the bytes autograd saves for backward (:class:`~lightning_pipe.memory.ActivationMeter`);
+``stage_backward_weight``); the bytes autograd saves for backward (:class:`~lightning_pipe.trace.memory.ActivationMeter`);
 the output bytes (what crosses a stage boundary); parameter bytes. One layer is resident at a time: a layer built
 on the meta device is materialised (``module.reset_layer(index, layer)`` or ``reset_parameters``), profiled and
 freed, so a model that does not fit on one device is profiled on one device. Few repetitions, the fastest: on a
@@ -23,9 +23,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pipe._compat import torch as _compat
-from lightning_pipe.batches import loss_parts
-from lightning_pipe.memory import ActivationMeter
-from lightning_pipe.stages import init_layer, layer_args
+from lightning_pipe.layers.batches import loss_parts
+from lightning_pipe.layers.stages import init_layer, layer_args
+from lightning_pipe.trace.memory import ActivationMeter
 
 
 @dataclass(frozen=True)

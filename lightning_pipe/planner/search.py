@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from lightning_pipe._compat.torch import torch_gap
 from lightning_pipe.config import PipelineConfig, PipelineConfigError, config_error
-from lightning_pipe.partition import balanced_counts, uniform_counts
+from lightning_pipe.layers.partition import balanced_counts, uniform_counts
 from lightning_pipe.planner.model import Candidate, CostModel, Prediction, action_counts, bounds_of, predict
 from lightning_pipe.planner.profile import ModelProfile
 from lightning_pipe.schedules import (

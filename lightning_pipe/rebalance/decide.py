@@ -27,7 +27,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from lightning_pipe.partition import balanced_counts
+from lightning_pipe.layers.partition import balanced_counts, ranges_of
 
 
 @dataclass(frozen=True)
@@ -95,18 +95,6 @@ def rank_slowness(times: Sequence[LayerTime], pipeline_size: int) -> list[float]
     return [v / fastest if fastest > 0 else 1.0 for v in raw]
 
 
-def counts_of(ranges: Sequence[range]) -> tuple[int, ...]:
-    return tuple(len(r) for r in ranges)
-
-
-def ranges_of(counts: Sequence[int]) -> list[range]:
-    out, start = [], 0
-    for c in counts:
-        out.append(range(start, start + c))
-        start += c
-    return out
-
-
 def busiest_stage(costs: Sequence[float], counts: Sequence[int], stage_speed: Sequence[float]) -> float:
     """The objective of [Note: the predicted step time] for one split."""
     out, start = 0.0, 0
@@ -119,7 +107,7 @@ def busiest_stage(costs: Sequence[float], counts: Sequence[int], stage_speed: Se
 def best_counts(costs: Sequence[float], stage_speed: Sequence[float]) -> tuple[int, ...]:
     """Contiguous split minimising the busiest stage, stage ``s`` running ``stage_speed[s]`` times slower.
 
-    Exact (:func:`lightning_pipe.partition.balanced_counts`); ties go to the split whose earlier stages are larger.
+    Exact (:func:`lightning_pipe.layers.partition.balanced_counts`); ties go to the split whose earlier stages are larger.
     """
     return tuple(balanced_counts(costs, len(stage_speed), stage_speed))
 

@@ -69,7 +69,7 @@ class LayerTimer:
         self._active = False
         self._first = True  # the first batch of an engine runs torch's shape inference and warms up: not timed
         self._handles: list[Any] = []
-        self._wrapped: list[tuple[Any, str]] = []
+        self._wrapped: list[tuple[Any, str, Any]] = []  # (stage, method, the instance wrapper ours replaced)
         self.kinds: dict[int, str] = {}
 
     def _counting(self) -> bool:
@@ -83,8 +83,9 @@ class LayerTimer:
                 self._handles.append(layer.register_forward_hook(self._post(index)))
         for stage in self.engine.stages:
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                before = vars(stage).get(name)  # another instance wrapper (the data-parallel overlap's), or None
                 setattr(stage, name, self._timed(stage.stage_index, getattr(stage, name)))
-                self._wrapped.append((stage, name))
+                self._wrapped.append((stage, name, before))
         self.engine.step_contexts.append(self.step)
         return self
 
@@ -92,8 +93,10 @@ class LayerTimer:
         """Remove every hook and wrapper (a layer that moves is pickled: it must carry none of ours)."""
         for handle in self._handles:
             handle.remove()
-        for stage, name in self._wrapped:
-            if name in vars(stage):
+        for stage, name, before in reversed(self._wrapped):
+            if before is not None:  # put back what was there, not the class method: other wrappers stay
+                setattr(stage, name, before)
+            elif name in vars(stage):
                 delattr(stage, name)
         self._handles, self._wrapped = [], []
         with contextlib.suppress(ValueError):

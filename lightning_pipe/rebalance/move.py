@@ -6,7 +6,7 @@ replica the holder sends the layer to its new rank: one ``torch.save`` of the la
 parameters and buffers, whatever its class) plus, per parameter name, the optimizer slot (optimizer, param group)
 and the optimizer's state for it (Adam's ``step``, ``exp_avg``, ``exp_avg_sq``, ...). Point-to-point sends in one
 global order cannot deadlock: each rank's sends and receives are a subsequence of that order. The sender puts a
-:class:`~lightning_pipe.stages.RemoteLayer` in the layer's place; the receiver puts the layer where its placeholder
+:class:`~lightning_pipe.layers.stages.RemoteLayer` in the layer's place; the receiver puts the layer where its placeholder
 was (same name, so checkpoints and the optimizer keep naming it ``layers.<i>...``).
 
 Tied parameters (one object used by several layers): a rank that already holds a copy keeps it, and an arriving use
@@ -27,12 +27,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pipe.config import PipelineConfig, Topology
-from lightning_pipe.engine import PipelineEngine
-from lightning_pipe.layout import PipelineLayout, build_engine
-from lightning_pipe.memory import ActivationMeter
-from lightning_pipe.rebalance.decide import Move, ranges_of
-from lightning_pipe.stages import RemoteLayer, TiedParameter, find_layers
+from lightning_pipe.config import PipelineConfig
+from lightning_pipe.layers.partition import ranges_of
+from lightning_pipe.layers.stages import RemoteLayer, TiedParameter, find_layers
+from lightning_pipe.parallel.topology import Topology
+from lightning_pipe.rebalance.decide import Move
+from lightning_pipe.runtime.build import PipelineLayout, build_engine
+from lightning_pipe.runtime.engine import PipelineEngine
+from lightning_pipe.trace.memory import ActivationMeter
 
 Slot = tuple[int, int]
 """(optimizer index, param group index)."""
@@ -152,7 +154,7 @@ def _update_optimizers(module: nn.Module, optimizers: Sequence[torch.optim.Optim
 
 def rebuild_engine(old: PipelineEngine, module: nn.Module, config: PipelineConfig, layout: PipelineLayout,
                    counts: Sequence[int]) -> tuple[PipelineEngine, PipelineLayout]:
-    """A new engine for ``counts`` layers per stage, through :func:`~lightning_pipe.layout.build_engine` with the
+    """A new engine for ``counts`` layers per stage, through :func:`~lightning_pipe.runtime.build.build_engine` with the
     new layout (same plan and placement: nothing is re-split or broadcast; new stage modules, schedule and tie
     groups). What was attached to the old engine (loss scaler, step contexts such as the trace recorder and the
     memory meter) is carried over and pointed at the new one. Collective (new process groups)."""
@@ -167,6 +169,6 @@ def rebuild_engine(old: PipelineEngine, module: nn.Module, config: PipelineConfi
             if hasattr(owner, "stage_ids"):
                 owner.stage_ids = [st.stage_index for st in engine.stages]
         if isinstance(owner, ActivationMeter):
-            owner._param_storages = {q.untyped_storage().data_ptr() for q in engine.parameters}
+            owner.track_parameters(engine.parameters)
         engine.step_contexts.append(context)
     return engine, new_layout

@@ -1,16 +1,16 @@
-"""Schedules: the registry of specs and plans (``plan``), replay as data (``simulate``), action lists (``custom``).
+"""Schedules: the registry of specs and plans (``registry``), replay as data (``simulate``), action lists (``custom``),
+and one folder per seed schedule (``pipedream/``, ``chimera/``).
 
-A new schedule is one file here plus a Hydra config: a :class:`ScheduleSpec` registered below.
+A new schedule is one file (or folder) here plus a Hydra config: a :class:`ScheduleSpec` registered below. The
+contract it fills, :class:`ScheduleSpec` / :class:`SchedulePlan`, is the runtime's (``lightning_pipe/runtime/spec.py``).
 """
 
-from lightning_pipe.schedules.chimera import CHIMERA
+from lightning_pipe.runtime.spec import SchedulePlan, ScheduleSpec, build_torch_schedule
+from lightning_pipe.schedules.chimera.spec import CHIMERA
 from lightning_pipe.schedules.custom import CUSTOM
-from lightning_pipe.schedules.pipedream import PIPEDREAM, PIPEDREAM_2BW
-from lightning_pipe.schedules.plan import (
-    SchedulePlan,
-    ScheduleSpec,
+from lightning_pipe.schedules.pipedream.spec import PIPEDREAM, PIPEDREAM_2BW
+from lightning_pipe.schedules.registry import (
     available_schedules,
-    build_torch_schedule,
     check_schedule_settings,
     check_split_backward,
     check_torch_runs,

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import csv
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from lightning_pipe._compat import torch as _compat
 from lightning_pipe.config import PipelineConfig, config_error
-from lightning_pipe.schedules.plan import SchedulePlan, ScheduleSpec
+from lightning_pipe.runtime.spec import SchedulePlan, ScheduleSpec, placed_rank
 from lightning_pipe.schedules.simulate import ScheduleDeadlock, flatten, simulate
 
 KEY = "schedule_options"  # every error here is about the action lists (see config.SETTINGS)
@@ -112,11 +113,8 @@ def validate_actions(actions: list[list[Any]], pipeline_size: int, microbatches:
     # Placement: as given (first rank to name a stage holds it), optionally checked against loop / v.
     expected: Callable[[int], int] | None = None
     if placement not in (None, "given"):
-        p = pipeline_size
-        if placement == "loop":
-            expected = lambda s: s % p  # noqa: E731
-        elif placement == "v":
-            expected = lambda s: s if s < p else 2 * p - 1 - s  # noqa: E731
+        if placement in ("loop", "v"):
+            expected = partial(placed_rank, placement, pipeline_size=pipeline_size)
         else:
             raise config_error("schedule_options['placement'] is 'loop', 'v' or omitted (as the lists give it).",
                                f"placement={placement!r}", KEY)
@@ -215,4 +213,5 @@ def build(plan: SchedulePlan, stages: list[Any], loss_fn: Callable[..., Any]) ->
 CUSTOM = ScheduleSpec("custom", _compat.PipelineScheduleRuntime,
                       "per-rank action lists (inline or CSV) run by torch's schedule runtime",
                       multi_stage=True, placement="given", default_stages_per_rank=1, allowed_stages_per_rank=None,
-                      min_microbatches="none", resolve=resolve, build=build, options=OPTIONS)
+                      min_microbatches="none", resolve=resolve, build=build, options=OPTIONS,
+                      tensor_parallel=True)

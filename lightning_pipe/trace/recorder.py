@@ -80,7 +80,7 @@ class _CudaClock:
 
 # ---------------------------------------------------------------------------------------------------------- recorder
 class StepRecorder:
-    """Records the schedule steps of one :class:`~lightning_pipe.engine.PipelineEngine` while ``armed``.
+    """Records the schedule steps of one :class:`~lightning_pipe.runtime.engine.PipelineEngine` while ``armed``.
 
     ``attach(engine)`` adds :meth:`step` to ``engine.step_contexts``; a step runs untouched unless ``armed`` is true
     (set it per step, e.g. from a callback). Finished steps are appended to ``records`` (oldest dropped past

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from lightning_pipe import PipelineModule
-from lightning_pipe.tensor_parallel import FusedColwiseParallel
+from lightning_pipe.parallel.tensor_parallel import FusedColwiseParallel
 
 
 class Embedding(nn.Module):

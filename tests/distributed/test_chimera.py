@@ -1,6 +1,6 @@
 """Chimera (two pipelines in opposite directions on the same ranks) vs the same LightningModule on one device.
 
-[Note: Chimera placement and semantics] in lightning_pipe/schedules/chimera.py: after the stage-pair gradient sum a
+[Note: Chimera placement and semantics] in lightning_pipe/schedules/chimera/spec.py: after the stage-pair gradient sum a
 step is plain mini-batch training, so the parity check is the one every synchronous schedule passes (fp32, 1e-5).
 Ranks r and p-1-r hold copies of the same two stages: they must also agree exactly with each other.
 """

@@ -2,7 +2,7 @@
 
 The reference is plain torch on the whole model cut into the same stage chunks, independent of the stage code: for
 each micro-batch j of batch b it runs every stage's layers (``functional_call``) on that stage's weight version
-``b * m + max(0, j - min(m, p - s) + 1)`` ([Note: PipeDream version formula] in lightning_pipe/stashing.py), takes the
+``b * m + max(0, j - min(m, p - s) + 1)`` ([Note: PipeDream version formula] in lightning_pipe/schedules/pipedream/stages.py), takes the
 gradient of micro-batch j's mean loss (averaged over replicas; tied uses summed), clips each stage's gradients by
 that stage's own norm (or by value), and steps the model's own optimizer once; its scheduler steps once per batch. The ranks
 record which version each of their forwards used: it must equal the formula. Control: the same loop without
@@ -17,9 +17,9 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from lightning_pipe.partition import partition_layers
-from lightning_pipe.stages import layer_args
-from lightning_pipe.stashing import pipedream_max_stashes, pipedream_version
+from lightning_pipe.layers.partition import partition_layers
+from lightning_pipe.layers.stages import layer_args
+from lightning_pipe.schedules.pipedream.stages import pipedream_max_stashes, pipedream_version
 from tests.distributed.launcher import launch, launch_runs
 from tests.distributed.scenarios import CheckpointCase, TrainingCase
 from tests.distributed.scenarios.training import DATA, MODELS

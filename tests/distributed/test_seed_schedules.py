@@ -1,7 +1,7 @@
 """The seed schedules under the strategy vs one-process references of exactly their semantics.
 
 PipeDream-2BW: ``W(b+1) = W(b) - update(mean_j grad f_{b,j}(W(b-1)))``, ``W(-1) = W(0)`` ([Note: PipeDream-2BW
-semantics] in lightning_pipe/schedules/pipedream.py). The reference below is a plain torch loop: gradients taken with
+semantics] in lightning_pipe/schedules/pipedream/spec.py). The reference below is a plain torch loop: gradients taken with
 ``torch.func.functional_call`` on the stashed weights, applied by the model's own optimizer (and scheduler) to the live
 ones. The same loop with no delay is synchronous training: a 1F1B run must match it (so the harness is right) and a
 2BW run must not (so the 2BW test can fail).
@@ -122,5 +122,5 @@ def test_pipedream_2bw_with_data_parallel_matches_its_reference(tmp_path) -> Non
     cases = [TrainingCase(schedule="pipedream_2bw", dp=2, steps=3, clip=0.05, optimizer="adamw", validate=False)]
     results = launch("training", 4, cases, tmp_path, timeout=360)
     check(results, 0, cases[0], delay=1)
-    # averaged as each stage's last backward moved its gradients from the stash (lightning_pipe/dp_overlap.py)
+    # averaged as each stage's last backward moved its gradients from the stash (lightning_pipe/parallel/dp_overlap.py)
     assert all(rank[0]["dp_sync"] == {"overlapped": 3, "after_schedule": 0} for rank in results)

@@ -4,7 +4,7 @@ tensor parallelism x FSDP2 (2-D sharding per stage).
 One 4-rank launch: each stage's layers split by the module's ``parallelize_layer`` hook (column-wise input
 projection, column-wise / row-wise MLPs; LayerNorms, a row-wise bias and the head replicated), with gradient
 accumulation and global-norm clipping (split gradients summed over the tensor group, replicated ones counted once),
-under every schedule of ``TENSOR_PARALLEL_SCHEDULES`` (the split input/weight backward of the zero-bubble family,
+under every built-in schedule (each ``ScheduleSpec`` declares ``tensor_parallel``) (the split input/weight backward of the zero-bubble family,
 PipeDream, 2BW and Chimera included) and in bf16 / fp16, then a checkpoint (whole tensors gathered per stage) that resumes exactly and loads on one device, then what
 is refused; the GPT and Llama recipes by their own hooks (GPT: fused q|k|v split by heads, tied head), and dropout
 with per-rank seeds. The same launch runs pipeline 1 (two stages, interleaved) x FSDP 2 x tensor 2: each layer split, then

@@ -3,12 +3,17 @@
 * the plain-torch core (everything but ``lightning/``, ``_compat/lightning.py`` and the package ``__init__``) never
   imports Lightning, nor the adapter, nor the package root (which registers the strategy with Lightning);
 * nothing in the package imports Hydra / OmegaConf or the recipes;
-* the package's import graph has no cycle.
+* the package's import graph has no cycle;
+* the floor rule: each folder imports only the folders below it (:data:`FLOORS`), and the package root holds only
+  the public facade and ``config.py``;
+* no module imports our own modules by string (``importlib`` / ``__import__`` / a ``"lightning_pipe.x:Y"`` name), so
+  every dependency is an import the rules above see.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -63,7 +68,7 @@ GRAPH = {name: {m for m in imports_of(name) if m in MODULES and m != name} for n
 
 
 def test_the_package_is_found() -> None:
-    assert f"{PACKAGE}.engine" in MODULES and f"{PACKAGE}.lightning.strategy" in MODULES
+    assert f"{PACKAGE}.runtime.engine" in MODULES and f"{PACKAGE}.lightning.strategy" in MODULES
 
 
 @pytest.mark.parametrize("name", sorted(n for n in MODULES if not in_adapter(n)))
@@ -103,7 +108,98 @@ def test_no_import_cycles() -> None:
 
 def test_the_parser_sees_local_and_relative_imports() -> None:
     """A rule that cannot fail proves nothing: function-local and relative imports are seen and resolved."""
-    source = "def f():\n    from .lightning.strategy import PipelineStrategy\n    import lightning.pytorch\n"
-    found = imports_in(source, f"{PACKAGE}.engine", package=False)
+    source = "def f():\n    from ..lightning.strategy import PipelineStrategy\n    import lightning.pytorch\n"
+    found = imports_in(source, f"{PACKAGE}.runtime.engine", package=False)
     assert f"{PACKAGE}.lightning.strategy" in found and "lightning.pytorch" in found
-    assert in_adapter(f"{PACKAGE}.lightning.strategy") and not in_adapter(f"{PACKAGE}.engine")
+    assert in_adapter(f"{PACKAGE}.lightning.strategy") and not in_adapter(f"{PACKAGE}.runtime.engine")
+
+
+# The layers of the package, bottom first: a module may import its own folder and the folders on lower floors only.
+# ``<root>`` is the package facade (``lightning_pipe/__init__.py``).
+FLOORS: dict[str, int] = {
+    "config": 0, "_compat": 0, "trace": 0,
+    "layers": 1, "checkpoint": 1, "hf": 1,
+    "parallel": 2,
+    "runtime": 3,
+    "schedules": 4,
+    "planner": 5, "rebalance": 5,
+    "lightning": 6,
+    "<root>": 7,
+}
+
+
+def folder_of(name: str) -> str:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else "<root>"
+
+
+def floor_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every import that goes up, or sideways into another folder of the same floor."""
+    bad = []
+    for name, deps in sorted(graph.items()):
+        here = folder_of(name)
+        for dep in sorted(deps):
+            there = folder_of(dep)
+            if there != here and FLOORS[there] >= FLOORS[here]:
+                bad.append(f"{name} ({here}, floor {FLOORS[here]}) imports {dep} ({there}, floor {FLOORS[there]})")
+    return bad
+
+
+def test_every_folder_has_a_floor() -> None:
+    assert {folder_of(name) for name in MODULES} == set(FLOORS)
+
+
+def test_the_package_root_holds_only_the_facade_and_config() -> None:
+    loose = sorted(p.name for p in ROOT.glob("*.py"))
+    assert loose == ["__init__.py", "config.py"], f"modules outside a folder: {loose}"
+
+
+def test_each_folder_imports_only_folders_below_it() -> None:
+    assert not floor_violations(GRAPH), "\n".join(floor_violations(GRAPH))
+
+
+def test_the_floor_rule_can_fail() -> None:
+    graph = {f"{PACKAGE}.parallel.grads": {f"{PACKAGE}.runtime.spec"}, f"{PACKAGE}.planner.auto": {f"{PACKAGE}.rebalance"},
+             f"{PACKAGE}.runtime.engine": {f"{PACKAGE}.parallel.grads", f"{PACKAGE}.runtime.spec"}}
+    assert len(floor_violations(graph)) == 2
+
+
+STRING_IMPORTERS = {
+    f"{PACKAGE}.planner.__main__": "the user's model factory, given on the command line as module:factory",
+    f"{PACKAGE}._compat.torch": "torch's private modules, resolved with a versioned message",
+    f"{PACKAGE}._compat.lightning": "Lightning's private modules, likewise",
+}
+"""Modules that may import by string, and what they import that way: never a module of ours."""
+OUR_CLASS_NAME = re.compile(rf"{PACKAGE}(\.\w+)*:\w+")
+
+
+def string_imports_in(source: str, name: str) -> list[str]:
+    """Imports by string in the source of module ``name``: of our own modules anywhere, of anything outside
+    :data:`STRING_IMPORTERS`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            if called not in ("import_module", "__import__"):
+                continue
+            arg = node.args[0] if node.args else None
+            ours = isinstance(arg, ast.Constant) and str(arg.value).startswith(PACKAGE)
+            if ours or name not in STRING_IMPORTERS:
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and OUR_CLASS_NAME.fullmatch(node.value):
+            found.append(f"line {node.lineno}: {node.value!r} names our class by string")
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_import_of_our_modules_by_string(name: str) -> None:
+    found = string_imports_in(MODULES[name].read_text(), name)
+    assert not found, f"{name} imports by string: {found}"
+
+
+def test_the_string_import_rule_can_fail() -> None:
+    source = ("import importlib\nENGINE = 'lightning_pipe.schedules.chimera.engine:ChimeraEngine'\n"
+              "def f(m):\n    importlib.import_module(m)\n    __import__('lightning_pipe.runtime')\n")
+    assert len(string_imports_in(source, f"{PACKAGE}.runtime.build")) == 3
+    assert len(string_imports_in(source, f"{PACKAGE}._compat.torch")) == 2  # ours, even where strings are allowed

@@ -18,8 +18,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_pipe import checkpoint as ckpt_lib
 from lightning_pipe.checkpoint.__main__ import main
-from lightning_pipe.config import PipelineConfig, Topology
+from lightning_pipe.config import PipelineConfig
 from lightning_pipe.lightning.checkpointing import RankGroup, ShardedCheckpointer
+from lightning_pipe.parallel.topology import Topology
 from tests.models import ToyRegressor
 
 

@@ -8,14 +8,8 @@ import pytest
 
 from lightning_pipe.config import PipelineConfig, PipelineConfigError
 from lightning_pipe.schedules import available_schedules, compute_order, plan_schedule, simulate
-from lightning_pipe.schedules.chimera import (
-    PRIORITIES,
-    bubble_chimera,
-    chimera_order,
-    list_schedule,
-    pipeline_of,
-    stage_rank,
-)
+from lightning_pipe.schedules.chimera.runtime import pipeline_of
+from lightning_pipe.schedules.chimera.spec import PRIORITIES, bubble_chimera, chimera_order, list_schedule, stage_rank
 
 
 def plan(p: int = 4, m: int | None = 8, **settings):
@@ -95,7 +89,7 @@ def test_refuses_what_cannot_hold(p: int, settings: dict, names: list[str]) -> N
 def test_refuses_non_cpu_devices_before_any_group() -> None:
     import torch
 
-    from lightning_pipe.chimera import ChimeraEngine
+    from lightning_pipe.schedules.chimera.engine import ChimeraEngine
 
     with pytest.raises(PipelineConfigError) as err:  # raised before it touches the module, groups or stages
         ChimeraEngine(None, [], [], plan(4), None, torch.device("meta"))  # type: ignore[arg-type]

@@ -7,7 +7,8 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 import lightning_pipe
 from lightning_pipe import PipelineConfig, PipelineConfigError, PipelineStrategy
-from lightning_pipe.config import SETTINGS, Topology, config_error, describe_setting
+from lightning_pipe.config import SETTINGS, config_error, describe_setting
+from lightning_pipe.parallel.topology import Topology
 from lightning_pipe.schedules import available_schedules, plan_schedule
 
 
@@ -174,7 +175,7 @@ def test_recompute_setting():
 def test_stray_parameter_error_says_to_move_it_into_a_layer():
     from torch import nn
 
-    from lightning_pipe.stages import check_no_stray_parameters
+    from lightning_pipe.layers.stages import check_no_stray_parameters
 
     model = nn.Module()
     model.layers = nn.Sequential(nn.Linear(2, 2))

@@ -221,11 +221,11 @@ def test_every_hydra_path_of_the_settings_table_composes(path: str, tmp_path: Pa
 
 
 def _readme_examples() -> list[list[str]]:
-    """The overrides of every `python recipes/gpt/train.py ...` example in the READMEs, configs/train.yaml and
+    """The overrides of every `python recipes/gpt/train.py ...` example in the READMEs, docs/, configs/train.yaml and
     train.py's docstring, one list per combination (a multirun `a,b` gives one example per value)."""
     examples = []
-    for doc in (REPO / "README.md", REPO / "recipes" / "gpt" / "README.md", CONFIGS / "train.yaml",
-                REPO / "recipes" / "gpt" / "train.py"):
+    for doc in (REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "recipes" / "gpt" / "README.md",
+                CONFIGS / "train.yaml", REPO / "recipes" / "gpt" / "train.py"):
         for match in re.finditer(r"python recipes/gpt/train\.py([^`\n#]*)", doc.read_text()):
             args = [a for a in shlex.split(match.group(1)) if a != "-m" and not a.startswith("[")]  # [overrides]
             choices = [[f"{a.split('=', 1)[0]}={v}" for v in a.split("=", 1)[1].split(",")]

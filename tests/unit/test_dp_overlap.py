@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pipe import dp_overlap
-from lightning_pipe.dp_overlap import DataParallelOverlap, _Carry, settle
+from lightning_pipe.parallel import dp_overlap
+from lightning_pipe.parallel.dp_overlap import DataParallelOverlap, _Carry, settle
 
 
 @pytest.fixture

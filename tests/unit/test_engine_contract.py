@@ -9,8 +9,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_pipe.batches import LossParts, Signature, check_target, input_args, loss_parts, pad_rows, signature
-from lightning_pipe.stages import LayerContractError, StageModule, run_layers, warn_batch_norm
+from lightning_pipe.layers.batches import (
+    LossParts,
+    Signature,
+    check_target,
+    input_args,
+    loss_parts,
+    pad_rows,
+    signature,
+)
+from lightning_pipe.layers.stages import LayerContractError, StageModule, run_layers, warn_batch_norm
 from tests.models import BNRegressor, DictOutRegressor, SkipRegressor, TinyLM, pad_collate, varlen_tokens
 
 

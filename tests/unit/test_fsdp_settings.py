@@ -4,10 +4,10 @@ import lightning.pytorch as L
 import pytest
 
 from lightning_pipe import PipelineConfig, PipelineConfigError, PipelineStrategy
-from lightning_pipe.config import Topology
-from lightning_pipe.fsdp import check_schedule, check_ties
+from lightning_pipe.layers.stages import TiedParameter
+from lightning_pipe.parallel.fsdp import check_schedule, check_ties
+from lightning_pipe.parallel.topology import Topology
 from lightning_pipe.schedules import get_schedule_spec
-from lightning_pipe.stages import TiedParameter
 
 
 def test_rank_order_is_replicate_pipeline_shard():

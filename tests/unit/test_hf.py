@@ -202,7 +202,7 @@ def test_tied_embeddings_are_one_parameter(family):
 
 
 def test_layers_run_under_the_layer_io_contract():
-    from lightning_pipe.stages import run_layers
+    from lightning_pipe.layers.stages import run_layers
 
     model = make_model("qwen2").eval()
     layers = causal_lm_layers(model)
@@ -216,7 +216,7 @@ def test_layers_run_under_the_layer_io_contract():
 def test_meta_tie_nested_in_layers_whose_ends_are_on_other_ranks(local_stage):
     """Regression: re-tying after to_empty walked into a RemoteLayer (the head's `lm_head.weight` is nested in a
     layer), raising AttributeError: RemoteLayer has no attribute 'lm_head'."""
-    from lightning_pipe.stages import find_tied_parameters, localize_layers, materialize
+    from lightning_pipe.layers.stages import find_tied_parameters, localize_layers, materialize
 
     class Holder(torch.nn.Module):
         def __init__(self):

@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from lightning_pipe.memory import ActivationMeter
+from lightning_pipe.trace.memory import ActivationMeter
 
 
 def _run(order: str, m: int = 4) -> int:

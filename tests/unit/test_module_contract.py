@@ -8,14 +8,14 @@ import torch
 from torch import nn
 
 from lightning_pipe import PipelineConfigError, PipelineModule
-from lightning_pipe.lightning.module import default_split_batch
-from lightning_pipe.stages import (
+from lightning_pipe.layers.stages import (
     RemoteLayer,
     check_no_stray_parameters,
     find_layers,
     find_tied_parameters,
     localize_layers,
 )
+from lightning_pipe.lightning.module import default_split_batch
 from tests.models import ToyRegressor, loader, regression_data
 
 

@@ -3,7 +3,7 @@
 import pytest
 
 from lightning_pipe import PipelineConfigError
-from lightning_pipe.partition import balanced_counts, partition_layers, uniform_counts
+from lightning_pipe.layers.partition import balanced_counts, partition_layers, uniform_counts
 
 
 def test_uniform_gives_extra_layers_to_the_first_stages():
@@ -68,7 +68,7 @@ def test_more_stages_than_layers_is_refused():
 
 
 def test_parameter_partition_counts_a_tied_weight_once():
-    from lightning_pipe.partition import layer_param_counts as _param_counts
+    from lightning_pipe.layers.partition import layer_param_counts as _param_counts
     from tests.models import ToyRegressor
 
     counts = _param_counts(ToyRegressor(n_layers=4, tied=True).layers)

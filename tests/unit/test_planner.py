@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.config import PipelineConfig, PipelineConfigError
-from lightning_pipe.partition import uniform_counts
+from lightning_pipe.layers.partition import uniform_counts
 from lightning_pipe.planner import LayerCost, ModelProfile, apply_plan, explain, profile_model, search, to_plan
 from lightning_pipe.planner.__main__ import main as cli
 from lightning_pipe.planner.model import CostModel, predict
@@ -217,7 +217,7 @@ def test_balance_split_is_the_best_split_of_the_fixed_schedule(name: str, v: int
 
 
 def test_measured_partitions_are_settings_resolved_by_the_strategy() -> None:
-    from lightning_pipe.partition import partition_layers
+    from lightning_pipe.layers.partition import partition_layers
 
     assert PipelineConfig(partition="Time").partition == "time"
     with pytest.raises(PipelineConfigError, match="measured at setup.*strategy.partition"):

@@ -107,3 +107,28 @@ def test_optimizer_surgery_keeps_groups_and_state() -> None:
     assert torch.equal(opt.state[arriving.bias]["exp_avg"], torch.full((2,), 7.0))
     assert all(p not in opt.state for p in gone.parameters())
     assert len(opt.state) == 3
+
+
+def test_layer_timer_detach_keeps_wrappers_installed_before_it() -> None:
+    """rebalance/measure.LayerTimer wraps the stage methods on the instance; detaching puts back what was there
+    (e.g. the data-parallel overlap's wrapper), not the class method."""
+    from types import SimpleNamespace
+
+    from lightning_pipe.rebalance.measure import LayerTimer
+
+    class Stage:
+        stage_index = 0
+
+        def forward_one_chunk(self) -> str:
+            return "class"
+
+        backward_one_chunk = backward_weight_one_chunk = forward_one_chunk
+
+    stage = Stage()
+    stage.forward_one_chunk = lambda: "earlier wrapper"  # type: ignore[method-assign]
+    engine = SimpleNamespace(device="cpu", stage_modules=[], stages=[stage], step_contexts=[], _inferring=False)
+    timer = LayerTimer(engine).attach()
+    assert stage.forward_one_chunk() == "earlier wrapper" and "backward_one_chunk" in vars(stage)
+    timer.detach()
+    assert stage.forward_one_chunk() == "earlier wrapper"
+    assert "backward_one_chunk" not in vars(stage) and engine.step_contexts == []

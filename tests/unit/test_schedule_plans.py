@@ -7,7 +7,7 @@ import pytest
 
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.config import PipelineConfig, PipelineConfigError
-from lightning_pipe.partition import partition_layers
+from lightning_pipe.layers.partition import partition_layers
 from lightning_pipe.schedules import (
     ScheduleDeadlock,
     available_schedules,
@@ -275,7 +275,7 @@ def test_a_null_option_is_absent(tmp_path) -> None:
 
 
 def test_default_stages_per_rank_is_what_the_docs_say() -> None:
-    # PipelineConfig.stages_per_rank's docstring, the README's Schedules table and configs/schedule/*.yaml.
+    # PipelineConfig.stages_per_rank's docstring, the Schedules table (README, docs/schedules.md) and configs/schedule/*.yaml.
     defaults = {name: plan(name, 2, None, 4).stages_per_rank for name in NAMED}
     assert defaults == {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "looped_bfs": 2, "zb_h1": 2, "zbv": 2,
                         "dualpipev": 2}

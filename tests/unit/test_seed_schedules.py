@@ -7,8 +7,12 @@ import pytest
 
 from lightning_pipe.config import PipelineConfig, PipelineConfigError
 from lightning_pipe.schedules import available_schedules, compute_order, get_schedule_spec, plan_schedule, simulate
-from lightning_pipe.stashing import StashingPipelineStage, pipedream_max_stashes, pipedream_version
-from lightning_pipe.versioned import VersionedPipelineStage
+from lightning_pipe.schedules.pipedream.stages import (
+    StashingPipelineStage,
+    VersionedPipelineStage,
+    pipedream_max_stashes,
+    pipedream_version,
+)
 
 
 def plan(name: str, p: int = 2, m: int | None = 4, **settings):
@@ -104,3 +108,19 @@ def test_pipedream_refuses_what_cannot_hold(settings: dict, names: list[str]) ->
         plan_schedule(PipelineConfig(schedule="pipedream", **{"microbatches": 8, **settings}), 4)
     for name in names:
         assert name in str(err.value)
+
+
+def test_each_seed_schedule_lives_in_its_folder() -> None:
+    """A seed schedule's spec names its own classes, all in its folder of schedules/; every stage the engine builds
+    derives from the one base that declares the engine's hooks (runtime/stage.py)."""
+    from lightning_pipe.runtime.stage import PipelineStage
+
+    folders = {"pipedream": "pipedream", "pipedream_2bw": "pipedream", "chimera": "chimera"}
+    for name, folder in folders.items():
+        spec = get_schedule_spec(name)
+        own = [cls for cls in (spec.stage_class, spec.engine) if cls is not None]
+        assert own, name
+        for cls in own:
+            assert cls.__module__.startswith(f"lightning_pipe.schedules.{folder}."), (name, cls)
+        if spec.stage_class is not None:
+            assert issubclass(spec.stage_class, PipelineStage)

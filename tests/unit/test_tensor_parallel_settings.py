@@ -4,9 +4,10 @@ import lightning.pytorch as L
 import pytest
 
 from lightning_pipe import PipelineConfig, PipelineConfigError, PipelineStrategy
-from lightning_pipe.config import TENSOR_PARALLEL_SCHEDULES, Topology
-from lightning_pipe.schedules import available_schedules
-from lightning_pipe.tensor_parallel import check_module
+from lightning_pipe.parallel.tensor_parallel import check_module
+from lightning_pipe.parallel.topology import Topology
+from lightning_pipe.runtime.spec import ScheduleSpec
+from lightning_pipe.schedules import available_schedules, get_schedule_spec, registry
 from tests.models import TensorParallelRegressor, ToyRegressor
 from tests.torch_tiers import needs
 
@@ -34,16 +35,19 @@ def test_rank_order_puts_tensor_innermost():
         assert (t.dp_rank, t.pp_rank, t.tp_rank) == (rank // 2, rank % 2, 0)
 
 
-def test_tensor_parallel_settings_are_checked_early():
+def test_tensor_parallel_settings_are_checked_early(monkeypatch):
     with pytest.raises(PipelineConfigError, match=r"tensor_parallel_size=0.*Hydra: strategy.tensor_parallel_size"):
         PipelineConfig(tensor_parallel_size=0)
     # every built-in schedule runs tensor-parallel stages (tests/distributed/test_tensor_parallel.py) ...
-    assert set(available_schedules()) <= set(TENSOR_PARALLEL_SCHEDULES)
+    assert all(get_schedule_spec(schedule).tensor_parallel for schedule in available_schedules())
     for schedule in available_schedules():
-        PipelineConfig(tensor_parallel_size=2, schedule=schedule)
-    # ... one registered by an extension is refused until verified
+        PipelineStrategy(tensor_parallel_size=2, schedule=schedule)
+    # ... one registered by an extension is refused until verified (in the strategy's constructor: before any rank)
+    spec = get_schedule_spec("1f1b")
+    monkeypatch.setitem(registry._SCHEDULES, "my_schedule",
+                        ScheduleSpec("my_schedule", spec.torch_class, "an extension's schedule"))
     with pytest.raises(PipelineConfigError, match="Tensor parallelism runs with the schedules.*'my_schedule' is not"):
-        PipelineConfig(tensor_parallel_size=2, schedule="my_schedule")
+        PipelineStrategy(tensor_parallel_size=2, schedule="my_schedule")
     with pytest.raises(PipelineConfigError, match="planner does not model tensor parallelism"):
         PipelineStrategy(schedule="auto", tensor_parallel_size=2)
     with pytest.raises(PipelineConfigError, match="planner does not model tensor parallelism"):
@@ -88,7 +92,7 @@ def test_fused_split_keeps_blocks_and_fsdp_refuses_it(tmp_path):
     from torch.distributed.tensor.parallel import parallelize_module
 
     from lightning_pipe import FusedColwiseParallel
-    from lightning_pipe.tensor_parallel import check_fsdp_can_shard
+    from lightning_pipe.parallel.tensor_parallel import check_fsdp_can_shard
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:

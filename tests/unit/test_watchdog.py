@@ -7,7 +7,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_pipe.watchdog import FailureWatch, describe_failure
+from lightning_pipe.runtime.watchdog import FailureWatch, describe_failure
 
 
 class Ranks:

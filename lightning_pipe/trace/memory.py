@@ -16,13 +16,19 @@ from torch import nn
 
 
 class ActivationMeter:
-    """Attach to a :class:`~lightning_pipe.engine.PipelineEngine`; read ``peak_bytes`` after some steps."""
+    """Attach to a :class:`~lightning_pipe.runtime.engine.PipelineEngine`; read ``peak_bytes`` after some steps."""
 
     def __init__(self, params: list[nn.Parameter] | None = None) -> None:
         self.live_bytes = 0
         self.peak_bytes = 0
         self._refs: dict[int, int] = {}
-        self._param_storages = {p.untyped_storage().data_ptr() for p in (params or [])}
+        self._param_storages: set[int] = set()
+        self.track_parameters(params or [])
+
+    def track_parameters(self, params: list[nn.Parameter]) -> None:
+        """The engine's parameters: a saved tensor sharing their storage is not an activation (set again when the
+        engine is rebuilt with other layers, lightning_pipe/rebalance/move.py)."""
+        self._param_storages = {p.untyped_storage().data_ptr() for p in params}
 
     def reset(self) -> None:
         self.peak_bytes = self.live_bytes

@@ -21,7 +21,7 @@ Torch sizes its P2P receive buffers by shape inference on the first step and aga
 batch of another shape would land in the old buffers (wrong outputs in evaluation, a crash in training). The engine
 keys what torch last inferred by the batch's :class:`Signature` (mode, micro-batch rows, each input's trailing shape,
 dtype and requires_grad, the training target's) and makes torch infer again when it changes; the ranks of a pipeline
-read the same batch, so they agree. Cost: about one micro-batch's forward and backward per stage (README).
+read the same batch, so they agree. Cost: about one micro-batch's forward and backward per stage (docs/module-contract.md).
 
 [Note: shape inference has no side effects]
 Torch's inference runs each stage for real, in the module's current mode: BatchNorm would update its running
@@ -58,7 +58,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_pipe._compat import torch as _compat
-from lightning_pipe.batches import (
+from lightning_pipe.config import config_error
+from lightning_pipe.layers.batches import (
     LossParts,
     Signature,
     check_target,
@@ -69,12 +70,13 @@ from lightning_pipe.batches import (
     target_elements,
     trim_rows,
 )
-from lightning_pipe.config import config_error
-from lightning_pipe.dp_overlap import DataParallelOverlap, settle
-from lightning_pipe.fsdp import reshard
-from lightning_pipe.grads import GradientSync, ProcessGroups
-from lightning_pipe.schedules import SchedulePlan, build_torch_schedule
-from lightning_pipe.stages import StageModule
+from lightning_pipe.layers.stages import StageModule
+from lightning_pipe.parallel.dp_overlap import DataParallelOverlap, settle
+from lightning_pipe.parallel.fsdp import reshard
+from lightning_pipe.parallel.grads import GradientSync
+from lightning_pipe.parallel.topology import ProcessGroups
+from lightning_pipe.runtime.spec import SchedulePlan, build_torch_schedule
+from lightning_pipe.runtime.stage import PipelineStage
 
 PipelineModel = Any
 """The user's module as the core sees it: an ``nn.Module`` with the layer-list contract of
@@ -94,7 +96,7 @@ class PipelineEngine:
         self.stage_modules = stage_modules
         self.stages, self.schedule = self._build_runtime(stage_modules, local_stage_ids)
         # PipeDream: the optimizer steps inside the schedule, per micro-batch ([Note: PipeDream weight stashing])
-        self.per_microbatch_updates = any(getattr(st, "updates_per_microbatch", False) for st in self.stages)
+        self.per_microbatch_updates = any(st.updates_per_microbatch for st in self.stages)
         self.has_first = any(st.is_first for st in self.stages)
         self.has_last = any(st.is_last for st in self.stages)
         self.phase: str | None = None
@@ -110,7 +112,7 @@ class PipelineEngine:
         self.parameters = list({id(p): p for sm in stage_modules for p in sm.parameters()}.values())
         self.grads = GradientSync(module, self.parameters, groups, device)
         # [Note: what the overlapped sync averages]; the strategy sets the two hints before each training batch.
-        # PipeDream averages each micro-batch's gradients in its own update (stashing.MicrobatchUpdate); FSDP
+        # PipeDream averages each micro-batch's gradients in its own update (pipedream.stages.MicrobatchUpdate); FSDP
         # stages average in their own reduce-scatter ([Note: FSDP under the pipeline schedule] in fsdp.py).
         self.dp_overlap = (DataParallelOverlap(self.stages, self.parameters, groups.dp)
                            if groups.dp is not None and groups.shard is None and groups.tensor is None
@@ -128,13 +130,14 @@ class PipelineEngine:
         self.loss_scaler: Callable[[Tensor], Tensor] | None = None
         self._records: list[LossParts] = []  # this step's micro-batch losses (last stage)
         self._owner = type(module).__name__
-        # Context managers entered around every training schedule step (see lightning_pipe.memory / trace).
+        # Context managers entered around every training schedule step (see lightning_pipe.trace.memory / trace).
         self.step_contexts: list[Callable[[], contextlib.AbstractContextManager]] = []
 
-    def _build_runtime(self, stage_modules: list[StageModule], local_stage_ids: list[int]) -> tuple[list[Any], Any]:
+    def _build_runtime(self, stage_modules: list[StageModule],
+                       local_stage_ids: list[int]) -> tuple[list[PipelineStage], Any]:
         """This rank's torch stages and the schedule that drives them (a subclass may run several pipelines)."""
         stages = [
-            (self.plan.spec.stage_class or _compat.GuardedPipelineStage)(
+            (self.plan.spec.stage_class or PipelineStage)(
                 sm, s, self.plan.num_stages, self.device, group=self.groups.pp, inference_guard=self._inference_guard)
             for sm, s in zip(stage_modules, local_stage_ids)
         ]
@@ -161,7 +164,7 @@ class PipelineEngine:
         parts = loss_parts(self.module.loss_fn(output, target), self._owner)
         if not self._inferring:  # torch's shape inference calls the loss too: not one of the step's micro-batches
             self._records.append(parts.detached())
-        if self.per_microbatch_updates:  # each update takes its own micro-batch's mean loss (stashing.py)
+        if self.per_microbatch_updates:  # each update takes its own micro-batch's mean loss (schedules/pipedream/)
             scaled = parts.value if parts.count is None else parts.value / parts.count.clamp_min(1)
         else:  # [Note: loss scaling]; a (sum, count) pair: [Note: token-weighted loss]
             scaled = parts.value * (self._loss_scale if parts.count is None else self._sum_scale)
@@ -258,8 +261,7 @@ class PipelineEngine:
             if overlap is not None:
                 overlap.end_schedule()
             for stage in self.stages:  # PipeDream: the last backward's update ([Note: PipeDream weight stashing])
-                if getattr(stage, "updates_per_microbatch", False):
-                    stage.flush_update()
+                stage.flush_update()
         self._pending_grads = [p.grad for p in self.parameters]
         for p, g in zip(self.parameters, saved):
             p.grad = g
@@ -345,17 +347,15 @@ class PipelineEngine:
         self._grads_averaged = True
 
     def set_microbatch_update(self, updater: Any) -> None:
-        """PipeDream: each stage's update after every micro-batch's backward (``stashing.MicrobatchUpdate``)."""
+        """PipeDream: each stage's update after every micro-batch's backward (``pipedream.stages.MicrobatchUpdate``)."""
         for stage in self.stages:
             stage.updater = updater
 
     def before_optimizer_step(self) -> None:
         """Called by the strategy after the gradient sync, right before the optimizer updates the weights: stages
-        that keep weight versions stash the current ones ([Note: weight versions in a stage] in versioned.py)."""
+        that keep weight versions stash the current ones ([Note: weight versions in a stage] in schedules/pipedream/stages.py)."""
         for stage in self.stages:
-            stash_live = getattr(stage, "stash_live", None)
-            if stash_live is not None:
-                stash_live()
+            stage.stash_live()
 
     # ------------------------------------------------------------------ forward only
     def _forward_only(self, args: tuple[Tensor, ...]) -> Any:

@@ -1,11 +1,11 @@
 """PipeDream (``schedule="pipedream"``) inside Lightning's one-optimizer-step-per-batch loop.
 
 [Note: PipeDream in Lightning's loop]
-PipeDream updates every stage once per micro-batch, inside the schedule (``lightning_pipe/stashing.py``). Lightning's
+PipeDream updates every stage once per micro-batch, inside the schedule (``lightning_pipe/schedules/pipedream/stages.py``). Lightning's
 automatic optimization steps once per batch: ``LightningModule.optimizer_step`` -> ``LightningOptimizer.step`` (which
 counts the step) -> ``Strategy.optimizer_step(closure)``. We keep that loop and move only the update:
 
-* At setup the strategy gives the engine a :class:`~lightning_pipe.stashing.MicrobatchUpdate` built on the user's
+* At setup the strategy gives the engine a :class:`~lightning_pipe.schedules.pipedream.stages.MicrobatchUpdate` built on the user's
   optimizer (one stage per rank, so the rank's optimizer holds exactly that stage's parameters). After each
   micro-batch's backward it sums tied copies, averages over data-parallel replicas, clips this stage's gradients
   with ``gradient_clip_val`` / ``gradient_clip_algorithm`` (per stage: the stages update at different times, so
@@ -32,7 +32,8 @@ from typing import Any
 from lightning.pytorch import Trainer
 
 from lightning_pipe.config import config_error
-from lightning_pipe.stashing import MicrobatchUpdate
+from lightning_pipe.layers.partition import stage_of
+from lightning_pipe.schedules.pipedream.stages import MicrobatchUpdate
 
 
 def attach_microbatch_updates(strategy: Any, trainer: Trainer) -> None:
@@ -63,7 +64,7 @@ def attach_microbatch_updates(strategy: Any, trainer: Trainer) -> None:
         clip = (float(clip_val), "norm" if algorithm is None else str(algorithm.value))
         layout, plan = module._pipeline_layout, strategy.plan
         spanning = [tie.names for tie in layout.tied
-                    if len({plan.stage_to_rank(_stage_of(layout.ranges, i)) for i in tie.layer_indices}) > 1]
+                    if len({plan.stage_to_rank(stage_of(layout.ranges, i)) for i in tie.layer_indices}) > 1]
         if spanning:
             raise config_error(
                 f"{rule} and clips each stage's gradients by that stage's own norm; a weight tied across stages "
@@ -73,7 +74,3 @@ def attach_microbatch_updates(strategy: Any, trainer: Trainer) -> None:
     ties = [(param, tie_group.group) for param, tie_group in engine.grads.ties]
     engine.set_microbatch_update(MicrobatchUpdate(strategy.optimizers[0], engine.parameters, engine.groups.dp, ties,
                                                   clip, engine.grads if engine.groups.tensor is not None else None))
-
-
-def _stage_of(ranges: Any, layer: int) -> int:
-    return next(s for s, r in enumerate(ranges) if layer in r)

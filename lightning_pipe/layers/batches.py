@@ -10,7 +10,7 @@ the whole batch (``sum / max(count, 1)``). The backward is linear in the loss, s
 each micro-batch's *sum* as the loss (times ``1 / (accumulate_grad_batches * N)``, ``N`` the batch's target element
 count, only so that gradient magnitudes stay those of a mean, which matters to fp16 loss scaling), learns the counts
 on the last stage, and then multiplies this batch's fresh gradients by ``N * dp / global_count`` — ``dp``
-because the replicas' gradients are averaged afterwards (lightning_pipe/grads.py). With ``accumulate_grad_batches``
+because the replicas' gradients are averaged afterwards (lightning_pipe/parallel/grads.py). With ``accumulate_grad_batches``
 each batch is normalised by its own count, as Lightning does on one device.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_pipe.stages import LayerContractError, check_layer_io, layer_args
+from lightning_pipe.layers.stages import LayerContractError, check_layer_io, layer_args
 
 TensorSpec = tuple[tuple[int, ...], torch.dtype, bool]  # shape without the batch rows, dtype, requires_grad
 

@@ -38,21 +38,15 @@ from typing import Any
 
 from lightning_pipe._compat import torch as _compat
 from lightning_pipe.config import PipelineConfig, config_error
-from lightning_pipe.schedules.chimera_runtime import ChimeraRuntime
-from lightning_pipe.schedules.plan import SchedulePlan, ScheduleSpec
+from lightning_pipe.runtime.spec import SchedulePlan, ScheduleSpec
+from lightning_pipe.schedules.chimera.engine import ChimeraEngine
+from lightning_pipe.schedules.chimera.runtime import DOWN, UP, ChimeraRuntime
 from lightning_pipe.schedules.simulate import simulate
-
-DOWN, UP = 0, 1  # the pipelines, as in chimera_runtime
 
 
 def stage_rank(pipeline: int, stage: int, p: int) -> int:
     """Where a pipeline places a stage: down on rank ``stage``, up on rank ``p - 1 - stage``."""
     return stage if pipeline == DOWN else p - 1 - stage
-
-
-def pipeline_of(microbatch: int, m: int) -> int:
-    """The pipeline that runs a (global) micro-batch: the first half goes down, the second half up."""
-    return DOWN if microbatch < m // 2 else UP
 
 
 # Tie-breaks among actions ready at the same time, tried in turn (see [Note: the merged order]): the longest
@@ -151,4 +145,5 @@ def order(plan: SchedulePlan) -> dict[int, list[Any]]:
 CHIMERA = ScheduleSpec(
     "chimera", ChimeraRuntime,
     "Chimera: two synchronous 1F1B pipelines in opposite directions on the same ranks (p even)",
-    placement="mirror", theory_bubble=bubble_chimera, resolve=resolve, order=order, engine="lightning_pipe.chimera:ChimeraEngine")
+    placement="mirror", theory_bubble=bubble_chimera, resolve=resolve, order=order, engine=ChimeraEngine,
+    tensor_parallel=True)

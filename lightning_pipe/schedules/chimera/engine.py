@@ -1,7 +1,7 @@
 """Chimera's engine: two pipelines per rank, their process groups, and the gradient rules that make a step exact.
 
-See [Note: Chimera placement and semantics] in ``schedules/chimera.py`` for what is computed, and
-[Note: driving two pipelines from one thread] in ``schedules/chimera_runtime.py`` for how it runs.
+See [Note: Chimera placement and semantics] in ``schedules/chimera/spec.py`` for what is computed, and
+[Note: driving two pipelines from one thread] in ``schedules/chimera/runtime.py`` for how it runs.
 
 [Note: Chimera's process groups]
 P2P messages carry no tag, so the up pipeline cannot share the down pipeline's group (two pipelines sharing one group
@@ -28,15 +28,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_pipe._compat import torch as _compat
-from lightning_pipe.batches import LossParts
 from lightning_pipe.config import config_error
-from lightning_pipe.engine import PipelineEngine, PipelineModel
-from lightning_pipe.fsdp import local as local_part
-from lightning_pipe.grads import GradientSync, ProcessGroups, all_reduce_coalesced
-from lightning_pipe.schedules import SchedulePlan, compute_order
-from lightning_pipe.schedules.chimera_runtime import ChimeraRuntime
-from lightning_pipe.stages import StageModule
+from lightning_pipe.layers.batches import LossParts
+from lightning_pipe.layers.stages import StageModule
+from lightning_pipe.parallel.dtensor import local as local_part
+from lightning_pipe.parallel.grads import GradientSync, all_reduce_coalesced
+from lightning_pipe.parallel.topology import ProcessGroups
+from lightning_pipe.runtime.engine import PipelineEngine, PipelineModel
+from lightning_pipe.runtime.spec import SchedulePlan
+from lightning_pipe.runtime.stage import PipelineStage
+from lightning_pipe.schedules.chimera.runtime import ChimeraRuntime
+from lightning_pipe.schedules.registry import compute_order
 
 
 class ChimeraGradientSync(GradientSync):
@@ -95,7 +97,7 @@ class ChimeraEngine(PipelineEngine):
                 "Schedule 'chimera' runs on CPU (gloo) only for now: its runtime posts each send right after its "
                 "compute and waits on it at the end of the step, which cannot block on gloo but can on NCCL, whose "
                 "sends and receives between two ranks share one stream ([Note: driving two pipelines from one "
-                "thread] in lightning_pipe/schedules/chimera_runtime.py); that path is not built and tested yet.",
+                "thread] in lightning_pipe/schedules/chimera/runtime.py); that path is not built and tested yet.",
                 f"device {device}", "schedule", "e.g. 1f1b, zbv or dualpipev on GPUs")
         if groups.topology.fsdp_size > 1:
             raise config_error(
@@ -118,7 +120,8 @@ class ChimeraEngine(PipelineEngine):
                                          up_only)
         self.microbatches_per_stage = plan.microbatches // 2  # each pipeline runs half the batch (data-parallel overlap)
 
-    def _build_runtime(self, stage_modules: list[StageModule], local_stage_ids: list[int]) -> tuple[list[Any], Any]:
+    def _build_runtime(self, stage_modules: list[StageModule],
+                       local_stage_ids: list[int]) -> tuple[list[PipelineStage], Any]:
         """[Note: Chimera's process groups]; collective (every rank creates every group, in the same order)."""
         topo, p = self.groups.topology, self.plan.pipeline_size
         # one up pipeline and one group per stage pair for each (replica, tensor rank), as the down pipelines
@@ -135,10 +138,9 @@ class ChimeraEngine(PipelineEngine):
                         self.pair_group = pair
         r = topo.pp_rank
         by_id = dict(zip(local_stage_ids, stage_modules))
-        down = _compat.GuardedPipelineStage(by_id[r], r, p, self.device, group=self.groups.pp,
-                                            inference_guard=self._inference_guard)
-        up = _compat.GuardedPipelineStage(by_id[p - 1 - r], p - 1 - r, p, self.device, group=self.up_group,
-                                          inference_guard=self._inference_guard)
+        down = PipelineStage(by_id[r], r, p, self.device, group=self.groups.pp, inference_guard=self._inference_guard)
+        up = PipelineStage(by_id[p - 1 - r], p - 1 - r, p, self.device, group=self.up_group,
+                           inference_guard=self._inference_guard)
         up.stage_index_to_group_rank = {s: p - 1 - s for s in range(p)}
         runtime = ChimeraRuntime(down, up, compute_order(self.plan)[r], self.plan.microbatches, self._schedule_loss)
         return [down, up], runtime

@@ -1,4 +1,23 @@
-"""Weight stashing (PipeDream): one update per micro-batch per stage, each backward on the weights its forward used.
+"""The stages of the PipeDream family: weight versions (PipeDream-2BW, :class:`VersionedPipelineStage`) and
+weight stashing with one update per micro-batch (PipeDream, :class:`StashingPipelineStage`).
+
+[Note: weight versions in a stage]
+Every torch schedule runs a stage through ``forward_one_chunk`` / ``backward_one_chunk``, and the forward calls
+``forward_maybe_with_nosync``. :class:`VersionedPipelineStage` overrides that call: with gradients enabled (a
+training forward) it runs the stage module through ``torch.func.functional_call`` on *stashed* tensors — detached
+copies of the parameters, leaves of their own — so autograd accumulates each micro-batch's parameter gradient into
+the stash's ``.grad``. After every backward the stage moves those gradients onto the live parameters' ``.grad``,
+where the engine, the data-parallel / tie sync, clipping and the user's optimizer find them as usual. So the
+gradients are taken at the stashed version and applied to the live one.
+
+Under no_grad (validation, test, predict; torch's shape inference calls the module directly) the live parameters
+run: evaluation and checkpoints see the current weights. Buffers are always the live ones.
+
+Full backward only: torch's split backward (I/W) differentiates ``submod.parameters()`` directly, which would miss
+the stash; so do recomputed layers (``torch.utils.checkpoint`` re-runs the forward outside ``functional_call``).
+Schedules built on this stage refuse both (``schedules/pipedream/spec.py``).
+
+Weight stashing (PipeDream): one update per micro-batch per stage, each backward on the weights its forward used.
 
 [Note: PipeDream weight stashing]
 Narayanan et al. 2019 ("PipeDream: Generalized Pipeline Parallelism for DNN Training"): every stage applies an
@@ -40,7 +59,7 @@ distinct version in flight, ``min(w, m - w + 1)`` (:func:`pipedream_max_stashes`
 weights.
 
 Full backward only (torch's I/W split differentiates ``submod.parameters()``); no recomputation (it would re-run the
-forward on the live weights): the schedule refuses both (``schedules/pipedream.py``).
+forward on the live weights): the schedule refuses both (``schedules/pipedream/spec.py``).
 """
 
 from __future__ import annotations
@@ -52,9 +71,77 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_pipe._compat import torch as _compat
-from lightning_pipe.fsdp import local
-from lightning_pipe.versioned import parameter_slots
+from lightning_pipe.parallel.dtensor import local
+from lightning_pipe.parallel.grads import all_reduce_coalesced
+from lightning_pipe.runtime.stage import PipelineStage
+
+
+def parameter_slots(submod: torch.nn.Module) -> tuple[list[Tensor], list[tuple[str, int]]]:
+    """A stage module's distinct parameters and, per parameter name, its slot among them: a tie inside the stage
+    keeps both names on one stashed tensor (``functional_call``'s ``tie_weights`` checks it)."""
+    named = list(submod.named_parameters(remove_duplicate=False))
+    unique = {id(p): p for _, p in named}
+    slot = {key: i for i, key in enumerate(unique)}
+    return list(unique.values()), [(name, slot[id(p)]) for name, p in named]
+
+
+def _refuse_split_backward(full_backward: bool, stage: str, weights: str) -> None:
+    if not full_backward:
+        raise NotImplementedError(
+            f"{stage} needs full backward: torch's input/weight split differentiates the live parameters, not "
+            f"{weights}. Use a schedule without I/W actions.")
+
+
+class VersionedPipelineStage(PipelineStage):
+    """A stage whose training forward/backward run on one stashed version of its parameters.
+
+    The stash starts as a copy of the live parameters (on the first training forward) and is refreshed by
+    :meth:`stash_live`, which the engine calls right before each optimizer step: two versions per stage, the live
+    one and the one the next batch trains on.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._live, self._slots = parameter_slots(self.submod)
+        self._stash: list[Tensor] | None = None
+
+    def _version(self) -> dict[str, Tensor]:
+        if self._stash is None:  # W(-1) = W(0)
+            self._stash = [p.detach().clone().requires_grad_(p.requires_grad) for p in self._live]
+        return {name: self._stash[i] for name, i in self._slots}
+
+    def stash_live(self) -> None:
+        """Copy the live parameters into the stash (in place: the step's graphs are gone by now)."""
+        if self._stash is None:
+            return
+        with torch.no_grad():
+            for stashed, live in zip(self._stash, self._live):
+                stashed.copy_(live)
+
+    def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return super().forward_maybe_with_nosync(*args, **kwargs)
+        return torch.func.functional_call(self.submod, self._version(), args, kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
+                           last_backward: bool = False) -> Any:
+        _refuse_split_backward(full_backward, "A versioned stage", "the stashed version the forward ran on")
+        result = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=True, last_backward=last_backward)
+        self._move_grads()
+        return result
+
+    def _move_grads(self) -> None:
+        if self._stash is None:
+            return
+        for stashed, live in zip(self._stash, self._live):
+            grad = stashed.grad
+            if grad is None:
+                continue
+            stashed.grad = None
+            if live.grad is None:
+                live.grad = grad
+            else:
+                live.grad.add_(grad)
 
 
 def pipedream_version(stage: int, pipeline_size: int, microbatches: int, batch: int, microbatch: int) -> int:
@@ -71,7 +158,7 @@ def pipedream_max_stashes(stage: int, pipeline_size: int, microbatches: int) -> 
     return min(warmup, microbatches - warmup + 1)
 
 
-class StashingPipelineStage(_compat.GuardedPipelineStage):
+class StashingPipelineStage(PipelineStage):
     """A stage that stashes one weight version per in-flight micro-batch and updates after every backward.
 
     ``updater`` (a :class:`MicrobatchUpdate`, set by the engine) updates the live parameters from their ``.grad``;
@@ -92,7 +179,7 @@ class StashingPipelineStage(_compat.GuardedPipelineStage):
         self._due = False
         self.updater: MicrobatchUpdate | None = None
         self.versions_used: list[tuple[int, int]] = []
-        self.max_stashes = 0  # most stashes alive at once (memory: README)
+        self.max_stashes = 0  # most stashes alive at once (memory: docs/seed-schedules.md)
 
     def take_versions(self) -> list[tuple[int, int]]:
         used, self.versions_used = self.versions_used, []
@@ -120,10 +207,7 @@ class StashingPipelineStage(_compat.GuardedPipelineStage):
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
                            last_backward: bool = False) -> Any:
-        if not full_backward:
-            raise NotImplementedError(
-                "A weight-stashing stage needs full backward: torch's input/weight split differentiates the live "
-                "parameters, not the stash the forward ran on. Use a schedule without I/W actions.")
+        _refuse_split_backward(full_backward, "A weight-stashing stage", "the stash the forward ran on")
         if not self.has_backward:  # torch's eval() walks the same loop; its backward is a no-op
             return super().backward_one_chunk(bwd_chunk_id, loss=loss, last_backward=last_backward)
         self.flush_update()
@@ -185,9 +269,10 @@ class MicrobatchUpdate:
         for work in self._works:
             work.wait()
         self._works = []
-        grads = [p.grad for p in self.params if p.grad is not None]
+        # (tensor parallel: each rank's part, with the same part of the other replicas)
+        grads = [local(p.grad) for p in self.params if p.grad is not None]
         if self.dp_group is not None and grads:
-            _mean_over(grads, self.dp_group)
+            all_reduce_coalesced(grads, self.dp_group, average=True)
         if self.clip is not None:
             value, algorithm = self.clip
             if self.tensor_grads is not None and algorithm == "value":
@@ -200,20 +285,3 @@ class MicrobatchUpdate:
                 torch.nn.utils.clip_grad_norm_(self.params, value)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-
-
-def _mean_over(tensors: list[Tensor], group: Any) -> None:
-    """Average ``tensors`` in place over ``group``: one flat all-reduce per dtype (``grads.all_reduce_coalesced``
-    without buckets; importing grads here would close an import cycle through the schedule registry)."""
-    world = dist.get_world_size(group)
-    by_dtype: dict[torch.dtype, list[Tensor]] = {}
-    for t in map(local, tensors):  # tensor parallel: each rank's part, with the same part of the other replicas
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for same in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in same])
-        dist.all_reduce(flat, group=group)
-        flat.div_(world)
-        offset = 0
-        for t in same:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()

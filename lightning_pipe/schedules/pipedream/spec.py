@@ -1,13 +1,13 @@
 """PipeDream-2BW (Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel DNN Training"): double-buffered weights;
 and PipeDream (Narayanan et al. 2019): weight stashing, one update per micro-batch ([Note: PipeDream weight
-stashing] in ``lightning_pipe/stashing.py``; the Lightning side: ``lightning/stashing.py``).
+stashing] in ``lightning_pipe/schedules/pipedream/stages.py``; the Lightning side: ``lightning/pipedream.py``).
 
 [Note: PipeDream-2BW semantics]
 ``W(b+1) = W(b) - update(mean_j grad f_{b,j}(W(b-1)))`` with ``W(-1) = W(0)``: every micro-batch j of batch b runs
 forward *and* backward on the weights of one batch earlier; the gradient is applied to the current weights by the
 user's optimizer, once per batch (so Lightning's loop, schedulers, clipping, accumulation and ``global_step`` are
 unchanged). Each stage holds two versions: the live weights and the stash
-(:class:`~lightning_pipe.versioned.VersionedPipelineStage`). The engine refreshes the stash right before every
+(:class:`~lightning_pipe.schedules.pipedream.versioned.VersionedPipelineStage`). The engine refreshes the stash right before every
 optimizer step (``PipelineEngine.before_optimizer_step``), so W(b) is kept as the version batch b+1 runs on.
 
 The order is torch's 1F1B (``Schedule1F1B``) over the batch's micro-batches. Torch's runtime keeps nothing in flight
@@ -29,9 +29,9 @@ from __future__ import annotations
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from lightning_pipe.config import PipelineConfig, config_error
-from lightning_pipe.schedules.plan import SchedulePlan, ScheduleSpec, _bubble_flush, _order_1f1b
-from lightning_pipe.stashing import StashingPipelineStage
-from lightning_pipe.versioned import VersionedPipelineStage
+from lightning_pipe.runtime.spec import SchedulePlan, ScheduleSpec
+from lightning_pipe.schedules.pipedream.stages import StashingPipelineStage, VersionedPipelineStage
+from lightning_pipe.schedules.registry import _bubble_flush, _order_1f1b
 
 
 def resolve_versioned(spec: ScheduleSpec, config: PipelineConfig, pipeline_size: int) -> SchedulePlan:
@@ -62,11 +62,11 @@ PIPEDREAM_2BW = ScheduleSpec(
     "pipedream_2bw", torch_schedules.Schedule1F1B,
     "PipeDream-2BW: 1F1B on the previous batch's weights (two versions per stage), one update per batch",
     theory_bubble=_bubble_flush, resolve=resolve_versioned, order=_order_1f1b,
-    stage_class=VersionedPipelineStage)
+    stage_class=VersionedPipelineStage, tensor_parallel=True)
 
 
 PIPEDREAM = ScheduleSpec(
     "pipedream", torch_schedules.Schedule1F1B,
     "PipeDream: 1F1B with weight stashing, one optimizer update per micro-batch per stage",
     theory_bubble=_bubble_flush, resolve=resolve_versioned, order=_order_1f1b,
-    stage_class=StashingPipelineStage)
+    stage_class=StashingPipelineStage, tensor_parallel=True)

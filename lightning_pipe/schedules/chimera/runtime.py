@@ -1,5 +1,5 @@
 """The runtime of one Chimera rank: two torch ``PipelineStage`` objects (down and up pipeline) driven from one thread
-through a merged per-rank action order ([Note: the merged order] in ``schedules/chimera.py``).
+through a merged per-rank action order ([Note: the merged order] in ``schedules/chimera/spec.py``).
 
 [Note: driving two pipelines from one thread]
 Everything that touches the wire is torch's: each stage builds its own send / receive ops
@@ -35,7 +35,12 @@ from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunk
 
 from lightning_pipe._compat import torch as _compat
 
-DOWN, UP = 0, 1
+DOWN, UP = 0, 1  # the two pipelines
+
+
+def pipeline_of(microbatch: int, m: int) -> int:
+    """The pipeline that runs a (global) micro-batch: the first half goes down, the second half up."""
+    return DOWN if microbatch < m // 2 else UP
 
 
 class ChimeraRuntime:
@@ -52,7 +57,7 @@ class ChimeraRuntime:
         self.holders = tuple(ScheduleGPipe(st, n_microbatches=self.half, loss_fn=loss_fn, scale_grads=False)
                              for st in self.stages)
         for action in self.actions:
-            q = DOWN if action.microbatch_index < self.half else UP
+            q = pipeline_of(action.microbatch_index, microbatches)
             if self.stages[q].stage_index != action.stage_index:
                 raise RuntimeError(f"Chimera order: action {action} is not for this rank's {('down', 'up')[q]} stage "
                                    f"{self.stages[q].stage_index}")
@@ -86,7 +91,7 @@ class ChimeraRuntime:
         sends: list[list[Any]] = []
         for action in self.actions:
             mb = action.microbatch_index
-            q = DOWN if mb < self.half else UP
+            q = pipeline_of(mb, self.microbatches)
             stage, chunk = self.stages[q], mb - q * self.half
             if action.computation_type.value == "F":
                 _compat.wait_batch_p2p(_compat.batch_p2p(stage.get_fwd_recv_ops(chunk), "fwd_recv"))

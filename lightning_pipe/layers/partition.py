@@ -82,11 +82,21 @@ def partition_layers(n_layers: int, n_stages: int, partition: PartitionSpec,
         if sum(counts) != n_layers:
             raise config_error("An explicit partition's layer counts must sum to the number of layers.",
                                f"counts {counts} (sum {sum(counts)}) for {n_layers} layers", "partition")
-    ranges, start = [], 0
+    return ranges_of(counts)
+
+
+def ranges_of(counts: Sequence[int]) -> list[range]:
+    """Per-stage layer counts -> contiguous layer ranges, in stage order."""
+    out, start = [], 0
     for c in counts:
-        ranges.append(range(start, start + c))
+        out.append(range(start, start + c))
         start += c
-    return ranges
+    return out
+
+
+def counts_of(ranges: Sequence[range]) -> tuple[int, ...]:
+    """Layer ranges -> per-stage layer counts (what a partition, a plan file and a decision are written as)."""
+    return tuple(len(r) for r in ranges)
 
 
 def layer_param_counts(layers: Iterable[nn.Module]) -> list[int]:
@@ -98,3 +108,8 @@ def layer_param_counts(layers: Iterable[nn.Module]) -> list[int]:
         seen.update(id(p) for p in fresh)
         counts.append(sum(p.numel() for p in fresh))
     return counts
+
+
+def stage_of(ranges: Sequence[range], layer: int) -> int:
+    """The stage whose layer range holds ``layer``."""
+    return next(s for s, r in enumerate(ranges) if layer in r)

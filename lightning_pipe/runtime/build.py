@@ -6,7 +6,6 @@ The Lightning strategy calls :func:`build_engine` at setup (collectively, on eve
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -14,14 +13,9 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from lightning_pipe.config import PipelineConfig, Topology
-from lightning_pipe.engine import PipelineEngine, PipelineModel
-from lightning_pipe.fsdp import ShardingOptions, check_schedule, check_ties, shard_stages
-from lightning_pipe.grads import ProcessGroups
-from lightning_pipe.mesh import TENSOR, build_mesh, data_parallel_mesh
-from lightning_pipe.partition import layer_param_counts, partition_layers
-from lightning_pipe.schedules import SchedulePlan
-from lightning_pipe.stages import (
+from lightning_pipe.config import PipelineConfig
+from lightning_pipe.layers.partition import layer_param_counts, partition_layers
+from lightning_pipe.layers.stages import (
     TiedParameter,
     check_no_stray_parameters,
     find_layers,
@@ -30,14 +24,18 @@ from lightning_pipe.stages import (
     materialize,
     warn_batch_norm,
 )
-from lightning_pipe.tensor_parallel import (
+from lightning_pipe.parallel.fsdp import ShardingOptions, check_schedule, check_ties, shard_stages
+from lightning_pipe.parallel.tensor_parallel import (
     agree_after_split,
     parallelize_stages,
     split_layer,
     sync_random_state,
     tie_copies,
 )
-from lightning_pipe.tensor_parallel import check_module as check_tensor_parallel
+from lightning_pipe.parallel.tensor_parallel import check_module as check_tensor_parallel
+from lightning_pipe.parallel.topology import TENSOR, ProcessGroups, Topology, build_mesh, data_parallel_mesh
+from lightning_pipe.runtime.engine import PipelineEngine, PipelineModel
+from lightning_pipe.runtime.spec import SchedulePlan
 
 
 @dataclass(frozen=True)
@@ -51,12 +49,9 @@ class PipelineLayout:
 
 
 def engine_class(plan: SchedulePlan) -> type[PipelineEngine]:
-    """``PipelineEngine``, or the subclass the schedule names (``ScheduleSpec.engine``: ``"module:Class"``)."""
-    if plan.spec.engine is None:
-        return PipelineEngine
-    module_name, _, name = plan.spec.engine.partition(":")
-    cls = getattr(importlib.import_module(module_name), name)
-    if not (isinstance(cls, type) and issubclass(cls, PipelineEngine)):
+    """``PipelineEngine``, or the subclass the schedule names (``ScheduleSpec.engine``)."""
+    cls = plan.spec.engine or PipelineEngine
+    if not issubclass(cls, PipelineEngine):
         raise TypeError(f"schedule {plan.spec.name!r}: engine {plan.spec.engine!r} is not a PipelineEngine subclass")
     return cls
 
@@ -69,9 +64,9 @@ def build_engine(module: PipelineModel, config: PipelineConfig, plan: SchedulePl
     Other ranks' layers are replaced by placeholders (names kept); layers built on the meta device are allocated
     on ``device`` for this rank only; replicas and tied copies start identical. With ``layout`` (the module was
     already cut in this process) the same cut is reused and nothing is broadcast again. With
-    ``topology.fsdp_size > 1`` the stages are then sharded with ``sharding`` (lightning_pipe/fsdp.py); with
+    ``topology.fsdp_size > 1`` the stages are then sharded with ``sharding`` (lightning_pipe/parallel/fsdp.py); with
     ``topology.tensor_parallel_size > 1`` each layer is split by the module's ``parallelize_layer`` hook
-    (lightning_pipe/tensor_parallel.py).
+    (lightning_pipe/parallel/tensor_parallel.py).
     """
     layers = find_layers(module, config.layers_attr)
     fresh = layout is None
@@ -96,7 +91,7 @@ def build_engine(module: PipelineModel, config: PipelineConfig, plan: SchedulePl
     # into one DTensor, which needs both to be slices of the same root mesh.
     mesh = (build_mesh(topology, device.type)
             if topology.fsdp_size > 1 or topology.tensor_parallel_size > 1 else None)
-    groups = ProcessGroups(topology, layout.tied, layout.ranges, plan, mesh=mesh)
+    groups = ProcessGroups(topology, layout.tied, layout.ranges, plan.ranks_of_stage, mesh=mesh)
     stage_modules = localize_layers(module, config.layers_attr, layout.ranges, local_ids, plan.stage_to_rank,
                                     config.recompute_every)
     split: Callable[[int, torch.nn.Module], None] | None = None
@@ -141,7 +136,7 @@ def build_engine(module: PipelineModel, config: PipelineConfig, plan: SchedulePl
     engine = engine_class(plan)(module, stage_modules, local_ids, plan, groups, device)
     if fresh:
         # Replicas start identical (FSDP: done per layer above), tied copies from their owner; the engine's own
-        # sync knows every copy (Chimera: a stage's two pipelines, lightning_pipe/chimera.py).
+        # sync knows every copy (Chimera: a stage's two pipelines, lightning_pipe/schedules/chimera/engine.py).
         engine.grads.broadcast_initial_state(
             [] if topology.fsdp_size > 1 else [t for sm in stage_modules for t in list(sm.parameters()) + list(sm.buffers())])
     return engine, layout

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,70 +15,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_pipe.config import Topology
-from lightning_pipe.fsdp import local as local_part
-from lightning_pipe.mesh import SHARD, TENSOR
-from lightning_pipe.schedules import SchedulePlan
-from lightning_pipe.stages import TiedParameter
-
-
-@dataclass(frozen=True)
-class TieGroup:
-    """One tied parameter held by several pipeline ranks, as this rank sees it."""
-
-    tie: TiedParameter
-    group: dist.ProcessGroup
-    owner: bool
-    """The first holder counts the parameter in the global gradient norm; the others do not."""
-
-
-class ProcessGroups:
-    """The groups one rank talks over. Built collectively: every rank creates every group, in the same order."""
-
-    def __init__(self, topology: Topology, tied: Sequence[TiedParameter], ranges: Sequence[range],
-                 plan: SchedulePlan, mesh: Any = None) -> None:
-        self.topology = topology
-        # FSDP (lightning_pipe/fsdp.py): the mesh, and the group each stage is sharded over (norms count shards once)
-        self.mesh = mesh
-        self.shard: dist.ProcessGroup | None = (mesh.get_group("dp_shard")
-                                               if mesh is not None and topology.fsdp_size > 1 else None)
-        # Tensor parallelism (lightning_pipe/tensor_parallel.py): the group each layer is split over
-        self.tensor: dist.ProcessGroup | None = (mesh.get_group("tensor")
-                                                if mesh is not None and topology.tensor_parallel_size > 1 else None)
-        p, d, tp = topology.pipeline_size, topology.dp_degree, topology.tensor_parallel_size
-        self.pp: dist.ProcessGroup | None = None
-        self.dp: dist.ProcessGroup | None = None
-        # [Note: rank order]: one pipeline per (data-parallel index, tensor rank), one data-parallel group per
-        # (pipeline rank, tensor rank). Every rank creates every group, in the same order.
-        for dp_rank in range(d):
-            for t in range(tp):
-                group = dist.new_group(topology.pp_group_ranks(dp_rank, t))
-                if dp_rank == topology.dp_rank and t == topology.tp_rank:
-                    self.pp = group
-        for pp_rank in range(p):
-            for t in range(tp):
-                group = dist.new_group(topology.dp_group_ranks(pp_rank, t)) if d > 1 else None
-                if pp_rank == topology.pp_rank and t == topology.tp_rank:
-                    self.dp = group
-        # Tied parameters held by several pipeline ranks: one group per tie and replica, over the holding ranks.
-        self.tied: list[TieGroup] = []
-        for tie in tied:
-            holders = sorted({r for i in tie.layer_indices for r in plan.ranks_of_stage(_stage_of(ranges, i))})
-            if len(holders) < 2:
-                continue
-            mine = None
-            for dp_rank in range(d):
-                for t in range(tp):
-                    ranks = [topology.rank_of(dp_rank, h, t) for h in holders]
-                    group = dist.new_group(ranks)
-                    if topology.global_rank in ranks:
-                        mine = group
-            if mine is not None:
-                self.tied.append(TieGroup(tie, mine, topology.pp_rank == holders[0]))
-
-
-def _stage_of(ranges: Sequence[range], layer: int) -> int:
-    return next(s for s, r in enumerate(ranges) if layer in r)
+from lightning_pipe.parallel.dtensor import local as local_part
+from lightning_pipe.parallel.topology import SHARD, TENSOR, ProcessGroups, TieGroup
 
 
 def split_dims(tensor: Tensor) -> set[str]:

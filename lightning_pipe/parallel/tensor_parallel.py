@@ -8,7 +8,7 @@ allocated and made identical over the tensor group), which splits the layer in p
 layer's inputs and outputs stay plain, whole tensors (``use_local_output=True``, the default of the styles; an output
 ``Shard`` of the sequence dimension must be gathered back before the layer returns), so the stages' P2P shapes and
 the schedules are unchanged: each tensor rank sends and receives the whole activation to / from the same tensor rank
-of the neighbouring stage (its pipeline group, grads.py), and every tensor rank of the last stage computes the same
+of the neighbouring stage (its pipeline group, topology.py), and every tensor rank of the last stage computes the same
 loss.
 
 Parameters a plan splits become DTensors (``Shard`` placements: each rank holds a part); the rest stay plain tensors
@@ -17,7 +17,7 @@ or ``Replicate`` DTensors (e.g. a row-wise layer's bias), identical on every ten
 
 - the global gradient norm counts a sharded gradient's local part on every tensor rank (summed over the tensor
   group) and a replicated one once (on tensor rank 0): [Note: counting sharded gradients] in grads.py;
-  clipping by value clamps each rank's parts (:meth:`~lightning_pipe.grads.GradientSync.clip_grad_value_`): torch's
+  clipping by value clamps each rank's parts (:meth:`~lightning_pipe.parallel.grads.GradientSync.clip_grad_value_`): torch's
   own clipping functions refuse a list that mixes DTensor and plain gradients;
 - replicas average each tensor rank's local parts with the same tensor rank of the other replicas (the
   data-parallel group is per tensor rank); the overlapped data-parallel sync is off (one all-reduce after the
@@ -25,9 +25,9 @@ or ``Replicate`` DTensors (e.g. a row-wise layer's bias), identical on every ten
 - checkpoints gather whole tensors per stage (``full_values``), written by tensor rank 0 only; a load cuts them again.
 
 With FSDP too (``fsdp_size > 1``: 2-D sharding per stage) each layer is split first, then ``fully_shard`` ed over the
-data-parallel dimensions (lightning_pipe/fsdp.py, ``shard_stages``), one layer at a time: allocated, made identical
+data-parallel dimensions (lightning_pipe/parallel/fsdp.py, ``shard_stages``), one layer at a time: allocated, made identical
 over the data-parallel group and then the tensor group, split by the hook, sharded. ``tp_mesh`` is the ``tensor``
-dimension of the run's one ``DeviceMesh`` (``mesh.build_mesh``) and FSDP's mesh is its ``dp_shard`` (or
+dimension of the run's one ``DeviceMesh`` (``topology.build_mesh``) and FSDP's mesh is its ``dp_shard`` (or
 ``(dp_replicate, dp_shard)``) dimension: FSDP joins the two into one mesh for a split parameter, which only works
 for slices of the same root. A split parameter becomes a DTensor over ``(dp_shard, tensor)`` (FSDP's placement is a
 strided shard when the tensor split is along the same dimension); one the hook left plain (a LayerNorm's) is sharded
@@ -72,8 +72,8 @@ likewise (2 fp16 ulps); its scaler unscales and checks each rank's parts (torch'
 a mix of DTensor and plain gradients: ``LocalPartsGradScaler`` in lightning/precision.py), and the found-inf flag is
 all-reduced over the world, so an overflow in one tensor rank's part skips the step everywhere (tested).
 
-Refused (plain-data errors, before any rank waits on another): a schedule registered by an extension (not in
-:data:`~lightning_pipe.config.TENSOR_PARALLEL_SCHEDULES`, which holds every built-in one), the planner
+Refused (plain-data errors, before any rank waits on another): a schedule registered by an extension that does not
+declare ``ScheduleSpec.tensor_parallel`` (every built-in one does), the planner
 (``schedule='auto'``, plan files, measured partitions, rebalancing), a module without the hook.
 """
 
@@ -93,8 +93,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 
 from lightning_pipe._compat.torch import is_strided_shard, strided_shard
 from lightning_pipe.config import PipelineConfigError, config_error
-from lightning_pipe.grads import split_dims
-from lightning_pipe.stages import StageModule, TiedParameter
+from lightning_pipe.layers.stages import StageModule, TiedParameter
+from lightning_pipe.parallel.grads import split_dims
 
 HOOK = "parallelize_layer"
 
@@ -109,7 +109,7 @@ def check_module(module: nn.Module, tensor_parallel_size: int) -> None:
             f"Tensor parallelism needs the module to say how to split a layer: {type(module).__name__} has no "
             f"`{HOOK}(index, layer, tp_mesh)` method.", f"tensor_parallel_size={tensor_parallel_size}",
             "tensor_parallel_size", "or set it to 1",
-            fix=f"Implement `{HOOK}` (README: \"Bigger than one device per stage\")")
+            fix=f"Implement `{HOOK}` (docs/parallelism.md: \"Tensor parallelism per stage\")")
 
 
 class FusedColwiseParallel(ColwiseParallel):
@@ -161,7 +161,7 @@ def split_layer(module: nn.Module, index: int, layer: nn.Module, tp_mesh: Device
     ``tensor_group=None``: the layer was made identical before (a reused layout). A layer split earlier in this
     process is left as it is. Collective over the tensor group.
 
-    With FSDP the caller shards the layer right after (lightning_pipe/fsdp.py): the hook sees whole, plain
+    With FSDP the caller shards the layer right after (lightning_pipe/parallel/fsdp.py): the hook sees whole, plain
     parameters either way, and ``tp_mesh`` is the ``tensor`` dimension of the run's one mesh, so FSDP can combine
     it with the data-parallel dimensions into 2-D (3-D for HSDP) DTensors (``for_fsdp``: refuse what it cannot).
     """
