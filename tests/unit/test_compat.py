@@ -216,7 +216,11 @@ def test_fused_projection_split_is_refused_where_torch_raises() -> None:
 def test_private_names_per_release() -> None:
     """What this torch makes us touch (docs/versions.md lists the count per release)."""
     names = set(_compat.PRIVATE_TORCH_API) | set(_compat.TRACE_TORCH_API) | set(_compat.PRIVATE_TORCH_STATE)
-    assert "PipelineStage._shape_inference" in names or "PipelineStage._forward_metadata_inference" in names
+    # the forward half of the inference guard: 2.11's _shape_inference, 2.12-2.14's override, 2.15's public hook
+    assert ("PipelineStage._shape_inference" in names) == (not _compat.METADATA_INFERENCE)
+    assert ("PipelineStage._forward_metadata_inference" in names) == (
+        _compat.METADATA_INFERENCE and not _compat.FORWARD_CONTEXT)
+    assert _compat.FORWARD_CONTEXT == (_compat.TORCH_VERSION >= (2, 15))
     assert ("PipelineStage.bwd_cache" in names) == (_compat.TORCH_VERSION < (2, 13))
     assert ("PipelineStage.inputs_meta" in names) == (not _compat.METADATA_INFERENCE)
 
