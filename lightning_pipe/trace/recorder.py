@@ -17,8 +17,9 @@ the record is first used). Records of different ranks are put on one axis throug
 (``time.time_ns``) read next to the monotonic clock when the recorder was made: exact between processes of one
 machine, as good as NTP between machines.
 
-The private torch names wrapped here are listed in :mod:`lightning_pipe._compat.torch` (``TRACE_TORCH_API``) and
-resolved at import: if torch renames one, `import lightning_pipe` fails naming it instead of silently tracing nothing.
+The torch names wrapped here are listed in :mod:`lightning_pipe._compat.torch` (``TRACE_TORCH_API``) and resolved
+at import: if torch renames one, `import lightning_pipe` fails naming it instead of silently tracing nothing. The
+private ones are swapped there too (``swapped_p2p``, ``swapped_compute_loss``): this module names none itself.
 
 Command line, on records saved by :class:`~lightning_pipe.PipelineTimeline` (``records.json``)::
 
@@ -36,6 +37,7 @@ from typing import Any
 
 import torch
 
+from lightning_pipe._compat import torch as _compat
 from lightning_pipe.trace.records import Slice, StepRecord
 
 
@@ -157,8 +159,6 @@ class _Run:
 
     @contextlib.contextmanager
     def patched(self, stages: Sequence[Any], schedule: Any) -> Iterator[None]:
-        from torch.distributed.pipelining import schedules as torch_schedules
-
         undo: list[Callable[[], None]] = []
 
         def set_instance(obj: Any, name: str, value: Any) -> None:
@@ -167,23 +167,19 @@ class _Run:
             setattr(obj, name, value)
             undo.append(lambda: setattr(obj, name, old) if had else delattr(obj, name))
 
-        try:
-            for stage in stages:
-                self._wrap_stage(stage, set_instance)
-            last = [st.stage_index for st in stages if st.is_last]
-            original_loss = schedule._compute_loss
+        last = [st.stage_index for st in stages if st.is_last]
 
+        def wrap_loss(original_loss: Callable[..., Any]) -> Callable[..., Any]:
             def compute_loss(*args: Any, **kwargs: Any) -> Any:
                 stage = last[0] if last else None
                 mb = self._last_forward.get(stage) if stage is not None else None
                 return self._timed("L", stage, mb, "", lambda: original_loss(*args, **kwargs))
 
-            set_instance(schedule, "_compute_loss", compute_loss)
+            return compute_loss
 
-            original_batch, original_wait = torch_schedules._batch_p2p, torch_schedules._wait_batch_p2p
+        depth = [0]  # torch >= 2.14 splits a batch by process group and calls _batch_p2p once per group
 
-            depth = [0]  # torch >= 2.14 splits a batch by process group and calls _batch_p2p once per group
-
+        def wrap_batch(original_batch: Callable[..., Any]) -> Callable[..., Any]:
             def batch_p2p(p2p_ops: list, *args: Any, **kwargs: Any) -> Any:
                 if not p2p_ops or depth[0]:  # a nested call is part of the span its caller records
                     return original_batch(p2p_ops, *args, **kwargs)
@@ -196,19 +192,24 @@ class _Run:
                 self._work_labels[id(works)] = (works, label)
                 return works
 
+            return batch_p2p
+
+        def wrap_wait(original_wait: Callable[..., Any]) -> Callable[..., Any]:
             def wait_batch_p2p(work: list, *args: Any, **kwargs: Any) -> Any:
                 if not work:
                     return original_wait(work, *args, **kwargs)
                 _, label = self._work_labels.pop(id(work), (None, "p2p"))
                 return self._timed("wait", None, None, label, lambda: original_wait(work, *args, **kwargs))
 
-            torch_schedules._batch_p2p, torch_schedules._wait_batch_p2p = batch_p2p, wait_batch_p2p
+            return wait_batch_p2p
 
-            def restore_p2p() -> None:
-                torch_schedules._batch_p2p, torch_schedules._wait_batch_p2p = original_batch, original_wait
-
-            undo.append(restore_p2p)
-            yield
+        try:
+            with contextlib.ExitStack() as swaps:
+                for stage in stages:
+                    self._wrap_stage(stage, set_instance)
+                swaps.enter_context(_compat.swapped_compute_loss(schedule, wrap_loss))
+                swaps.enter_context(_compat.swapped_p2p(wrap_batch, wrap_wait))
+                yield
         finally:
             for fn in reversed(undo):
                 fn()
