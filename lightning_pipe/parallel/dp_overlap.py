@@ -88,8 +88,8 @@ class DataParallelOverlap:
     """Launches this rank's data-parallel all-reduces during the schedule ([Note: overlapped data-parallel sync]).
 
     Args:
-        stages: this rank's torch pipeline stages; their ``backward_one_chunk`` / ``backward_weight_one_chunk`` are
-            wrapped on the instances (a pass-through unless a step is running with overlap).
+        stages: this rank's pipeline stages; hooks go around their ``backward_one_chunk`` /
+            ``backward_weight_one_chunk`` (``add_call_hook``; a pass-through unless a step is running with overlap).
         params: the engine's deduplicated parameter list (the order the averaged gradients are returned in).
         group: the data-parallel process group.
     """
@@ -259,23 +259,23 @@ class DataParallelOverlap:
             for h in handles:
                 h.remove()
 
-    # ------------------------------------------------------------------ stage wrappers
+    # ------------------------------------------------------------------ stage hooks
     def _wrap(self, stage: Any) -> None:
+        """Hook the stage's backward entry points ([Note: stage call hooks] in runtime/stage.py); for good."""
         s = stage.stage_index
-        backward, weight = stage.backward_one_chunk, stage.backward_weight_one_chunk
 
-        def backward_one_chunk(*args: Any, **kwargs: Any) -> Any:
+        def backward_one_chunk(run: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             if not self._active or not _is_full(args, kwargs):
-                return backward(*args, **kwargs)
-            return self._counted(s, lambda: backward(*args, **kwargs))
+                return run()
+            return self._counted(s, run)
 
-        def backward_weight_one_chunk(*args: Any, **kwargs: Any) -> Any:
+        def backward_weight_one_chunk(run: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             if not self._active:
-                return weight(*args, **kwargs)
-            return self._counted(s, lambda: weight(*args, **kwargs))
+                return run()
+            return self._counted(s, run)
 
-        stage.backward_one_chunk = backward_one_chunk
-        stage.backward_weight_one_chunk = backward_weight_one_chunk
+        stage.add_call_hook("backward_one_chunk", backward_one_chunk)
+        stage.add_call_hook("backward_weight_one_chunk", backward_weight_one_chunk)
 
     def _counted(self, s: int, run: Callable[[], Any]) -> Any:
         self._counts[s] += 1

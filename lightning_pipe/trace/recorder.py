@@ -2,7 +2,8 @@
 
 [Note: how the trace is recorded]
 While a step is recorded, :class:`StepRecorder` wraps, *on this rank's own objects only*, the methods every torch
-schedule (``PipelineScheduleSingle`` and the ``_PipelineScheduleRuntime`` family alike) calls to do work:
+schedule (``PipelineScheduleSingle`` and the ``_PipelineScheduleRuntime`` family alike) calls to do work (the
+stage's through its call hooks, outermost: [Note: stage call hooks] in runtime/stage.py):
 
 - compute: ``stage.forward_one_chunk`` (F), ``stage.backward_one_chunk`` (B, or I when ``full_backward=False``),
   ``stage.backward_weight_one_chunk`` (W) and the schedule's ``_compute_loss`` (L, on the last stage);
@@ -159,13 +160,7 @@ class _Run:
 
     @contextlib.contextmanager
     def patched(self, stages: Sequence[Any], schedule: Any) -> Iterator[None]:
-        undo: list[Callable[[], None]] = []
-
-        def set_instance(obj: Any, name: str, value: Any) -> None:
-            had = name in vars(obj)
-            old = vars(obj).get(name)
-            setattr(obj, name, value)
-            undo.append(lambda: setattr(obj, name, old) if had else delattr(obj, name))
+        undo: list[Callable[[], None]] = []  # removes our stage call hooks
 
         last = [st.stage_index for st in stages if st.is_last]
 
@@ -206,7 +201,7 @@ class _Run:
         try:
             with contextlib.ExitStack() as swaps:
                 for stage in stages:
-                    self._wrap_stage(stage, set_instance)
+                    undo.extend(self._hook_stage(stage))
                 swaps.enter_context(_compat.swapped_compute_loss(schedule, wrap_loss))
                 swaps.enter_context(_compat.swapped_p2p(wrap_batch, wrap_wait))
                 yield
@@ -216,33 +211,35 @@ class _Run:
             self._op_tags.clear()
             self._work_labels.clear()
 
-    def _wrap_stage(self, stage: Any, set_instance: Callable[[Any, str, Any], None]) -> None:
+    def _hook_stage(self, stage: Any) -> list[Callable[[], None]]:
+        """Our call hooks on one stage ([Note: stage call hooks] in runtime/stage.py); returns their removers."""
         s = stage.stage_index
-        fwd, bwd, wgt = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
 
-        def forward_one_chunk(mb: int, *args: Any, **kwargs: Any) -> Any:
+        def forward_one_chunk(run: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            mb = args[0]
             self._last_forward[s] = mb
-            return self._timed("F", s, mb, "", lambda: fwd(mb, *args, **kwargs))
+            return self._timed("F", s, mb, "", run)
 
-        def backward_one_chunk(mb: int, *args: Any, **kwargs: Any) -> Any:
-            full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
-            return self._timed("B" if full else "I", s, mb, "", lambda: bwd(mb, *args, **kwargs))
+        def backward_one_chunk(run: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            full = kwargs.get("full_backward", args[2] if len(args) > 2 else True)
+            return self._timed("B" if full else "I", s, args[0], "", run)
 
-        def backward_weight_one_chunk(mb: int, *args: Any, **kwargs: Any) -> Any:
-            return self._timed("W", s, mb, "", lambda: wgt(mb, *args, **kwargs))
+        def backward_weight_one_chunk(run: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            return self._timed("W", s, args[0], "", run)
 
-        set_instance(stage, "forward_one_chunk", forward_one_chunk)
-        set_instance(stage, "backward_one_chunk", backward_one_chunk)
-        set_instance(stage, "backward_weight_one_chunk", backward_weight_one_chunk)
+        removers = [stage.add_call_hook("forward_one_chunk", forward_one_chunk),
+                    stage.add_call_hook("backward_one_chunk", backward_one_chunk),
+                    stage.add_call_hook("backward_weight_one_chunk", backward_weight_one_chunk)]
         for name, tag in (("get_fwd_send_ops", "send F"), ("get_fwd_recv_ops", "recv F"),
                           ("get_bwd_send_ops", "send B"), ("get_bwd_recv_ops", "recv B")):
-            set_instance(stage, name, self._tagging(getattr(stage, name), tag))
+            removers.append(stage.add_call_hook(name, self._tagging(tag)))
+        return removers
 
-    def _tagging(self, original: Callable[..., list], tag: str) -> Callable[..., list]:
-        def get_ops(mb: int, *args: Any, **kwargs: Any) -> list:
-            ops = original(mb, *args, **kwargs)
+    def _tagging(self, tag: str) -> Callable[..., list]:
+        def get_ops(run: Callable[[], list], args: tuple[Any, ...], kwargs: dict[str, Any]) -> list:
+            ops = run()
             for op in ops:
-                self._op_tags[id(op)] = (op, f"{tag}{mb}")
+                self._op_tags[id(op)] = (op, f"{tag}{args[0]}")
             return ops
 
         return get_ops
