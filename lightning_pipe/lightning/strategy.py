@@ -313,8 +313,9 @@ class PipelineStrategy(ParallelStrategy):
         self.engine.accumulate_grad_batches = trainer.accumulate_grad_batches
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
         if phase == "train":  # hints for the overlapped gradient sync (exact whatever they say: engine.py)
-            self.engine.optimizer_step_follows = not _compat.should_accumulate(trainer)
-            self.engine.zero_grad_follows = batch_idx is None or batch_idx % trainer.accumulate_grad_batches == 0
+            self.engine.dp_handoff.optimizer_step_follows = not _compat.should_accumulate(trainer)
+            self.engine.dp_handoff.zero_grad_follows = (batch_idx is None
+                                                        or batch_idx % trainer.accumulate_grad_batches == 0)
         try:
             with self.engine.running(phase, batch_idx):
                 result = parent(*args, **kwargs)
