@@ -551,3 +551,44 @@ PRIVATE_TORCH_API.update({"_batch_p2p": _torch_schedules._batch_p2p,
                           "_wait_batch_p2p": _torch_schedules._wait_batch_p2p,
                           "PipelineScheduleSingle._initialize_stage":
                               _torch_schedules.PipelineScheduleSingle._initialize_stage})
+
+
+# ------------------------------------------------------------------ the trace recorder's swaps (TRACE_TORCH_API)
+# [Note: how the trace is recorded] (lightning_pipe/trace/recorder.py). The recorder replaces, for one recorded step,
+# torch's module-level P2P functions and a schedule's loss method; both are private, so the swaps live here and the
+# recorder names neither. Each swap is undone when its context exits, even on an error.
+_P2P_BATCH, _P2P_WAIT = TRACE_TORCH_API["schedules._batch_p2p"][1], TRACE_TORCH_API["schedules._wait_batch_p2p"][1]
+_LOSS = TRACE_TORCH_API["_PipelineSchedule._compute_loss"][1]
+
+
+@contextlib.contextmanager
+def swapped_p2p(wrap_batch: Callable[[Callable[..., Any]], Callable[..., Any]],
+                wrap_wait: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
+    """Within the context torch's ``_batch_p2p`` and ``_wait_batch_p2p`` are ``wrap_batch(original)`` and
+    ``wrap_wait(original)``; the originals are put back on exit. Torch >= 2.14's ``_batch_p2p`` calls itself through
+    the module's name (once per process group), so the wrapper also sees those nested calls."""
+    module = TRACE_OWNERS["module"]
+    original_batch, original_wait = getattr(module, _P2P_BATCH), getattr(module, _P2P_WAIT)
+    setattr(module, _P2P_BATCH, wrap_batch(original_batch))
+    setattr(module, _P2P_WAIT, wrap_wait(original_wait))
+    try:
+        yield
+    finally:
+        setattr(module, _P2P_BATCH, original_batch)
+        setattr(module, _P2P_WAIT, original_wait)
+
+
+@contextlib.contextmanager
+def swapped_compute_loss(schedule: Any, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
+    """Within the context ``schedule``'s ``_compute_loss`` is ``wrap(original)``, set on the instance only; on exit
+    the instance is as before (the attribute removed again when the instance had none of its own)."""
+    had = _LOSS in vars(schedule)
+    old = vars(schedule).get(_LOSS)
+    setattr(schedule, _LOSS, wrap(getattr(schedule, _LOSS)))
+    try:
+        yield
+    finally:
+        if had:
+            setattr(schedule, _LOSS, old)
+        else:
+            delattr(schedule, _LOSS)

@@ -217,15 +217,28 @@ def materialize(module: nn.Module, attr: str, stage_modules: Sequence[StageModul
     deterministic per layer, e.g. seeded by ``index``, and call it in ``configure_model`` too: then one device and
     every pipeline layout start from the same values), else by each submodule's ``reset_parameters()``.
     """
-    tensors = [t for sm in stage_modules for t in list(sm.parameters()) + list(sm.buffers())]
-    if not any(t.is_meta for t in tensors):
+    return materialize_layers(module, [(index, layer) for sm in stage_modules
+                                       for index, layer in zip(sm.layer_indices, sm.layers)], device, tied)
+
+
+def on_meta(module: nn.Module) -> bool:
+    """Whether any of the module's parameters or buffers is on the meta device (built without storage)."""
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+def materialize_layers(module: nn.Module, layers: Sequence[tuple[int, nn.Module]], device: torch.device,
+                       tied: Sequence[TiedParameter] = ()) -> bool:
+    """The one meta-materialise path: if any of ``layers`` (``(index, layer)`` pairs of ``module``'s layer list)
+    is on the meta device, allocate them all on ``device`` (``to_empty``), tie the local uses of ``tied`` again
+    (``to_empty`` gives every module its own new Parameter) and initialise each with :func:`init_layer`; True.
+    False, and nothing changes, when none is on meta."""
+    if not any(on_meta(layer) for _, layer in layers):
         return False
-    for sm in stage_modules:
-        sm.to_empty(device=device)
-    _retie(module, tied)  # to_empty gives every module its own new Parameter: tie the local copies again
-    for sm in stage_modules:
-        for index, layer in zip(sm.layer_indices, sm.layers):
-            init_layer(module, index, layer)
+    for _, layer in layers:
+        layer.to_empty(device=device)
+    _retie(module, tied)
+    for index, layer in layers:
+        init_layer(module, index, layer)
     return True
 
 

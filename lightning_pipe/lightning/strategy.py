@@ -56,50 +56,54 @@ class PipelineStrategy(ParallelStrategy):
     ``pipeline size x stages_per_rank`` stages; each rank keeps only its own layers (parameter names unchanged) and
     torch.distributed.pipelining runs the schedule. Settings are those of :class:`~lightning_pipe.PipelineConfig`.
 
-    Args:
+    Args (in :class:`~lightning_pipe.PipelineConfig`'s order; all but ``schedule`` are keyword-only):
         schedule, microbatches, data_parallel_size, fsdp_size, fsdp_reshard_after_forward, tensor_parallel_size,
-            partition,
-            stages_per_rank, layers_attr, recompute, schedule_options: the layout settings, documented once on :class:`~lightning_pipe.PipelineConfig`
-            (and in docs/settings.md, generated from it, with their Hydra paths). ``schedule="auto"`` lets the planner
-            choose at setup (docs/planner.md).
+            partition, stages_per_rank, layers_attr, recompute, schedule_options: the layout settings, documented
+            once on :class:`~lightning_pipe.PipelineConfig` (and in docs/settings.md, generated from it, with their
+            Hydra paths). ``schedule="auto"`` lets the planner choose at setup (docs/planner.md).
+        rebalance_every_n_steps, rebalance_threshold: move layers between ranks mid-run when measured times
+            predict a faster split (docs/planner.md: "Rebalancing while training"); see :class:`~lightning_pipe.PipelineConfig`.
         plan: a plan file (or its dict) from ``python -m lightning_pipe.planner search``: its schedule,
             micro-batches, stages per rank, replicas and partition replace those arguments.
         memory_budget: per-device limit for ``schedule="auto"`` (bytes or e.g. ``"20GiB"``).
-        rebalance_every_n_steps, rebalance_threshold: move layers between ranks mid-run when measured times
-            predict a faster split (docs/planner.md: "Rebalancing while training"); see :class:`~lightning_pipe.PipelineConfig`.
-        start_method: ``"popen"`` re-runs the script per rank (like ``ddp``); ``"spawn"`` for notebooks.
         timeout: how long a rank waits on another in one transfer before failing (a ``timedelta`` or seconds;
             default 10 minutes). A rank that fails stops its peers within seconds regardless
             (docs/failures.md).
+        start_method: ``"popen"`` re-runs the script per rank (like ``ddp``); ``"spawn"`` for notebooks.
     """
 
     strategy_name = "pipeline"
 
     def __init__(
         self,
+        # PipelineConfig's fields, in its order
         schedule: str = "1f1b",
+        *,
         microbatches: int | None = None,
         data_parallel_size: int = 1,
+        fsdp_size: int = 1,
+        fsdp_reshard_after_forward: bool = False,
+        tensor_parallel_size: int = 1,
         partition: PartitionSpec = "uniform",
         stages_per_rank: int | None = None,
         layers_attr: str = "layers",
         recompute: str | int = "none",
         schedule_options: dict[str, Any] | None = None,
+        rebalance_every_n_steps: int | None = None,
+        rebalance_threshold: float = 0.05,
+        # what replaces or chooses them (a saved plan, schedule="auto")
         plan: str | os.PathLike | dict[str, Any] | None = None,
         memory_budget: int | str | None = None,
+        # the processes
+        process_group_backend: str | None = None,
+        timeout: timedelta | float | None = DEFAULT_TIMEOUT,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        # Lightning's plugins
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | float | None = DEFAULT_TIMEOUT,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        rebalance_every_n_steps: int | None = None,
-        rebalance_threshold: float = 0.05,
-        fsdp_size: int = 1,
-        fsdp_reshard_after_forward: bool = False,
-        tensor_parallel_size: int = 1,
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -309,8 +313,9 @@ class PipelineStrategy(ParallelStrategy):
         self.engine.accumulate_grad_batches = trainer.accumulate_grad_batches
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
         if phase == "train":  # hints for the overlapped gradient sync (exact whatever they say: engine.py)
-            self.engine.optimizer_step_follows = not _compat.should_accumulate(trainer)
-            self.engine.zero_grad_follows = batch_idx is None or batch_idx % trainer.accumulate_grad_batches == 0
+            self.engine.dp_handoff.optimizer_step_follows = not _compat.should_accumulate(trainer)
+            self.engine.dp_handoff.zero_grad_follows = (batch_idx is None
+                                                        or batch_idx % trainer.accumulate_grad_batches == 0)
         try:
             with self.engine.running(phase, batch_idx):
                 result = parent(*args, **kwargs)

@@ -88,8 +88,8 @@ class DataParallelOverlap:
     """Launches this rank's data-parallel all-reduces during the schedule ([Note: overlapped data-parallel sync]).
 
     Args:
-        stages: this rank's torch pipeline stages; their ``backward_one_chunk`` / ``backward_weight_one_chunk`` are
-            wrapped on the instances (a pass-through unless a step is running with overlap).
+        stages: this rank's pipeline stages; hooks go around their ``backward_one_chunk`` /
+            ``backward_weight_one_chunk`` (``add_call_hook``; a pass-through unless a step is running with overlap).
         params: the engine's deduplicated parameter list (the order the averaged gradients are returned in).
         group: the data-parallel process group.
     """
@@ -259,23 +259,23 @@ class DataParallelOverlap:
             for h in handles:
                 h.remove()
 
-    # ------------------------------------------------------------------ stage wrappers
+    # ------------------------------------------------------------------ stage hooks
     def _wrap(self, stage: Any) -> None:
+        """Hook the stage's backward entry points ([Note: stage call hooks] in runtime/stage.py); for good."""
         s = stage.stage_index
-        backward, weight = stage.backward_one_chunk, stage.backward_weight_one_chunk
 
-        def backward_one_chunk(*args: Any, **kwargs: Any) -> Any:
+        def backward_one_chunk(run: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             if not self._active or not _is_full(args, kwargs):
-                return backward(*args, **kwargs)
-            return self._counted(s, lambda: backward(*args, **kwargs))
+                return run()
+            return self._counted(s, run)
 
-        def backward_weight_one_chunk(*args: Any, **kwargs: Any) -> Any:
+        def backward_weight_one_chunk(run: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             if not self._active:
-                return weight(*args, **kwargs)
-            return self._counted(s, lambda: weight(*args, **kwargs))
+                return run()
+            return self._counted(s, run)
 
-        stage.backward_one_chunk = backward_one_chunk
-        stage.backward_weight_one_chunk = backward_weight_one_chunk
+        stage.add_call_hook("backward_one_chunk", backward_one_chunk)
+        stage.add_call_hook("backward_weight_one_chunk", backward_weight_one_chunk)
 
     def _counted(self, s: int, run: Callable[[], Any]) -> Any:
         self._counts[s] += 1
@@ -285,6 +285,74 @@ class DataParallelOverlap:
             result = run()
         self._stage_finished(s)
         return result
+
+
+class DataParallelHandoff:
+    """The data-parallel hand-off state of one engine ([Note: what the overlapped sync averages] in engine.py):
+    whether this batch's fresh gradients are being averaged during the schedule, whether ``.grad`` holds only
+    replica-averaged values, and the strategy's two hints. ``PipelineEngine`` holds one (``engine.dp_handoff``).
+
+    Args:
+        overlap: the rank's :class:`DataParallelOverlap`, or ``None`` (no replicas, FSDP / tensor-parallel stages,
+            PipeDream: nothing is averaged here).
+        microbatches_per_stage: the backwards after which a stage's gradients are final.
+    """
+
+    def __init__(self, overlap: DataParallelOverlap | None, microbatches_per_stage: int) -> None:
+        self.overlap = overlap
+        self.enabled = True
+        """Average during the schedule; off: one all-reduce after it (``engine.overlap_dp_sync``; the bench)."""
+        self.microbatches_per_stage = microbatches_per_stage
+        self.optimizer_step_follows = True
+        """Hint set by the strategy before each training batch: this batch ends in an optimizer step."""
+        self.zero_grad_follows = True
+        """Hint set by the strategy: Lightning's ``zero_grad`` runs after this batch's ``training_step``."""
+        self.grads_averaged = True  # every .grad is the replica average (nothing local since the last sync)
+        self.overlapped = False  # this batch's fresh gradients are being averaged
+        self.counts = {"overlapped": 0, "after_schedule": 0}
+        """Batches averaged each way (``engine.dp_sync_counts``; tests, bench)."""
+
+    def begin(self, saved: list[Tensor | None], elements: float, group: dist.ProcessGroup | None, replicas: int,
+              device: torch.device) -> tuple[DataParallelOverlap | None, float]:
+        """Before the schedule: average this batch's gradients during it? (the overlap to drive, or ``None``). Also
+        ``N`` of [Note: token-weighted loss]: with overlap, the replicas' mean, so that the factor applied after
+        averaging is the same on every replica (padded batches hold different numbers of targets)."""
+        overlap = self.overlap
+        if self.overlapped and overlap is not None:  # a batch whose gradients were never handed over
+            overlap.wait()
+        self.overlapped = bool(overlap is not None and self.enabled and self.optimizer_step_follows)
+        if not self.overlapped or overlap is None:
+            return None, elements
+        mean = torch.tensor([elements], dtype=torch.float64, device=device)
+        dist.all_reduce(mean, group=group)
+        elements = float(mean) / replicas
+        carry = not self.grads_averaged and not self.zero_grad_follows
+        overlap.begin(self.microbatches_per_stage, carry=saved if carry else None)
+        return overlap, elements
+
+    def abandon(self, overlap: DataParallelOverlap) -> None:
+        """The schedule failed: nothing waits on its collectives (the run stops)."""
+        overlap.abandon()
+        self.overlapped = False
+
+    def hand_over(self, params: Sequence[nn.Parameter], pending: list[Tensor | None]) -> list[Tensor | None]:
+        """When Lightning hands the gradients over: the fresh gradients to add (averaged, if they were being), with
+        earlier batches' settled ([Note: what the overlapped sync averages])."""
+        if self.overlapped and self.overlap is not None:
+            self.overlapped = False
+            pending, carry = self.overlap.wait()
+            self.counts["overlapped"] += 1
+            self.grads_averaged = settle(params, carry, self.grads_averaged)
+        elif any(fresh is not None for fresh in pending):
+            self.grads_averaged = False
+        return pending
+
+    def synced(self) -> None:
+        """After the gradient sync before the optimizer step (which averaged over replicas unless
+        ``grads_averaged``): everything is averaged now."""
+        if not self.grads_averaged and self.overlap is not None:  # (FSDP averages in its reduce-scatter)
+            self.counts["after_schedule"] += 1
+        self.grads_averaged = True
 
 
 class _Carry:

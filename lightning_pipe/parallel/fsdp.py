@@ -39,7 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from lightning_pipe.config import config_error
-from lightning_pipe.layers.stages import StageModule, TiedParameter, init_layer
+from lightning_pipe.layers.stages import StageModule, TiedParameter, materialize_layers
 
 
 @dataclass(frozen=True)
@@ -105,10 +105,7 @@ def shard_stages(module: nn.Module, stage_modules: Sequence[StageModule], mesh: 
             out.append(earlier)
             continue
         for index, layer in zip(stage.layer_indices, stage.layers):
-            if any(t.is_meta for t in list(layer.parameters()) + list(layer.buffers())):
-                layer.to_empty(device=device)
-                init_layer(module, index, layer)
-            else:
+            if not materialize_layers(module, [(index, layer)], device):
                 layer.to(device)
             if broadcast is not None:
                 broadcast(list(layer.parameters()) + list(layer.buffers()))

@@ -24,7 +24,7 @@ from torch import nn
 
 from lightning_pipe._compat import torch as _compat
 from lightning_pipe.layers.batches import loss_parts
-from lightning_pipe.layers.stages import init_layer, layer_args
+from lightning_pipe.layers.stages import layer_args, materialize_layers
 from lightning_pipe.trace.memory import ActivationMeter
 
 
@@ -219,12 +219,10 @@ def _fastest(a: LayerCost, b: LayerCost) -> LayerCost:
 
 def _materialize(module: nn.Module, index: int, layer: nn.Module, device: torch.device) -> bool:
     """Put a (copied) layer on ``device``; one built on meta is allocated and initialised as the strategy does."""
-    if not any(t.is_meta for t in list(layer.parameters()) + list(layer.buffers())):
-        layer.to(device)
-        return False
-    layer.to_empty(device=device)
-    init_layer(module, index, layer)
-    return True
+    if materialize_layers(module, [(index, layer)], device):
+        return True
+    layer.to(device)
+    return False
 
 
 def profile_model(module: nn.Module, batch: Any, micro_batch_sizes: Sequence[int], layers_attr: str = "layers",

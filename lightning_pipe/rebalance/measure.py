@@ -4,8 +4,8 @@
 Two cheap measurements, taken only while the timer is ``armed`` (the last few optimizer steps before a decision):
 
 - per stage, the time of torch's compute calls for it (``forward_one_chunk``, ``backward_one_chunk``,
-  ``backward_weight_one_chunk``; instance attributes of this rank's ``PipelineStage`` objects, so the trace
-  recorder, which wraps the same methods per recorded step, restores ours afterwards). Waiting for a peer is not in
+  ``backward_weight_one_chunk``; call hooks on this rank's ``PipelineStage`` objects, next to the trace recorder's
+  and the data-parallel overlap's: [Note: stage call hooks] in runtime/stage.py). Waiting for a peer is not in
   them: torch posts and waits for its P2P operations outside those calls.
 - per layer, its forward time (forward pre/post hooks on this rank's layers).
 
@@ -69,7 +69,7 @@ class LayerTimer:
         self._active = False
         self._first = True  # the first batch of an engine runs torch's shape inference and warms up: not timed
         self._handles: list[Any] = []
-        self._wrapped: list[tuple[Any, str, Any]] = []  # (stage, method, the instance wrapper ours replaced)
+        self._removers: list[Callable[[], None]] = []  # our stage call hooks ([Note: stage call hooks])
         self.kinds: dict[int, str] = {}
 
     def _counting(self) -> bool:
@@ -83,9 +83,7 @@ class LayerTimer:
                 self._handles.append(layer.register_forward_hook(self._post(index)))
         for stage in self.engine.stages:
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-                before = vars(stage).get(name)  # another instance wrapper (the data-parallel overlap's), or None
-                setattr(stage, name, self._timed(stage.stage_index, getattr(stage, name)))
-                self._wrapped.append((stage, name, before))
+                self._removers.append(stage.add_call_hook(name, self._timed(stage.stage_index)))
         self.engine.step_contexts.append(self.step)
         return self
 
@@ -93,12 +91,9 @@ class LayerTimer:
         """Remove every hook and wrapper (a layer that moves is pickled: it must carry none of ours)."""
         for handle in self._handles:
             handle.remove()
-        for stage, name, before in reversed(self._wrapped):
-            if before is not None:  # put back what was there, not the class method: other wrappers stay
-                setattr(stage, name, before)
-            elif name in vars(stage):
-                delattr(stage, name)
-        self._handles, self._wrapped = [], []
+        for remove in reversed(self._removers):  # ours only: other hooks (the data-parallel overlap's) stay
+            remove()
+        self._handles, self._removers = [], []
         with contextlib.suppress(ValueError):
             self.engine.step_contexts.remove(self.step)
 
@@ -115,16 +110,16 @@ class LayerTimer:
                 self._marks.spans.append((("layer", self.batches, index), start, self._marks.mark()))
         return hook
 
-    def _timed(self, stage_index: int, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def run(*args: Any, **kwargs: Any) -> Any:
+    def _timed(self, stage_index: int) -> Callable[..., Any]:
+        def hook(run: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             if not self._counting():
-                return fn(*args, **kwargs)
+                return run()
             start = self._marks.mark()
             try:
-                return fn(*args, **kwargs)
+                return run()
             finally:
                 self._marks.spans.append((("stage", self.batches, stage_index), start, self._marks.mark()))
-        return run
+        return hook
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:

@@ -34,7 +34,8 @@ are zeros, not ``torch.empty``. Parameters and gradients are untouched (torch co
 With data parallelism the fresh gradients of an optimizer-step batch are averaged during the schedule
 ([Note: overlapped data-parallel sync] in dp_overlap.py). The optimizer must see the replica average of *every*
 contribution since the last step, so the engine tracks whether ``.grad`` may hold a local, not yet averaged part
-(``_grads_averaged``): fresh gradients added without averaging (the old path, accumulation batches) make it local.
+(``dp_handoff.grads_averaged``; ``DataParallelHandoff`` in dp_overlap.py holds this state): fresh gradients added
+without averaging (the old path, accumulation batches) make it local.
 On a step batch that follows accumulation batches, Lightning's ``zero_grad`` does not run (it runs on the first
 batch of a window), so the accumulated part is averaged too, launched before the schedule (the "carry"), and used
 only if Lightning left those very tensors untouched (identity and in-place version). Averaging is idempotent on
@@ -71,7 +72,7 @@ from lightning_pipe.layers.batches import (
     trim_rows,
 )
 from lightning_pipe.layers.stages import StageModule
-from lightning_pipe.parallel.dp_overlap import DataParallelOverlap, settle
+from lightning_pipe.parallel.dp_overlap import DataParallelHandoff, DataParallelOverlap
 from lightning_pipe.parallel.fsdp import reshard
 from lightning_pipe.parallel.grads import GradientSync
 from lightning_pipe.parallel.topology import ProcessGroups
@@ -114,24 +115,37 @@ class PipelineEngine:
         # [Note: what the overlapped sync averages]; the strategy sets the two hints before each training batch.
         # PipeDream averages each micro-batch's gradients in its own update (pipedream.stages.MicrobatchUpdate); FSDP
         # stages average in their own reduce-scatter ([Note: FSDP under the pipeline schedule] in fsdp.py).
-        self.dp_overlap = (DataParallelOverlap(self.stages, self.parameters, groups.dp)
-                           if groups.dp is not None and groups.shard is None and groups.tensor is None
-                           and not self.per_microbatch_updates
-                           else None)
-        self.overlap_dp_sync = True  # off: one all-reduce after the schedule (bench/dp_overlap.py compares both)
-        self.microbatches_per_stage = plan.microbatches  # backwards after which a stage's gradients are final
-        self.optimizer_step_follows = True
-        self.zero_grad_follows = True
-        self._grads_averaged = True
-        self._overlapped = False  # this batch's fresh gradients are being averaged
+        self.dp_handoff = DataParallelHandoff(
+            DataParallelOverlap(self.stages, self.parameters, groups.dp)
+            if groups.dp is not None and groups.shard is None and groups.tensor is None
+            and not self.per_microbatch_updates else None,
+            plan.microbatches)
         self._grad_factor: Tensor | None = None  # token-weighted loss: applied to the fresh gradients on hand-over
-        self.dp_sync_counts = {"overlapped": 0, "after_schedule": 0}  # batches averaged each way (tests, bench)
         # fp16 loss scaling, set by PipelinePrecision ([Note: fp16 loss scaling in a pipeline] in lightning/precision.py)
         self.loss_scaler: Callable[[Tensor], Tensor] | None = None
         self._records: list[LossParts] = []  # this step's micro-batch losses (last stage)
         self._owner = type(module).__name__
         # Context managers entered around every training schedule step (see lightning_pipe.trace.memory / trace).
         self.step_contexts: list[Callable[[], contextlib.AbstractContextManager]] = []
+
+    @property
+    def dp_overlap(self) -> DataParallelOverlap | None:
+        """This rank's overlapped data-parallel sync, if it averages anything (``dp_handoff.overlap``)."""
+        return self.dp_handoff.overlap
+
+    @property
+    def overlap_dp_sync(self) -> bool:
+        """Average during the schedule; off: one all-reduce after it (bench/dp_overlap.py compares both)."""
+        return self.dp_handoff.enabled
+
+    @overlap_dp_sync.setter
+    def overlap_dp_sync(self, on: bool) -> None:
+        self.dp_handoff.enabled = on
+
+    @property
+    def dp_sync_counts(self) -> dict[str, int]:
+        """Batches averaged during the schedule ("overlapped") and after it ("after_schedule")."""
+        return self.dp_handoff.counts
 
     def _build_runtime(self, stage_modules: list[StageModule],
                        local_stage_ids: list[int]) -> tuple[list[PipelineStage], Any]:
@@ -246,7 +260,8 @@ class PipelineEngine:
         for p in self.parameters:
             p.grad = None
         self._records = []
-        overlap, elements = self._begin_overlap(saved, elements)
+        overlap, elements = self.dp_handoff.begin(saved, elements, self.groups.dp,
+                                                  self.groups.topology.data_parallel_size, self.device)
         self._sum_scale = 1.0 / (self.accumulate_grad_batches * elements)
         with contextlib.ExitStack() as stack:
             for make_context in self.step_contexts:  # measurement (memory meter, trace recorder), off by default
@@ -255,8 +270,7 @@ class PipelineEngine:
                 self._run_schedule(args, target)
             except BaseException:
                 if overlap is not None:  # nothing waits on a failed step's collectives (the run stops)
-                    overlap.abandon()
-                    self._overlapped = False
+                    self.dp_handoff.abandon(overlap)
                 raise
             if overlap is not None:
                 overlap.end_schedule()
@@ -270,23 +284,6 @@ class PipelineEngine:
         if global_count is not None:  # [Note: token-weighted loss]
             self._grad_factor = elements * self.groups.topology.dp_degree / global_count.clamp_min(1)
         return loss
-
-    def _begin_overlap(self, saved: list[Tensor | None], elements: float) -> tuple[DataParallelOverlap | None, float]:
-        """[Note: what the overlapped sync averages]: average this batch's gradients during the schedule? Also
-        ``N`` of [Note: token-weighted loss]: with overlap, the replicas' mean, so that the factor applied after
-        averaging is the same on every replica (padded batches hold different numbers of targets)."""
-        overlap = self.dp_overlap
-        if self._overlapped and overlap is not None:  # a batch whose gradients were never handed over
-            overlap.wait()
-        self._overlapped = bool(overlap is not None and self.overlap_dp_sync and self.optimizer_step_follows)
-        if not self._overlapped or overlap is None:
-            return None, elements
-        mean = torch.tensor([elements], dtype=torch.float64, device=self.device)
-        dist.all_reduce(mean, group=self.groups.dp)
-        elements = float(mean) / self.groups.topology.data_parallel_size
-        carry = not self._grads_averaged and not self.zero_grad_follows
-        overlap.begin(self.microbatches_per_stage, carry=saved if carry else None)
-        return overlap, elements
 
     def _step_loss(self) -> tuple[Tensor, Tensor | None]:
         """This replica's batch loss (on every rank) and, for a (sum, count) loss, the count over all replicas."""
@@ -319,14 +316,7 @@ class PipelineEngine:
                 "training_step did not run the pipeline: under PipelineStrategy it must get its loss from "
                 "`self.compute_loss(batch)` (the schedule's forward and backward run there)."
             )
-        pending = self._pending_grads
-        if self._overlapped and self.dp_overlap is not None:  # [Note: what the overlapped sync averages]
-            self._overlapped = False
-            pending, carry = self.dp_overlap.wait()
-            self.dp_sync_counts["overlapped"] += 1
-            self._grads_averaged = settle(self.parameters, carry, self._grads_averaged)
-        elif any(fresh is not None for fresh in pending):
-            self._grads_averaged = False
+        pending = self.dp_handoff.hand_over(self.parameters, self._pending_grads)
         factor = self._grad_factor
         for p, fresh in zip(self.parameters, pending):
             if fresh is None:
@@ -341,10 +331,8 @@ class PipelineEngine:
 
     def sync_gradients(self) -> None:
         """Before the optimizer step: average over replicas what is not averaged yet, sum tied copies."""
-        self.grads.sync(replicas=not self._grads_averaged)
-        if not self._grads_averaged and self.dp_overlap is not None:  # (FSDP averages in its reduce-scatter)
-            self.dp_sync_counts["after_schedule"] += 1
-        self._grads_averaged = True
+        self.grads.sync(replicas=not self.dp_handoff.grads_averaged)
+        self.dp_handoff.synced()
 
     def set_microbatch_update(self, updater: Any) -> None:
         """PipeDream: each stage's update after every micro-batch's backward (``pipedream.stages.MicrobatchUpdate``)."""

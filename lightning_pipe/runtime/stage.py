@@ -8,12 +8,74 @@ calls them on every stage, without asking what kind of stage it holds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from lightning_pipe._compat import torch as _compat
 
+CallHook = Callable[[Callable[[], Any], tuple[Any, ...], dict[str, Any]], Any]
+"""``hook(run, args, kwargs)``: around one call of a stage method; ``run()`` makes the call (through the hooks
+registered before this one) and returns its result, which the hook returns (or replaces)."""
 
-class PipelineStage(_compat.GuardedPipelineStage):
+
+class CallHooks:
+    """An owned list of hooks around the stage methods torch's schedules call (``forward_one_chunk``,
+    ``backward_one_chunk``, ``backward_weight_one_chunk``, ``get_{fwd,bwd}_{send,recv}_ops``).
+
+    [Note: stage call hooks]
+    The data-parallel overlap (permanent), the rebalance ``LayerTimer`` (while attached) and the trace recorder
+    (per recorded step) each hook the same methods; this registry composes them. The first hook of a method
+    installs one dispatcher on the instance (outside any class override: hooks see the call the schedule made), the
+    last one removed puts back what was there before. The hook registered last is the outermost; removing one
+    leaves the others in place. Users call :meth:`add_call_hook` on the stages they are handed (no import needed).
+    """
+
+    def add_call_hook(self, name: str, hook: CallHook) -> Callable[[], None]:
+        """Run ``hook`` around every call of ``self.<name>``; returns the function that removes it."""
+        registry: dict[str, _Hooked] = self.__dict__.setdefault("_call_hooks", {})
+        hooked = registry.get(name)
+        if hooked is None:
+            hooked = registry[name] = _Hooked(self, name)
+        hooked.hooks.append(hook)
+
+        def remove() -> None:
+            if hook in hooked.hooks:
+                hooked.hooks.remove(hook)
+                if not hooked.hooks:
+                    hooked.restore()
+                    del registry[name]
+
+        return remove
+
+
+class _Hooked:
+    """The hooks of one method of one stage, and what the instance held before the dispatcher."""
+
+    def __init__(self, owner: Any, name: str) -> None:
+        self.owner, self.name = owner, name
+        self.hooks: list[CallHook] = []
+        self.had = name in vars(owner)
+        self.before = vars(owner).get(name)
+        self.call = getattr(owner, name)
+
+        def dispatch(*args: Any, **kwargs: Any) -> Any:
+            return self.run(tuple(self.hooks), args, kwargs)
+
+        setattr(owner, name, dispatch)
+
+    def run(self, hooks: tuple[CallHook, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not hooks:
+            return self.call(*args, **kwargs)
+        return hooks[-1](lambda: self.run(hooks[:-1], args, kwargs), args, kwargs)
+
+    def restore(self) -> None:
+        if self.had:
+            setattr(self.owner, self.name, self.before)
+        else:
+            delattr(self.owner, self.name)
+
+
+class PipelineStage(CallHooks, _compat.GuardedPipelineStage):
     """One stage of one pipeline on this rank (same constructor as ``_compat.GuardedPipelineStage``)."""
 
     updates_per_microbatch = False

@@ -2,7 +2,8 @@
 
 [Note: how the trace is recorded]
 While a step is recorded, :class:`StepRecorder` wraps, *on this rank's own objects only*, the methods every torch
-schedule (``PipelineScheduleSingle`` and the ``_PipelineScheduleRuntime`` family alike) calls to do work:
+schedule (``PipelineScheduleSingle`` and the ``_PipelineScheduleRuntime`` family alike) calls to do work (the
+stage's through its call hooks, outermost: [Note: stage call hooks] in runtime/stage.py):
 
 - compute: ``stage.forward_one_chunk`` (F), ``stage.backward_one_chunk`` (B, or I when ``full_backward=False``),
   ``stage.backward_weight_one_chunk`` (W) and the schedule's ``_compute_loss`` (L, on the last stage);
@@ -17,8 +18,9 @@ the record is first used). Records of different ranks are put on one axis throug
 (``time.time_ns``) read next to the monotonic clock when the recorder was made: exact between processes of one
 machine, as good as NTP between machines.
 
-The private torch names wrapped here are listed in :mod:`lightning_pipe._compat.torch` (``TRACE_TORCH_API``) and
-resolved at import: if torch renames one, `import lightning_pipe` fails naming it instead of silently tracing nothing.
+The torch names wrapped here are listed in :mod:`lightning_pipe._compat.torch` (``TRACE_TORCH_API``) and resolved
+at import: if torch renames one, `import lightning_pipe` fails naming it instead of silently tracing nothing. The
+private ones are swapped there too (``swapped_p2p``, ``swapped_compute_loss``): this module names none itself.
 
 Command line, on records saved by :class:`~lightning_pipe.PipelineTimeline` (``records.json``)::
 
@@ -36,6 +38,7 @@ from typing import Any
 
 import torch
 
+from lightning_pipe._compat import torch as _compat
 from lightning_pipe.trace.records import Slice, StepRecord
 
 
@@ -157,33 +160,21 @@ class _Run:
 
     @contextlib.contextmanager
     def patched(self, stages: Sequence[Any], schedule: Any) -> Iterator[None]:
-        from torch.distributed.pipelining import schedules as torch_schedules
+        undo: list[Callable[[], None]] = []  # removes our stage call hooks
 
-        undo: list[Callable[[], None]] = []
+        last = [st.stage_index for st in stages if st.is_last]
 
-        def set_instance(obj: Any, name: str, value: Any) -> None:
-            had = name in vars(obj)
-            old = vars(obj).get(name)
-            setattr(obj, name, value)
-            undo.append(lambda: setattr(obj, name, old) if had else delattr(obj, name))
-
-        try:
-            for stage in stages:
-                self._wrap_stage(stage, set_instance)
-            last = [st.stage_index for st in stages if st.is_last]
-            original_loss = schedule._compute_loss
-
+        def wrap_loss(original_loss: Callable[..., Any]) -> Callable[..., Any]:
             def compute_loss(*args: Any, **kwargs: Any) -> Any:
                 stage = last[0] if last else None
                 mb = self._last_forward.get(stage) if stage is not None else None
                 return self._timed("L", stage, mb, "", lambda: original_loss(*args, **kwargs))
 
-            set_instance(schedule, "_compute_loss", compute_loss)
+            return compute_loss
 
-            original_batch, original_wait = torch_schedules._batch_p2p, torch_schedules._wait_batch_p2p
+        depth = [0]  # torch >= 2.14 splits a batch by process group and calls _batch_p2p once per group
 
-            depth = [0]  # torch >= 2.14 splits a batch by process group and calls _batch_p2p once per group
-
+        def wrap_batch(original_batch: Callable[..., Any]) -> Callable[..., Any]:
             def batch_p2p(p2p_ops: list, *args: Any, **kwargs: Any) -> Any:
                 if not p2p_ops or depth[0]:  # a nested call is part of the span its caller records
                     return original_batch(p2p_ops, *args, **kwargs)
@@ -196,52 +187,59 @@ class _Run:
                 self._work_labels[id(works)] = (works, label)
                 return works
 
+            return batch_p2p
+
+        def wrap_wait(original_wait: Callable[..., Any]) -> Callable[..., Any]:
             def wait_batch_p2p(work: list, *args: Any, **kwargs: Any) -> Any:
                 if not work:
                     return original_wait(work, *args, **kwargs)
                 _, label = self._work_labels.pop(id(work), (None, "p2p"))
                 return self._timed("wait", None, None, label, lambda: original_wait(work, *args, **kwargs))
 
-            torch_schedules._batch_p2p, torch_schedules._wait_batch_p2p = batch_p2p, wait_batch_p2p
+            return wait_batch_p2p
 
-            def restore_p2p() -> None:
-                torch_schedules._batch_p2p, torch_schedules._wait_batch_p2p = original_batch, original_wait
-
-            undo.append(restore_p2p)
-            yield
+        try:
+            with contextlib.ExitStack() as swaps:
+                for stage in stages:
+                    undo.extend(self._hook_stage(stage))
+                swaps.enter_context(_compat.swapped_compute_loss(schedule, wrap_loss))
+                swaps.enter_context(_compat.swapped_p2p(wrap_batch, wrap_wait))
+                yield
         finally:
             for fn in reversed(undo):
                 fn()
             self._op_tags.clear()
             self._work_labels.clear()
 
-    def _wrap_stage(self, stage: Any, set_instance: Callable[[Any, str, Any], None]) -> None:
+    def _hook_stage(self, stage: Any) -> list[Callable[[], None]]:
+        """Our call hooks on one stage ([Note: stage call hooks] in runtime/stage.py); returns their removers."""
         s = stage.stage_index
-        fwd, bwd, wgt = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
 
-        def forward_one_chunk(mb: int, *args: Any, **kwargs: Any) -> Any:
+        def forward_one_chunk(run: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            mb = args[0]
             self._last_forward[s] = mb
-            return self._timed("F", s, mb, "", lambda: fwd(mb, *args, **kwargs))
+            return self._timed("F", s, mb, "", run)
 
-        def backward_one_chunk(mb: int, *args: Any, **kwargs: Any) -> Any:
-            full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
-            return self._timed("B" if full else "I", s, mb, "", lambda: bwd(mb, *args, **kwargs))
+        def backward_one_chunk(run: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            full = kwargs.get("full_backward", args[2] if len(args) > 2 else True)
+            return self._timed("B" if full else "I", s, args[0], "", run)
 
-        def backward_weight_one_chunk(mb: int, *args: Any, **kwargs: Any) -> Any:
-            return self._timed("W", s, mb, "", lambda: wgt(mb, *args, **kwargs))
+        def backward_weight_one_chunk(run: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            return self._timed("W", s, args[0], "", run)
 
-        set_instance(stage, "forward_one_chunk", forward_one_chunk)
-        set_instance(stage, "backward_one_chunk", backward_one_chunk)
-        set_instance(stage, "backward_weight_one_chunk", backward_weight_one_chunk)
+        removers = [stage.add_call_hook("forward_one_chunk", forward_one_chunk),
+                    stage.add_call_hook("backward_one_chunk", backward_one_chunk),
+                    stage.add_call_hook("backward_weight_one_chunk", backward_weight_one_chunk)]
         for name, tag in (("get_fwd_send_ops", "send F"), ("get_fwd_recv_ops", "recv F"),
                           ("get_bwd_send_ops", "send B"), ("get_bwd_recv_ops", "recv B")):
-            set_instance(stage, name, self._tagging(getattr(stage, name), tag))
+            removers.append(stage.add_call_hook(name, self._tagging(tag)))
+        return removers
 
-    def _tagging(self, original: Callable[..., list], tag: str) -> Callable[..., list]:
-        def get_ops(mb: int, *args: Any, **kwargs: Any) -> list:
-            ops = original(mb, *args, **kwargs)
+    def _tagging(self, tag: str) -> Callable[..., list]:
+        def get_ops(run: Callable[[], list], args: tuple[Any, ...], kwargs: dict[str, Any]) -> list:
+            ops = run()
             for op in ops:
-                self._op_tags[id(op)] = (op, f"{tag}{mb}")
+                self._op_tags[id(op)] = (op, f"{tag}{args[0]}")
             return ops
 
         return get_ops

@@ -14,6 +14,7 @@ from torch import nn
 
 from lightning_pipe.parallel import dp_overlap
 from lightning_pipe.parallel.dp_overlap import DataParallelOverlap, _Carry, settle
+from lightning_pipe.runtime.stage import CallHooks
 
 
 @pytest.fixture
@@ -25,8 +26,9 @@ def group(tmp_path) -> Iterator[Any]:
         dist.destroy_process_group()
 
 
-class FakeStage:
-    """What the overlap touches on a torch stage: its index, module and the two backward entry points."""
+class FakeStage(CallHooks):
+    """What the overlap touches on a torch stage: its index, module, the two backward entry points and the call
+    hooks of lightning_pipe's stage."""
 
     def __init__(self, index: int, submod: nn.Module, log: list[str]) -> None:
         self.stage_index, self.submod, self.log = index, submod, log

@@ -110,13 +110,14 @@ def test_optimizer_surgery_keeps_groups_and_state() -> None:
 
 
 def test_layer_timer_detach_keeps_wrappers_installed_before_it() -> None:
-    """rebalance/measure.LayerTimer wraps the stage methods on the instance; detaching puts back what was there
-    (e.g. the data-parallel overlap's wrapper), not the class method."""
+    """rebalance/measure.LayerTimer hooks the stage methods (runtime.stage.CallHooks); detaching puts back what was
+    there (e.g. an earlier instance wrapper), not the class method."""
     from types import SimpleNamespace
 
     from lightning_pipe.rebalance.measure import LayerTimer
+    from lightning_pipe.runtime.stage import CallHooks
 
-    class Stage:
+    class Stage(CallHooks):
         stage_index = 0
 
         def forward_one_chunk(self) -> str:

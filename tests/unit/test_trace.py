@@ -12,6 +12,7 @@ import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from lightning_pipe._compat import torch as _compat
+from lightning_pipe.runtime.stage import CallHooks
 from lightning_pipe.trace import (
     Slice,
     StepRecord,
@@ -101,8 +102,9 @@ def test_private_names_the_recorder_wraps_exist() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- the recorder
-class FakeStage:
-    """The methods torch's schedules call on a stage, doing nothing but P2P ops as plain tokens."""
+class FakeStage(CallHooks):
+    """The methods torch's schedules call on a stage, doing nothing but P2P ops as plain tokens (and the call hooks
+    of lightning_pipe's stage, which the recorder uses)."""
 
     def __init__(self, index: int, is_last: bool) -> None:
         self.stage_index, self.is_last = index, is_last
@@ -249,10 +251,14 @@ def test_a_nested_batch_p2p_is_recorded_once(monkeypatch: pytest.MonkeyPatch) ->
         return [object()]
 
     monkeypatch.setattr(torch_schedules, "_batch_p2p", fake_batch_p2p)
-    stage = SimpleNamespace(stage_index=0, is_last=False, forward_one_chunk=None, backward_one_chunk=None,
-                            backward_weight_one_chunk=None, get_fwd_send_ops=lambda mb: ["send"],
-                            get_fwd_recv_ops=lambda mb: ["recv"], get_bwd_send_ops=lambda mb: [],
-                            get_bwd_recv_ops=lambda mb: [])
+    class Stage(FakeStage):
+        def get_fwd_send_ops(self, mb: int) -> list:
+            return ["send"]
+
+        def get_fwd_recv_ops(self, mb: int) -> list:
+            return ["recv"]
+
+    stage = Stage(0, is_last=False)
     run = _Run(_CpuClock())
     with run.patched([stage], SimpleNamespace(_compute_loss=None)):
         works = torch_schedules._batch_p2p(stage.get_fwd_send_ops(1) + stage.get_fwd_recv_ops(1), desc="x")

@@ -118,7 +118,8 @@ class ChimeraEngine(PipelineEngine):
                        for s, sm in sorted(by_id.items())]
         self.grads = ChimeraGradientSync(module, self.parameters, groups, device, self.pair_group, pair_stages,
                                          up_only)
-        self.microbatches_per_stage = plan.microbatches // 2  # each pipeline runs half the batch (data-parallel overlap)
+        # each pipeline runs half the batch (data-parallel overlap)
+        self.dp_handoff.microbatches_per_stage = plan.microbatches // 2
 
     def _build_runtime(self, stage_modules: list[StageModule],
                        local_stage_ids: list[int]) -> tuple[list[PipelineStage], Any]:
