@@ -29,8 +29,6 @@ TORCH_VERSION = _release(torch.__version__)
 """The installed torch's (major, minor)."""
 CHECKED_TORCH = ("2.11", "2.12", "2.13", "2.14", "2.15")
 """Releases this module was checked against (docs/versions.md says what ran on each)."""
-FULL_SUPPORT = (2, 13)
-"""From this release on every feature is available; 2.11 and 2.12 are the restricted tier (:data:`TORCH_GAPS`)."""
 
 
 def _resolve(owner: Any, name: str, where: str) -> Any:
@@ -497,6 +495,7 @@ def _forget_inferred_shapes(stage: Any) -> None:
 if not METADATA_INFERENCE:
     PRIVATE_TORCH_STATE += tuple(f"PipelineStage.{n}" for n in (
         "inputs_meta", "_outputs_meta", "args_recv_info", "act_send_info", "grad_recv_info", "grad_send_info"))
+    PRIVATE_TORCH_STATE += ("PipelineScheduleSingle._stage", "PipelineScheduleMulti._stages")  # _schedule_stages
 
 
 # --------------------------------------------------------------------------- failure propagation (watchdog.py)

@@ -12,6 +12,8 @@ every rank, naming the feature and the torch release that has it right.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed.config  # the per-edge flag's home (2.15)
@@ -52,7 +54,7 @@ def _cases() -> list[tuple[TrainingCase, bool]]:
     for case in cases:
         split = case.schedule in SPLIT_BACKWARD_SCHEDULES or case.schedule_options == {"actions": WITH_I_W}
         no = split and split_refused
-        out.append((TrainingCase(**{**case.__dict__, "expect_error": True, "steps": 1}) if no else case, no))
+        out.append((replace(case, expect_error=True, steps=1) if no else case, no))
     return out
 
 
