@@ -57,9 +57,10 @@ class FrozenCase:
     partition: list[int] | str = field(default_factory=lambda: [2, 1, 1, 2])
     lora_layers: tuple[int, ...] = (0, 1, 2)  # decoder layers with adapters
     # "trainable": AdamW over requires_grad params; "all": AdamW over every parameter; "groups": two param groups
-    # (adapters of decoder 0, the other adapters) with their own lr, empty on the ranks without such layers
+    # (adapters of decoder 0, the other adapters) with their own lr, empty on the ranks without such layers;
+    # "sgd": SGD over requires_grad params (it moves by the clipped gradient itself: clipping shows)
     optimizer: str = "trainable"
-    scheduler: bool = False  # a StepLR on the optimizer (stepped every optimizer step)
+    scheduler: bool = False  # a StepLR halving the lr every optimizer step
     clip: float | None = None
     clip_algo: str = "norm"
     precision: str = "32-true"
@@ -106,12 +107,14 @@ class LoRALlama(HFCausalLM):
             first = [p for n, p in self.named_parameters() if "lora" in n and n.startswith("layers.1.")]
             rest = [p for n, p in self.named_parameters() if "lora" in n and not n.startswith("layers.1.")]
             optimizer = torch.optim.AdamW([{"params": first, "lr": case.lr / 2}, {"params": rest}], lr=case.lr)
+        elif case.optimizer == "sgd":
+            optimizer = torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=case.lr)
         else:
             raise ValueError(case.optimizer)
         if not case.scheduler:
             return optimizer
-        return {"optimizer": optimizer,
-                "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)}
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 class _Record(Callback):
