@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 from typing import Any, TypedDict
 
 import lightning.pytorch as L
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from typing_extensions import NotRequired
@@ -69,6 +70,15 @@ class FrozenCase:
     batch: int = 8
     n_data: int = 32
     lr: float = 1e-2
+    # checkpoints: ``save`` writes ``<ckpt>/end.ckpt`` (a sharded directory) after the last step; ``resume`` fits from
+    # it (a ModelCheckpoint save after the last batch resumes exactly in Lightning; trainer.save_checkpoint after
+    # fit replays the epoch's data from its start, on one device too)
+    ckpt: str | None = None
+    save: bool = False
+    resume: bool = False
+    # rebalancing: the head sleeps this long per call, so layers move towards the first stage
+    slow_head_s: float = 0.0
+    rebalance_every: int | None = None
     expect_error: bool = False
 
 
@@ -79,6 +89,7 @@ class FrozenResult(TypedDict):
     losses: list[float]
     lrs: list[float]
     topology: NotRequired[tuple[int, int]]
+    moves: NotRequired[list[tuple[int, int, int]]]  # rebalancing: (layer, from stage, to stage)
 
 
 class LoRALlama(HFCausalLM):
@@ -96,6 +107,8 @@ class LoRALlama(HFCausalLM):
             attn = self.layers[1 + i].block.self_attn
             for name in ("q_proj", "v_proj"):
                 LoRALinear.adapt(getattr(attn, name), g)
+        if case.slow_head_s:
+            self.layers[-1].register_forward_pre_hook(_Sleep(case.slow_head_s))
 
     def configure_optimizers(self) -> Any:
         case = self.case
@@ -117,6 +130,16 @@ class LoRALlama(HFCausalLM):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class _Sleep:
+    """A forward pre-hook that pauses (picklable: a layer with it can move between ranks)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __call__(self, *args: Any) -> None:
+        time.sleep(self.seconds)
+
+
 class _Record(Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
@@ -128,6 +151,8 @@ class _Record(Callback):
 
 
 def run_frozen(case: FrozenCase, pipeline: bool = True) -> FrozenResult:
+    if not pipeline:  # the reference trains the case's steps straight through
+        case = replace(case, ckpt=None, save=False, resume=False, slow_head_s=0.0, rebalance_every=None)
     module = LoRALlama(case)
     initial = {n: p.detach().clone() for n, p in module.named_parameters() if not p.requires_grad}
     data = padded_data(case.n_data)
@@ -136,7 +161,8 @@ def run_frozen(case: FrozenCase, pipeline: bool = True) -> FrozenResult:
     if pipeline:
         strategy: Any = PipelineStrategy(schedule=case.schedule, microbatches=case.microbatches,
                                          data_parallel_size=case.dp, fsdp_size=case.fsdp, partition=case.partition,
-                                         stages_per_rank=case.stages_per_rank)
+                                         stages_per_rank=case.stages_per_rank,
+                                         rebalance_every_n_steps=case.rebalance_every, rebalance_threshold=0.15)
         devices = int(os.environ["TEST_WORLD_SIZE"])
         train = DataLoader(data, batch_size=case.batch, shuffle=False, drop_last=True)
         if case.precision == "16-mixed":
@@ -150,11 +176,12 @@ def run_frozen(case: FrozenCase, pipeline: bool = True) -> FrozenResult:
         if case.precision == "16-mixed":
             precision = {"plugins": [MixedPrecision("16-mixed", "cpu",
                                                     scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8))]}
+    saver = [ModelCheckpoint(dirpath=case.ckpt, filename="end", every_n_train_steps=case.steps)] if case.save else []
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=case.steps, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=case.save, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, gradient_clip_val=case.clip, gradient_clip_algorithm=case.clip_algo,
-                        callbacks=[record], **precision)
-    trainer.fit(module, train)
+                        callbacks=[record, *saver], **precision)
+    trainer.fit(module, train, ckpt_path=f"{case.ckpt}/end.ckpt" if case.resume else None)
     params = {n: full_tensor(p) for n, p in module.named_parameters()}
     changed = [n for n, p in params.items() if n in initial and not torch.equal(p, initial[n])]
     out = FrozenResult(params=params, frozen_changed=changed,
@@ -163,5 +190,7 @@ def run_frozen(case: FrozenCase, pipeline: bool = True) -> FrozenResult:
     if pipeline:
         topo = trainer.strategy.topology  # type: ignore[attr-defined]
         out["topology"] = (topo.dp_rank, topo.pp_rank)
+        history = strategy.rebalancer.history if strategy.rebalancer is not None else []
+        out["moves"] = [(m.layer, m.src, m.dst) for e in history for m in e.decision.moves]
     assert all(math.isfinite(x) for x in record.losses)
     return out
