@@ -29,7 +29,7 @@ from lightning_pipe.lightning import world
 from lightning_pipe.lightning.checkpointing import RankGroup, ShardedCheckpointer
 from lightning_pipe.lightning.faults import DEFAULT_TIMEOUT, PipelineFaults, resolve_timeout
 from lightning_pipe.lightning.launchers import PipelineMultiProcessingLauncher
-from lightning_pipe.lightning.optimizers import empty_parameter_lists_allowed
+from lightning_pipe.lightning.optimizers import check_optimizers_agree, empty_parameter_lists_allowed
 from lightning_pipe.lightning.pipedream import attach_microbatch_updates
 from lightning_pipe.lightning.precision import PipelinePrecision, to_pipeline_precision
 from lightning_pipe.lightning.preflight import (
@@ -261,6 +261,12 @@ class PipelineStrategy(ParallelStrategy):
         # ([Note: stages with nothing to train] in lightning/optimizers.py)
         with empty_parameter_lists_allowed():
             super().setup_optimizers(trainer)
+        engine, topology = self.engine, self._topology()
+        if engine is not None and self.lightning_module is not None and self.lightning_module.automatic_optimization:
+            layout = self.lightning_module._pipeline_layout
+            where = ", ".join(f"stage {s} (layers {list(layout.ranges[s])})" for s in engine.plan.stages_of_rank(
+                topology.pp_rank))
+            check_optimizers_agree(self.optimizers, len(self.lr_scheduler_configs), engine.parameters, where)
 
     def _build_engine(self, module: LightningModule) -> PipelineEngine:
         assert self.plan is not None, "set_world_ranks resolves the plan before setup"

@@ -65,15 +65,36 @@ def test_lora_llama_with_frozen_stages_matches_one_device(tmp_path) -> None:
         # has adapters): frozen and trainable weights move, with their optimizer state
         FrozenCase(schedule="1f1b", dp=2, partition=[2, 4], lora_layers=(1,), slow_head_s=0.03, rebalance_every=2,
                    steps=4),
+        # a last stage without any parameter: p=4, and p=2 under data parallelism and FSDP
+        FrozenCase(tail=True, partition=[3, 1, 2, 1], clip=0.05, optimizer="sgd", lr=0.2),
+        FrozenCase(schedule="1f1b", tail=True, dp=2, partition=[6, 1]),
+        FrozenCase(schedule="1f1b", tail=True, fsdp=2, partition=[6, 1]),
+        # Chimera (synchronous: parity): rank 1 holds stages 1 and 2 of both pipelines, decoders 1, 2, frozen
+        FrozenCase(schedule="chimera", lora_layers=(0,)),
     ]
-    results = launch("frozen", 4, cases, tmp_path / "run", timeout=540)
+    # asynchronous schedules (their own optimizer handling): no one-device parity, but nothing frozen moves
+    unsynced = [FrozenCase(schedule="pipedream", lr=1e-3), FrozenCase(schedule="pipedream_2bw", lr=1e-3)]
+    # refused at setup, on every rank: no optimizer (None: nor its scheduler) on the frozen stage; nothing to train
+    refused = [FrozenCase(optimizer="none_if_empty", scheduler=True, steps=1, expect_error=True),
+               FrozenCase(lora_layers=(), steps=1, expect_error=True)]
+    results = launch("frozen", 4, cases + unsynced + refused, tmp_path / "run", timeout=540)
     for rank_results in results:
         assert rank_results[0]["trainable"] == (0 if rank_results[0]["topology"][1] == 3 else 4)
     for i, case in enumerate(cases):
         check_parity(results, i, case)
+    start = {n: p for n, p in LoRALlama(FrozenCase()).named_parameters()}
+    for index in range(len(cases), len(cases) + len(unsynced)):
+        for rank_results in results:
+            got = rank_results[index]
+            assert got["ok"] and got["frozen_changed"] == [], got
+            assert all(not torch.equal(p, start[n]) for n, p in got["params"].items() if "lora" in n)
+    for rank_results in results:
+        counts, frozen = (rank_results[len(cases) + len(unsynced) + i] for i in range(2))
+        assert not counts["ok"] and "rank 3 (stage 3 (layers [4, 5])): 1 optimizer(s), 0 scheduler(s)" in counts[
+            "error"] and "rank 0 (stage 0 (layers [0, 1])): 1 optimizer(s), 1 scheduler(s)" in counts["error"], counts
+        assert not frozen["ok"] and "requires_grad=True" in frozen["error"], frozen
     # the checkpoint, consolidated to one file: the frozen weights as they started, optimizer state for the adapters
     single = consolidated(f"{ckpt}/end.ckpt")
-    start = {n: p for n, p in LoRALlama(FrozenCase()).named_parameters()}
     assert sorted(single["state_dict"]) == sorted(start)
     for name, p in start.items():
         if not p.requires_grad:
@@ -82,5 +103,5 @@ def test_lora_llama_with_frozen_stages_matches_one_device(tmp_path) -> None:
     (opt,) = single["optimizer_states"]
     assert len(opt["state"]) == len(lora) == 12 and sum(len(g["params"]) for g in opt["param_groups"]) == 12
     # rebalancing moved layers (frozen ones and the adapters of decoder 1) to the stage whose optimizer was empty
-    moves = results[0][-1]["moves"]
+    moves = results[0][next(i for i, c in enumerate(cases) if c.rebalance_every)]["moves"]
     assert moves and all(dst == 0 for _, _, dst in moves) and 2 in [layer for layer, _, _ in moves], moves

@@ -59,7 +59,8 @@ class FrozenCase:
     lora_layers: tuple[int, ...] = (0, 1, 2)  # decoder layers with adapters
     # "trainable": AdamW over requires_grad params; "all": AdamW over every parameter; "groups": two param groups
     # (adapters of decoder 0, the other adapters) with their own lr, empty on the ranks without such layers;
-    # "sgd": SGD over requires_grad params (it moves by the clipped gradient itself: clipping shows)
+    # "sgd": SGD over requires_grad params (it moves by the clipped gradient itself: clipping shows);
+    # "none_if_empty": like "trainable", but None (no optimizer, no scheduler) where the list would be empty
     optimizer: str = "trainable"
     scheduler: bool = False  # a StepLR halving the lr every optimizer step
     clip: float | None = None
@@ -76,6 +77,7 @@ class FrozenCase:
     ckpt: str | None = None
     save: bool = False
     resume: bool = False
+    tail: bool = False  # a parameter-free last layer (logits x 0.5): partition it alone and a stage holds nothing
     # rebalancing: the head sleeps this long per call, so layers move towards the first stage
     slow_head_s: float = 0.0
     rebalance_every: int | None = None
@@ -107,6 +109,8 @@ class LoRALlama(HFCausalLM):
             attn = self.layers[1 + i].block.self_attn
             for name in ("q_proj", "v_proj"):
                 LoRALinear.adapt(getattr(attn, name), g)
+        if case.tail:
+            self.layers.append(_Halve())
         if case.slow_head_s:
             self.layers[-1].register_forward_pre_hook(_Sleep(case.slow_head_s))
 
@@ -120,6 +124,11 @@ class LoRALlama(HFCausalLM):
             first = [p for n, p in self.named_parameters() if "lora" in n and n.startswith("layers.1.")]
             rest = [p for n, p in self.named_parameters() if "lora" in n and not n.startswith("layers.1.")]
             optimizer = torch.optim.AdamW([{"params": first, "lr": case.lr / 2}, {"params": rest}], lr=case.lr)
+        elif case.optimizer == "none_if_empty":
+            params = [p for p in self.parameters() if p.requires_grad]
+            if not params:
+                return None
+            optimizer = torch.optim.AdamW(params, lr=case.lr)
         elif case.optimizer == "sgd":
             optimizer = torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=case.lr)
         else:
@@ -128,6 +137,11 @@ class LoRALlama(HFCausalLM):
             return optimizer
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class _Halve(nn.Module):
+    def forward(self, logits: Tensor) -> Tensor:
+        return logits * 0.5
 
 
 class _Sleep:
