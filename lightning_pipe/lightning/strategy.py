@@ -261,11 +261,11 @@ class PipelineStrategy(ParallelStrategy):
         # ([Note: stages with nothing to train] in lightning/optimizers.py)
         with empty_parameter_lists_allowed():
             super().setup_optimizers(trainer)
-        engine, topology = self.engine, self._topology()
+        engine = self.engine
         if engine is not None and self.lightning_module is not None and self.lightning_module.automatic_optimization:
-            layout = self.lightning_module._pipeline_layout
-            where = ", ".join(f"stage {s} (layers {list(layout.ranges[s])})" for s in engine.plan.stages_of_rank(
-                topology.pp_rank))
+            stages = zip(engine.plan.stages_of_rank(self._topology().pp_rank), engine.stage_modules)
+            where = ", ".join(f"stage {s}, layers {sm.layer_indices.start}-{sm.layer_indices.stop - 1}"
+                              for s, sm in stages)
             check_optimizers_agree(self.optimizers, len(self.lr_scheduler_configs), engine.parameters, where)
 
     def _build_engine(self, module: LightningModule) -> PipelineEngine:

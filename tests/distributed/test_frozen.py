@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_pipe.checkpoint import consolidated
 from tests.distributed.launcher import launch
 from tests.distributed.parity import ATOL, merge_replica
-from lightning_pipe.checkpoint import consolidated
 from tests.distributed.scenarios.frozen import FrozenCase, LoRALlama, run_frozen
 from tests.distributed.test_precision import FP16_TOL
 
@@ -37,7 +37,7 @@ def check_parity(results: list[list[dict[str, Any]]], index: int, case: FrozenCa
         assert sorted(params) == sorted(ref["params"]), f"{case}: {set(params) ^ set(ref['params'])}"
         for name, want in ref["params"].items():
             torch.testing.assert_close(params[name], want, atol=tol, rtol=0,
-                                       msg=lambda m, name=name: f"{case} replica {dp_rank} {name}: {m}")
+                                       msg=lambda m, name=name, d=dp_rank: f"{case} replica {d} {name}: {m}")
     moved = [n for n in ref["params"] if "lora" in n]
     assert moved and ref["losses"][0] != ref["losses"][-1]
 
@@ -90,8 +90,8 @@ def test_lora_llama_with_frozen_stages_matches_one_device(tmp_path) -> None:
             assert all(not torch.equal(p, start[n]) for n, p in got["params"].items() if "lora" in n)
     for rank_results in results:
         counts, frozen = (rank_results[len(cases) + len(unsynced) + i] for i in range(2))
-        assert not counts["ok"] and "rank 3 (stage 3 (layers [4, 5])): 1 optimizer(s), 0 scheduler(s)" in counts[
-            "error"] and "rank 0 (stage 0 (layers [0, 1])): 1 optimizer(s), 1 scheduler(s)" in counts["error"], counts
+        assert not counts["ok"] and "rank 3 (stage 3, layers 4-5): 1 optimizer(s), 0 scheduler(s)" in counts[
+            "error"] and "rank 0 (stage 0, layers 0-1): 1 optimizer(s), 1 scheduler(s)" in counts["error"], counts
         assert not frozen["ok"] and "requires_grad=True" in frozen["error"], frozen
     # the checkpoint, consolidated to one file: the frozen weights as they started, optimizer state for the adapters
     single = consolidated(f"{ckpt}/end.ckpt")

@@ -10,7 +10,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple, TypedDict
 
-from tests.distributed.scenarios import checkpoint, frozen, fsdp, hardening, hf, pipedream, planner, rebalance, trace, training
+from tests.distributed.scenarios import (
+    checkpoint,
+    frozen,
+    fsdp,
+    hardening,
+    hf,
+    pipedream,
+    planner,
+    rebalance,
+    trace,
+    training,
+)
 from tests.distributed.scenarios.checkpoint import CheckpointCase
 from tests.distributed.scenarios.trace import TraceCase
 from tests.distributed.scenarios.training import TrainingCase
