@@ -38,6 +38,9 @@ def check_parity(results: list[list[dict[str, Any]]], index: int, case: FrozenCa
         for name, want in ref["params"].items():
             torch.testing.assert_close(params[name], want, atol=tol, rtol=0,
                                        msg=lambda m, name=name, d=dp_rank: f"{case} replica {d} {name}: {m}")
+    # requires_grad as built, wherever the layers went (rebalancing): q and v adapters, (a, b) each, per LoRA layer
+    held = sum(r[index]["trainable"] for r in results if r[index]["topology"][0] == 0)
+    assert held == 4 * len(case.lora_layers) * (2 if case.schedule == "chimera" else 1), (case, held)
     moved = [n for n in ref["params"] if "lora" in n]
     assert moved and ref["losses"][0] != ref["losses"][-1]
 
@@ -53,7 +56,7 @@ def test_lora_llama_with_frozen_stages_matches_one_device(tmp_path) -> None:
         FrozenCase(schedule="zbv", dp=2, stages_per_rank=2, lora_layers=(0,)),  # rank 1: decoders 1, 2, frozen
         # param groups empty on some ranks, an LR scheduler, clipping by the global norm (SGD: clipping shows)
         FrozenCase(optimizer="groups", scheduler=True, clip=0.05),
-        FrozenCase(optimizer="sgd", lr=0.2, clip=0.05),
+        FrozenCase(optimizer="sgd", lr=0.2, clip=0.05, acc=2),
         FrozenCase(schedule="1f1b", dp=2, partition=[1, 5], optimizer="sgd", lr=0.2, clip=0.002, clip_algo="value",
                    precision="16-mixed"),
         # FSDP2 over a stage of frozen layers (norm, head)

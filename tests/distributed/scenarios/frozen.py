@@ -67,6 +67,7 @@ class FrozenCase:
     clip_algo: str = "norm"
     precision: str = "32-true"
     microbatches: int = 4
+    acc: int = 1  # accumulate_grad_batches
     steps: int = 3
     batch: int = 8
     n_data: int = 32
@@ -193,8 +194,8 @@ def run_frozen(case: FrozenCase, pipeline: bool = True) -> FrozenResult:
     saver = [ModelCheckpoint(dirpath=case.ckpt, filename="end", every_n_train_steps=case.steps)] if case.save else []
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=case.steps, logger=False,
                         enable_checkpointing=case.save, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, gradient_clip_val=case.clip, gradient_clip_algorithm=case.clip_algo,
-                        callbacks=[record, *saver], **precision)
+                        num_sanity_val_steps=0, accumulate_grad_batches=case.acc, gradient_clip_val=case.clip,
+                        gradient_clip_algorithm=case.clip_algo, callbacks=[record, *saver], **precision)
     trainer.fit(module, train, ckpt_path=f"{case.ckpt}/end.ckpt" if case.resume else None)
     params = {n: full_tensor(p) for n, p in module.named_parameters()}
     changed = [n for n, p in params.items() if n in initial and not torch.equal(p, initial[n])]
