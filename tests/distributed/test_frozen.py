@@ -13,6 +13,7 @@ from lightning_pipe.checkpoint import consolidated
 from tests.distributed.launcher import launch
 from tests.distributed.parity import ATOL, merge_replica
 from tests.distributed.scenarios.frozen import FrozenCase, LoRALlama, run_frozen
+from tests.torch_tiers import refused
 
 pytest.importorskip("transformers")
 
@@ -57,7 +58,9 @@ def test_lora_llama_with_frozen_stages_matches_one_device(tmp_path) -> None:
     cases = [
         FrozenCase(),
         FrozenCase(schedule="1f1b", dp=2, partition=[1, 5], scheduler=True),
-        FrozenCase(schedule="zbv", dp=2, stages_per_rank=2, lora_layers=(0,)),  # rank 1: decoders 1, 2, frozen
+        # rank 1: decoders 1, 2, frozen (torch 2.11 / 2.12 refuse the split backward: tests/torch_tiers.py)
+        *([] if refused("split_backward") else [
+            FrozenCase(schedule="zbv", dp=2, stages_per_rank=2, lora_layers=(0,))]),
         # param groups empty on some ranks, an LR scheduler, clipping by the global norm (SGD: clipping shows)
         FrozenCase(optimizer="groups", scheduler=True, clip=0.05),
         FrozenCase(optimizer="sgd", lr=0.2, clip=0.05, acc=2),
@@ -82,9 +85,9 @@ def test_lora_llama_with_frozen_stages_matches_one_device(tmp_path) -> None:
     # asynchronous schedules (their own optimizer handling): no one-device parity, but nothing frozen moves
     unsynced = [FrozenCase(schedule="pipedream", lr=1e-3), FrozenCase(schedule="pipedream_2bw", lr=1e-3)]
     # refused at setup, on every rank: no optimizer (None: nor its scheduler) on the frozen stage; nothing to train
-    refused = [FrozenCase(optimizer="none_if_empty", scheduler=True, steps=1, expect_error=True),
-               FrozenCase(lora_layers=(), steps=1, expect_error=True)]
-    results = launch("frozen", 4, cases + unsynced + refused, tmp_path / "run", timeout=540)
+    refusals = [FrozenCase(optimizer="none_if_empty", scheduler=True, steps=1, expect_error=True),
+                FrozenCase(lora_layers=(), steps=1, expect_error=True)]
+    results = launch("frozen", 4, cases + unsynced + refusals, tmp_path / "run", timeout=540)
     for rank_results in results:
         assert rank_results[0]["trainable"] == (0 if rank_results[0]["topology"][1] == 3 else 4)
     for i, case in enumerate(cases):
