@@ -34,6 +34,7 @@ from lightning_pipe.lightning.precision import PipelinePrecision, to_pipeline_pr
 from lightning_pipe.lightning.preflight import (
     balance_partition,
     check_module,
+    check_plan_fits,
     log_layout,
     plan_automatically,
     resolve_settings,
@@ -116,7 +117,7 @@ class PipelineStrategy(ParallelStrategy):
                                     rebalance_threshold=rebalance_threshold)
         self.pipeline_config = resolved.config
         self.rebalancer: StrategyRebalancer | None = None
-        self._plan_source = resolved.plan
+        self._plan_source, self._plan_name = resolved.plan, resolved.plan_name
         self._auto, self._memory_budget = resolved.auto, resolved.memory_budget
         self.auto_plan: dict[str, Any] | None = None
         self._num_nodes = 1
@@ -195,7 +196,7 @@ class PipelineStrategy(ParallelStrategy):
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         self.topology = None
         if self._plan_source is not None:
-            apply_plan(self._plan_source, world_size=self.world_size)  # a plan is made for one world size
+            apply_plan(self._plan_source, world_size=self.world_size, name=self._plan_name)  # for one world size
         # World-shape rules are checked here, before any process waits on another; the plan is resolved once.
         self.plan = plan_schedule(self.pipeline_config, self._topology().pipeline_size)
         check_torch_runs(self.plan)  # what this torch would compute wrongly ([Note: torch versions])
@@ -233,6 +234,7 @@ class PipelineStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         check_module(module)
+        check_plan_fits(self._plan_source, self._plan_name, module, self.pipeline_config.layers_attr)
         if self._auto and self.auto_plan is None:
             self.auto_plan, self.pipeline_config = plan_automatically(
                 trainer, module, self.pipeline_config, self._memory_budget, self.world_size, self.root_device)
