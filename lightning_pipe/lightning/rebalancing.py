@@ -15,6 +15,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_pipe.rebalance import RebalanceEvent, Rebalancer
+from lightning_pipe.rebalance.move import check_movable
 
 
 class StrategyRebalancer:
@@ -46,6 +47,14 @@ class StrategyRebalancer:
 
     def detach(self) -> None:
         self.core.detach()
+
+
+def check_before_split(strategy: Any, trainer: Any) -> None:
+    """At setup, before the layer list is split: a fit that will rebalance checks every layer can move."""
+    config = strategy.pipeline_config
+    if (config.rebalance_every_n_steps is not None and trainer.state.fn == TrainerFn.FITTING
+            and getattr(strategy.lightning_module, "_pipeline_layout", None) is None):
+        check_movable(strategy.lightning_module, config.layers_attr, config.rebalance_every_n_steps)
 
 
 def start(strategy: Any, trainer: Any) -> StrategyRebalancer | None:

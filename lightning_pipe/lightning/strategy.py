@@ -40,6 +40,7 @@ from lightning_pipe.lightning.preflight import (
     resolve_settings,
 )
 from lightning_pipe.lightning.rebalancing import StrategyRebalancer
+from lightning_pipe.lightning.rebalancing import check_before_split
 from lightning_pipe.lightning.rebalancing import start as start_rebalancing
 from lightning_pipe.parallel.fsdp import ShardingOptions
 from lightning_pipe.parallel.topology import Topology
@@ -245,6 +246,7 @@ class PipelineStrategy(ParallelStrategy):
                 trainer, module, self.pipeline_config, self.plan, self._memory_budget, self.world_size,
                 self.root_device)
         self.precision_plugin.convert_module(module)
+        check_before_split(self, trainer)  # rebalancing pickles layers: refuse one that cannot be, now
         self.engine = self._build_engine(module)  # moves this rank's layers to the device
         self.precision_plugin.setup(self.engine, self.root_device)
         if trainer.state.fn == TrainerFn.FITTING:
