@@ -382,7 +382,11 @@ class PipelineStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        return self._checkpointer().load(checkpoint_path)
+        checkpointer = self._checkpointer()
+        checkpoint = checkpointer.load(checkpoint_path)
+        if self.rebalancer is not None:  # back to the split it was saved with ([Note: resuming a rebalanced run])
+            self.rebalancer.resume(checkpoint, checkpointer.saved_layout)
+        return checkpoint
 
     def _checkpointer(self) -> ShardedCheckpointer:
         assert self.lightning_module is not None
