@@ -37,7 +37,7 @@ def explain_index_error(layer: nn.Module, index: int, args: Sequence[Any]) -> To
     def watch(name: str) -> Any:
         def hook(module: nn.Embedding, inputs: tuple[Any, ...]) -> None:
             tokens = inputs[0] if inputs else None
-            if any(tokens is a for a in ids) and not found:
+            if isinstance(tokens, torch.Tensor) and any(tokens is a for a in ids) and not found:
                 low, high = int(tokens.min()), int(tokens.max())
                 if low < 0 or high >= module.num_embeddings:
                     found.append((name, module, low, high))
@@ -49,7 +49,7 @@ def explain_index_error(layer: nn.Module, index: int, args: Sequence[Any]) -> To
             layer(*args)
     except IndexError:
         pass
-    except Exception:  # noqa: BLE001  # the re-run only looks for the embedding; the first error stands
+    except Exception:  # the re-run only looks for the embedding; the first error stands
         return None
     finally:
         for h in handles:

@@ -16,9 +16,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_pipe._compat import lightning as _compat
 from lightning_pipe.config import MEASURED_PARTITIONS, PartitionSpec, PipelineConfig, config_error
 from lightning_pipe.layers.partition import counts_of
+from lightning_pipe.layers.stages import find_layers
 from lightning_pipe.parallel.topology import Topology
 from lightning_pipe.planner.auto import balance_on_ranks, plan_on_ranks
-from lightning_pipe.layers.stages import find_layers
 from lightning_pipe.planner.plan import apply_plan, explain, load_plan, plan_name
 from lightning_pipe.schedules import SchedulePlan, check_schedule_settings, check_split_backward
 

@@ -39,8 +39,7 @@ from lightning_pipe.lightning.preflight import (
     plan_automatically,
     resolve_settings,
 )
-from lightning_pipe.lightning.rebalancing import StrategyRebalancer
-from lightning_pipe.lightning.rebalancing import check_before_split
+from lightning_pipe.lightning.rebalancing import StrategyRebalancer, check_before_split
 from lightning_pipe.lightning.rebalancing import start as start_rebalancing
 from lightning_pipe.parallel.fsdp import ShardingOptions
 from lightning_pipe.parallel.topology import Topology

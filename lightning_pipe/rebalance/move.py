@@ -85,7 +85,7 @@ def check_movable(module: nn.Module, layers_attr: str, every: int) -> None:
     for index, layer in enumerate(find_layers(module, layers_attr)):
         try:
             _DryPickler(_Sink(), protocol=2).dump(layer)  # torch.save's default protocol
-        except Exception as err:  # noqa: BLE001  # pickle raises what the object raises (PicklingError, TypeError, ...)
+        except Exception as err:  # pickle raises what the object raises (PicklingError, TypeError, ...)
             raise config_error(
                 "Rebalancing moves a layer between ranks by pickling it (torch.save of the whole layer module: its "
                 "class, attributes, parameters, buffers and hooks), so every layer must pickle.",
