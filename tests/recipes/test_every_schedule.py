@@ -30,8 +30,16 @@ def test_every_schedule_trains_from_the_recipe_defaults(tmp_path) -> None:
     schedules = [s for s in SCHEDULES if not (s in SPLIT_BACKWARD and refused("split_backward"))]
     assert {"gpipe", "1f1b", "pipedream", "chimera", "auto", "custom"} <= set(schedules), schedules
     cases = [RecipeCase(overrides=(f"schedule={s}", *CHEAP, f"paths.output_dir={tmp_path / s}")) for s in schedules]
+    # last (a failed step ends the run): byte data (ids up to 255) for a 100-token vocabulary, on the first stage of
+    # each of 2 one-stage replicas; the embedding's bare IndexError names the id, the size and the setting instead
+    cases.append(RecipeCase(overrides=("model.vocab_size=100", "strategy.data_parallel_size=2", *CHEAP,
+                                       f"paths.output_dir={tmp_path / 'vocab'}"), expect_error=True))
     results = launch("recipe", 2, cases, tmp_path / "out", timeout=540)
     for rank in results:
+        vocab = rank[-1]
+        assert not vocab["ok"] and "is outside the vocabulary of layer 0's embedding Embedding.wte (nn.Embedding(100" in (
+            vocab["error"]), vocab["error"]
+        assert "vocab_size=100" in vocab["error"] and "Hydra: model.vocab_size" in vocab["error"], vocab["error"]
         for schedule, out in zip(schedules, rank):
             assert out["ok"] and out["global_step"] == 2, (schedule, out)
             assert out["gradient_clip_val"] == 1.0 and math.isfinite(out["train_loss"]), (schedule, out)
