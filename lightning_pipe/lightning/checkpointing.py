@@ -154,7 +154,9 @@ class ShardedCheckpointer:
                 "optimizers": optimizers,
                 "layout": {"pipeline_size": topo.pipeline_size, "data_parallel_size": topo.data_parallel_size,
                            "schedule": self.config.schedule,
-                           "stages": [list(r) for r in self._layout_ranges()]},
+                           "stages": [list(r) for r in self._layout_ranges()],
+                           # the split was the rebalancer's: a resumed run that rebalances goes back to it
+                           "rebalance_every_n_steps": self.config.rebalance_every_n_steps},
             }
             files.seal(tmp, checkpoint, every_shard)
             files.commit(tmp, path, token)

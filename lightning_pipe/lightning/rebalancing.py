@@ -42,11 +42,12 @@ class StrategyRebalancer:
         rank_zero_info("\n".join(event.describe()))
 
     def resume(self, checkpoint: dict[str, Any], saved_layout: dict[str, Any] | None) -> None:
-        """After loading a checkpoint: its step, and its split when it was saved by this schedule on this pipeline
-        size ([Note: resuming a rebalanced run]). Collective (every rank read the same layout)."""
+        """After loading a checkpoint: its step, and its split when a rebalancing run saved it with this schedule on
+        this pipeline size ([Note: resuming a rebalanced run]). Collective (every rank read the same layout)."""
         before = counts_of(self.core.layout.ranges)
         topology = self.strategy.topology
-        same_plan = (saved_layout is not None and saved_layout.get("schedule") == self.core.config.schedule
+        same_plan = (saved_layout is not None and saved_layout.get("rebalance_every_n_steps") is not None
+                     and saved_layout.get("schedule") == self.core.config.schedule
                      and saved_layout.get("pipeline_size") == topology.pipeline_size)
         stages = saved_layout.get("stages") if same_plan and saved_layout is not None else None
         moves = self.core.resume(int(checkpoint.get("global_step", 0)), stages, self.strategy.optimizers)

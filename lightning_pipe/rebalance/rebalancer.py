@@ -33,10 +33,11 @@ from lightning_pipe.schedules import SchedulePlan
 
 # [Note: resuming a rebalanced run]
 # A checkpoint holds parameters by name, whatever the split (it resumes into any layout), and records the split it
-# was saved with. A run that rebalances and resumes from it goes back to that split right after loading (the same
-# layers move, with their optimizer state, as at a decision) when its plan has the same stages, and counts its
-# cadence from the checkpoint's step: it then decides at the same steps, on the same split, as the run that was
-# never interrupted. Without this it would restart on the configured split and move only one period later.
+# was saved with. A run that rebalances and resumes from a checkpoint a rebalancing run saved goes back to that
+# split right after loading (the same layers move, with their optimizer state, as at a decision) when its plan has
+# the same stages (same schedule and pipeline size; a checkpoint of a run without rebalancing keeps the configured
+# split: it was the user's choice, not the rebalancer's), and counts its cadence from the checkpoint's step: it then
+# decides at the same steps, on the same split, as the run that was never interrupted. Without this it would restart on the configured split and move only one period later.
 
 MEASURED_STEPS = 5
 """Optimizer steps timed before each decision (fewer when N is smaller; never the first batch after a rebuild);
