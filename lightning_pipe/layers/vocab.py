@@ -7,7 +7,8 @@ every batch would cost a max() per step on the hot path, so nothing is checked u
 rank only, once) the layer is run again under ``no_grad`` with a pre-hook on each of its embeddings that looks for
 the ones fed one of the layer's own integer inputs (the token ids the batch brought, not positions the layer makes
 itself). If one of those got an id out of its range, the error says which; any other ``IndexError`` is left as it
-was. A layer says which setting sizes its vocabulary with a ``vocab_setting`` attribute (the GPT recipe's
+was, and so is one from a layer with sharded or split (DTensor) parameters: its forward is a collective (FSDP's
+all-gather), which this rank must not run alone. A layer says which setting sizes its vocabulary with a ``vocab_setting`` attribute (the GPT recipe's
 embedding: ``model.vocab_size``; ``HFCausalLM``'s: the config's ``vocab_size``).
 """
 
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 class TokenIdError(IndexError):
@@ -30,8 +32,8 @@ def explain_index_error(layer: nn.Module, index: int, args: Sequence[Any]) -> To
     ids = [a for a in args if isinstance(a, torch.Tensor) and not a.is_floating_point() and not a.is_complex()
            and a.dtype != torch.bool and a.numel() > 0]
     embeddings = [(name, m) for name, m in layer.named_modules() if isinstance(m, nn.Embedding)]
-    if not ids or not embeddings:
-        return None
+    if not ids or not embeddings or any(isinstance(p, DTensor) for p in layer.parameters()):
+        return None  # (a sharded or split layer's forward is collective: this rank must not run it alone)
     found: list[tuple[str, nn.Embedding, int, int]] = []
 
     def watch(name: str) -> Any:
