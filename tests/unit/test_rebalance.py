@@ -175,3 +175,23 @@ def test_a_layer_that_cannot_move_is_refused_at_setup_naming_it() -> None:
     with torch.device("meta"):
         holder.layers[1] = nn.Linear(4, 4)  # built on meta (configure_model): nothing to read, still checked
     check_movable(holder, "layers", 4)
+
+
+def test_the_strategy_checks_layers_before_the_split_only_when_a_fit_rebalances() -> None:
+    from types import SimpleNamespace
+
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    from lightning_pipe import PipelineStrategy
+    from lightning_pipe.config import PipelineConfigError
+    from lightning_pipe.lightning.rebalancing import check_before_split
+
+    module = nn.Module()
+    module.layers = nn.Sequential(nn.Linear(4, 4), Act())
+    fit, validate = (SimpleNamespace(state=SimpleNamespace(fn=fn)) for fn in (TrainerFn.FITTING, TrainerFn.VALIDATING))
+    rebalancing = SimpleNamespace(pipeline_config=PipelineStrategy(rebalance_every_n_steps=2).pipeline_config,
+                                  lightning_module=module)
+    with pytest.raises(PipelineConfigError, match=r"layer 1 \(Act\).*rebalance_every_n_steps=2"):
+        check_before_split(rebalancing, fit)
+    check_before_split(rebalancing, validate)  # nothing moves outside fit
+    check_before_split(SimpleNamespace(pipeline_config=PipelineStrategy().pipeline_config, lightning_module=module), fit)
