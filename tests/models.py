@@ -259,6 +259,26 @@ class DictInputsRegressor(ToyRegressor):
         return {"x": batch[0]}, batch[1]
 
 
+class DictTargetRegressor(ToyRegressor):
+    """split_batch returns its target as a dict (values and per-row weights): trains on one device and under the
+    pipeline alike, each micro-batch's loss getting its own rows of both."""
+
+    def split_batch(self, batch: Any) -> tuple[Any, Any]:
+        x, y = batch
+        return x, {"y": y, "weight": 1.0 + x[:, :1].abs()}
+
+    def loss_fn(self, output: torch.Tensor, target: Any) -> torch.Tensor:
+        return ((output - target["y"]) ** 2 * target["weight"]).mean()
+
+
+class OwnForwardDictInputsRegressor(DictInputsRegressor):
+    """Dict inputs with a forward that would take them: still refused on one device (the pipeline never calls
+    forward, so the rule must not depend on it)."""
+
+    def forward(self, inputs: Any) -> Any:
+        return super().forward(inputs["x"])
+
+
 class BNRegressor(ToyRegressor):
     """BatchNorm in both halves; the second half starts with one (fed stand-in inputs by torch's shape inference)."""
 

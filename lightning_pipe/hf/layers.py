@@ -202,6 +202,8 @@ class CausalLMEmbedding(HFLayer):
     passed on untouched for the decoder layers.
     """
 
+    vocab_setting = "the transformers config's `vocab_size` (HFCausalLM(config=...))"  # named by a TokenIdError
+
     def __init__(self, embed_tokens: nn.Embedding, position_embedding: nn.Embedding | None = None,
                  dropout: nn.Module | None = None) -> None:
         super().__init__()

@@ -47,7 +47,7 @@ def _spec(t: Tensor) -> TensorSpec:
 
 
 def signature(mode: str, args: tuple[Tensor, ...], mb_rows: int, target: Any = None) -> Signature:
-    targets = tuple(_spec(t) for t in layer_args(target) if isinstance(t, Tensor) and t.dim() > 0)
+    targets = tuple(_spec(t) for t in leaves(target) if isinstance(t, Tensor) and t.dim() > 0)
     return Signature(mode, mb_rows, tuple(_spec(a) for a in args), targets)
 
 
@@ -65,17 +65,66 @@ def input_args(inputs: Any, owner: str) -> tuple[Tensor, ...]:
     return args
 
 
-def check_target(target: Any, microbatches: int, owner: str) -> Tensor:
-    """A training target is one tensor whose dim 0 divides into the micro-batches: torch cuts it like the inputs."""
-    if not isinstance(target, Tensor) or target.dim() == 0 or target.shape[0] % microbatches:
-        seen = (f"a tensor of shape {tuple(target.shape)}" if isinstance(target, Tensor)
-                else "None" if target is None else f"a {type(target).__name__}")
-        raise LayerContractError(
-            f"{owner}.split_batch returned a training target that is {seen}, with microbatches={microbatches}. "
-            "Rule: in training the target is one tensor with the batch in dim 0 (it is cut into micro-batches "
-            "with the inputs and given to loss_fn on the last stage). Return `(inputs, target)` with such a tensor "
-            "from split_batch.")
-    return target
+def check_target(target: Any, microbatches: int, owner: str, rows: int | None = None) -> Tensor:
+    """A training target is one tensor whose dim 0 divides into the micro-batches: torch cuts it like the inputs.
+    A dict / tuple / list of such tensors is accepted too when ``rows`` (the inputs' batch rows) is given: every
+    tensor in it must then hold those rows in dim 0 ([Note: structured targets])."""
+    if isinstance(target, Tensor) and target.dim() > 0 and target.shape[0] % microbatches == 0:
+        return target
+    if rows is not None and isinstance(target, (dict, tuple, list)):
+        found = leaves(target)
+        if found and all(isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == rows for t in found):
+            return target  # type: ignore[return-value]  # the engine gives torch row indices instead
+    seen = (f"a tensor of shape {tuple(target.shape)}" if isinstance(target, Tensor)
+            else "None" if target is None else _describe_tree(target))
+    raise LayerContractError(
+        f"{owner}.split_batch returned a training target that is {seen}, with microbatches={microbatches}"
+        + (f" and {rows} input rows" if rows is not None else "") + ". Rule: in training the target is a tensor "
+        "with the batch in dim 0, or a dict / tuple / list of such tensors with the inputs' rows in dim 0 (it is "
+        "cut into micro-batches with the inputs and given to loss_fn on the last stage, in the same structure). "
+        "Return `(inputs, target)` with such a target from split_batch.")
+
+
+# [Note: structured targets]
+# torch's schedules cut a target with tensor_split along dim 0, so they take one tensor. A dict (or tuple) target —
+# labels and a mask, say — works as it does on one device: the engine hands torch the row indices
+# ``arange(rows)`` as the target, torch cuts them into micro-batches exactly as it cuts the inputs, and the loss of
+# each micro-batch gets the structured target's rows at those indices (``select_rows``), in the structure
+# split_batch returned. Evaluation already passes the whole target to loss_fn on the merged outputs.
+def is_structured(target: Any) -> bool:
+    return isinstance(target, (dict, tuple, list))
+
+
+def leaves(value: Any) -> list[Any]:
+    """The values of nested dicts / tuples / lists, in order (a value that is none of them: itself)."""
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in leaves(v)]
+    if isinstance(value, (tuple, list)):
+        return [leaf for v in value for leaf in leaves(v)]
+    return [value]
+
+
+def select_rows(target: Any, rows: Tensor) -> Any:
+    """The micro-batch of a structured target: every tensor's rows at ``rows`` (indices on any device), in the
+    same structure."""
+    if isinstance(target, dict):
+        return type(target)((k, select_rows(v, rows)) for k, v in target.items())
+    if isinstance(target, (tuple, list)):
+        items = [select_rows(v, rows) for v in target]
+        return type(target)(*items) if hasattr(target, "_fields") else type(target)(items)  # namedtuples too
+    return target.index_select(0, rows.to(target.device)) if isinstance(target, Tensor) else target
+
+
+def _describe_tree(value: Any) -> str:
+    if isinstance(value, dict):
+        return f"a dict with keys {list(value)[:8]} (values {[_describe_leaf(v) for v in list(value.values())[:8]]})"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {[_describe_leaf(v) for v in value[:8]]}"
+    return f"a {type(value).__name__}"
+
+
+def _describe_leaf(value: Any) -> str:
+    return f"tensor{tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
 
 
 def pad_rows(args: tuple[Tensor, ...], rows: int) -> tuple[Tensor, ...]:
@@ -151,4 +200,4 @@ def _describe(value: Any) -> str:
 
 def target_elements(target: Any) -> int:
     """``N`` of [Note: token-weighted loss]: the batch's target element count (any positive constant would do)."""
-    return max(1, sum(t.numel() for t in layer_args(target) if isinstance(t, Tensor)))
+    return max(1, sum(t.numel() for t in leaves(target) if isinstance(t, Tensor)))

@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_pipe._compat import torch as _compat
 from lightning_pipe.config import config_error
+from lightning_pipe.layers.vocab import TokenIdError, explain_index_error
 
 # [Note: the layer I/O contract]
 # A layer's output is the next layer's input: a tensor is its one argument, a tuple (or list) is unpacked into its
@@ -88,10 +89,16 @@ def run_layers(layers: nn.Module, inputs: Any, indices: Sequence[int] | None = N
     recompute = recompute_every is not None and torch.is_grad_enabled()
     for j, (index, layer) in enumerate(zip(indices, chain)):
         args = layer_args(hidden)
-        if recompute and j % recompute_every == 0:  # type: ignore[operator]
-            hidden = checkpoint(layer, *args, use_reentrant=False)
-        else:
-            hidden = layer(*args)
+        try:
+            if recompute and j % recompute_every == 0:  # type: ignore[operator]
+                hidden = checkpoint(layer, *args, use_reentrant=False)
+            else:
+                hidden = layer(*args)
+        except IndexError as err:  # an embedding given a token id out of range: [Note: token ids out of range]
+            explained = explain_index_error(layer, index, args) if not isinstance(err, TokenIdError) else None
+            if explained is None:
+                raise
+            raise explained from None
         check_layer_io(hidden, f"Layer {index} ({type(layer).__name__}) returned")
     return hidden
 

@@ -87,6 +87,8 @@ class ShardedCheckpointer:
                  config: PipelineConfig, topology: Topology) -> None:
         self.ranks, self.module, self.optimizers = ranks, module, list(optimizers)
         self.config, self.topology = config, topology
+        self.saved_layout: dict[str, Any] | None = None
+        """After :meth:`load` of a sharded checkpoint: the layout it was saved with (schedule, sizes, stages)."""
 
     def names(self) -> ModuleNames:
         layout = getattr(self.module, "_pipeline_layout", None)
@@ -152,7 +154,9 @@ class ShardedCheckpointer:
                 "optimizers": optimizers,
                 "layout": {"pipeline_size": topo.pipeline_size, "data_parallel_size": topo.data_parallel_size,
                            "schedule": self.config.schedule,
-                           "stages": [list(r) for r in self._layout_ranges()]},
+                           "stages": [list(r) for r in self._layout_ranges()],
+                           # the split was the rebalancer's: a resumed run that rebalances goes back to it
+                           "rebalance_every_n_steps": self.config.rebalance_every_n_steps},
             }
             files.seal(tmp, checkpoint, every_shard)
             files.commit(tmp, path, token)
@@ -213,6 +217,7 @@ class ShardedCheckpointer:
 
                 opt.load_state_dict(shard_optimizer_state(
                     opt, build_local_optimizer_state(opt, names, saved_opts[i], state_of)))
+        self.saved_layout = meta["pipeline"].get("layout")
         return {k: v for k, v in meta.items() if k != "pipeline"}
 
     def _check_names(self, path: Any, local_sd: dict[str, Any], available: Any, shapes: dict[str, tuple],

@@ -13,7 +13,11 @@ A pipeline can only split a model it can see as a chain. :class:`PipelineModule`
   label is not -100); the batch loss is then the global sum over the global count across micro-batches and
   data-parallel replicas, as on one device (``sum / max(count, 1)``).
 * :meth:`split_batch` — ``batch -> (inputs, target)``; ``inputs`` is a tensor or a tuple of tensors (the first
-  layer's positional arguments), each with the batch in dim 0; the default takes ``(x, y)`` pairs and bare tensors.
+  layer's positional arguments), each with the batch in dim 0 — a dict of inputs is refused, on one device too
+  (checked in :meth:`compute_loss` / :meth:`compute_output`, whatever ``forward`` does): return its values as a
+  tuple in the order the first layer's ``forward`` takes them. The target may be a tensor or a dict / tuple of
+  tensors with the batch in dim 0 (``loss_fn`` gets each micro-batch's rows in the same structure); the default
+  takes ``(x, y)`` pairs and bare tensors.
 
 ``training_step`` stays the place where the user logs. It gets its loss from :meth:`compute_loss`, which runs the
 layers and the loss on one device, and the whole pipeline schedule (forward *and* backward) under
@@ -27,7 +31,7 @@ from typing import Any, Protocol
 import lightning.pytorch as pl
 from torch import Tensor
 
-from lightning_pipe.layers.batches import loss_parts
+from lightning_pipe.layers.batches import input_args, loss_parts
 from lightning_pipe.layers.stages import run_layers
 
 
@@ -117,6 +121,7 @@ class PipelineModule(pl.LightningModule):
                 "compute_loss needs a target, but split_batch returned None for it; "
                 "return `(inputs, target)` from split_batch for training/validation batches."
             )
+        input_args(inputs, type(self).__name__)  # the pipeline's rule on one device too, even under an own forward
         return loss_parts(self.loss_fn(self(inputs), target), type(self).__name__).reduced()
 
     def compute_output(self, batch: Any) -> Any:
@@ -125,6 +130,7 @@ class PipelineModule(pl.LightningModule):
         if engine is not None:
             return engine.output(self, batch)
         inputs, _ = self.split_batch(batch)
+        input_args(inputs, type(self).__name__)
         return self(inputs)
 
     # ---------------------------------------------------------------- default steps

@@ -9,7 +9,9 @@ counts the step) -> ``Strategy.optimizer_step(closure)``. We keep that loop and 
   optimizer (one stage per rank, so the rank's optimizer holds exactly that stage's parameters). After each
   micro-batch's backward it sums tied copies, averages over data-parallel replicas, clips this stage's gradients
   with ``gradient_clip_val`` / ``gradient_clip_algorithm`` (per stage: the stages update at different times, so
-  a norm over all of them is undefined), calls ``optimizer.step()`` and ``zero_grad(set_to_none=True)``.
+  a norm over all of them is undefined; a weight tied across stages is clipped by its own norm on every holder, so
+  its copies stay equal: [Note: clipping a tied weight under PipeDream]), calls ``optimizer.step()`` and
+  ``zero_grad(set_to_none=True)``.
 * The strategy's ``optimizer_step`` runs Lightning's closure (``training_step`` with the schedule, the
   ``zero_grad`` hooks, the backward hand-off) and *not* the optimizer again. ``LightningOptimizer`` still counts
   one step per batch: ``global_step`` counts batches (each is ``m`` updates per stage); LR schedulers with
@@ -21,8 +23,7 @@ counts the step) -> ``Strategy.optimizer_step(closure)``. We keep that loop and 
 
 Refused, each naming its setting: ``accumulate_grad_batches > 1`` (an update per micro-batch leaves nothing to
 accumulate), ``16-mixed`` (its loss scaler skips or keeps whole optimizer steps, agreed once per batch), several
-optimizers or manual optimization (which optimizer would step per micro-batch?), and gradient clipping with a
-weight tied across stages (per-stage clipping would scale the tied copies differently and they would drift apart).
+optimizers or manual optimization (which optimizer would step per micro-batch?).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from typing import Any
 from lightning.pytorch import Trainer
 
 from lightning_pipe.config import config_error
-from lightning_pipe.layers.partition import stage_of
 from lightning_pipe.schedules.pipedream.stages import MicrobatchUpdate
 
 
@@ -59,18 +59,9 @@ def attach_microbatch_updates(strategy: Any, trainer: Trainer) -> None:
             "use 'bf16-mixed' or '32-true'", also=("schedule",))
     clip_val = trainer.gradient_clip_val
     clip = None
-    if clip_val:
+    if clip_val:  # per stage; [Note: clipping a tied weight under PipeDream]
         algorithm = trainer.gradient_clip_algorithm
         clip = (float(clip_val), "norm" if algorithm is None else str(algorithm.value))
-        layout, plan = module._pipeline_layout, strategy.plan
-        spanning = [tie.names for tie in layout.tied
-                    if len({plan.stage_to_rank(stage_of(layout.ranges, i)) for i in tie.layer_indices}) > 1]
-        if spanning:
-            raise config_error(
-                f"{rule} and clips each stage's gradients by that stage's own norm; a weight tied across stages "
-                "would be clipped differently on each and its copies would drift apart.",
-                f"gradient_clip_val={clip_val} with tied weights {spanning}", "gradient_clip_val",
-                "Trainer(gradient_clip_val=None), Hydra trainer.gradient_clip_val=null", also=("schedule",))
     ties = [(param, tie_group.group) for param, tie_group in engine.grads.ties]
     engine.set_microbatch_update(MicrobatchUpdate(strategy.optimizers[0], engine.parameters, engine.groups.dp, ties,
                                                   clip, engine.grads if engine.groups.tensor is not None else None))

@@ -16,9 +16,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_pipe._compat import lightning as _compat
 from lightning_pipe.config import MEASURED_PARTITIONS, PartitionSpec, PipelineConfig, config_error
 from lightning_pipe.layers.partition import counts_of
+from lightning_pipe.layers.stages import find_layers
 from lightning_pipe.parallel.topology import Topology
 from lightning_pipe.planner.auto import balance_on_ranks, plan_on_ranks
-from lightning_pipe.planner.plan import apply_plan, explain, load_plan
+from lightning_pipe.planner.plan import apply_plan, explain, load_plan, plan_name
 from lightning_pipe.schedules import SchedulePlan, check_schedule_settings, check_split_backward
 
 
@@ -31,7 +32,9 @@ class ResolvedSettings:
     """``schedule="auto"``: the planner replaces ``config``'s layout at setup (a 1F1B placeholder until then)."""
     memory_budget: int | str | None
     plan: dict[str, Any] | None
-    """The saved plan, read once (its world size is checked when the world is known)."""
+    """The saved plan, read once (its world size is checked when the world is known, its layer count at setup)."""
+    plan_name: str | None = None
+    """How errors name that plan (its file)."""
 
 
 def resolve_settings(schedule: str, microbatches: int | None, data_parallel_size: int, partition: PartitionSpec,
@@ -41,10 +44,11 @@ def resolve_settings(schedule: str, microbatches: int | None, data_parallel_size
     """Fold a saved plan and ``schedule="auto"`` into one :class:`PipelineConfig`; checked before any rank starts.
     ``settings``: the other :class:`PipelineConfig` fields (FSDP, rebalancing), which no plan replaces."""
     plan_data = None if plan is None else load_plan(plan)
+    name = None if plan is None else plan_name(plan)
     if plan_data is not None:
         # A saved plan (python -m lightning_pipe.planner search) replaces the layout settings; its world size is
         # checked in set_world_ranks, once the world is known.
-        planned = apply_plan(plan_data)
+        planned = apply_plan(plan_data, name=name)
         schedule, microbatches, stages_per_rank = (planned["schedule"], planned["microbatches"],
                                                    planned["stages_per_rank"])
         data_parallel_size, partition = planned["data_parallel_size"], planned["partition"]
@@ -75,7 +79,15 @@ def resolve_settings(schedule: str, microbatches: int | None, data_parallel_size
     # does a schedule whose split backward this torch computes wrongly (custom lists: at set_world_ranks).
     if check_schedule_settings(config).split_backward:
         check_split_backward(f"schedule={config.schedule!r}")
-    return ResolvedSettings(config, auto, budget, plan_data)
+    return ResolvedSettings(config, auto, budget, plan_data, name)
+
+
+def check_plan_fits(plan: dict[str, Any] | None, name: str | None, module: LightningModule, layers_attr: str) -> None:
+    """A saved plan against the model it is used on, at setup (the first moment the layer list is known), so the
+    error names the plan rather than the ``partition`` it replaced. Every rank holds the same module: all refuse."""
+    if plan is None or getattr(module, "_pipeline_layout", None) is not None:
+        return  # no plan, or a module this process already split (its split was checked then)
+    apply_plan(plan, num_layers=len(find_layers(module, layers_attr)), name=name)
 
 
 def plan_automatically(trainer: Trainer, module: LightningModule, config: PipelineConfig,

@@ -35,11 +35,12 @@ from lightning_pipe.lightning.precision import PipelinePrecision, to_pipeline_pr
 from lightning_pipe.lightning.preflight import (
     balance_partition,
     check_module,
+    check_plan_fits,
     log_layout,
     plan_automatically,
     resolve_settings,
 )
-from lightning_pipe.lightning.rebalancing import StrategyRebalancer
+from lightning_pipe.lightning.rebalancing import StrategyRebalancer, check_before_split
 from lightning_pipe.lightning.rebalancing import start as start_rebalancing
 from lightning_pipe.parallel.fsdp import ShardingOptions
 from lightning_pipe.parallel.topology import Topology
@@ -117,7 +118,7 @@ class PipelineStrategy(ParallelStrategy):
                                     rebalance_threshold=rebalance_threshold)
         self.pipeline_config = resolved.config
         self.rebalancer: StrategyRebalancer | None = None
-        self._plan_source = resolved.plan
+        self._plan_source, self._plan_name = resolved.plan, resolved.plan_name
         self._auto, self._memory_budget = resolved.auto, resolved.memory_budget
         self.auto_plan: dict[str, Any] | None = None
         self._num_nodes = 1
@@ -196,7 +197,7 @@ class PipelineStrategy(ParallelStrategy):
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         self.topology = None
         if self._plan_source is not None:
-            apply_plan(self._plan_source, world_size=self.world_size)  # a plan is made for one world size
+            apply_plan(self._plan_source, world_size=self.world_size, name=self._plan_name)  # for one world size
         # World-shape rules are checked here, before any process waits on another; the plan is resolved once.
         self.plan = plan_schedule(self.pipeline_config, self._topology().pipeline_size)
         check_torch_runs(self.plan)  # what this torch would compute wrongly ([Note: torch versions])
@@ -234,6 +235,7 @@ class PipelineStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         check_module(module)
+        check_plan_fits(self._plan_source, self._plan_name, module, self.pipeline_config.layers_attr)
         if self._auto and self.auto_plan is None:
             self.auto_plan, self.pipeline_config = plan_automatically(
                 trainer, module, self.pipeline_config, self._memory_budget, self.world_size, self.root_device)
@@ -244,6 +246,7 @@ class PipelineStrategy(ParallelStrategy):
                 trainer, module, self.pipeline_config, self.plan, self._memory_budget, self.world_size,
                 self.root_device)
         self.precision_plugin.convert_module(module)
+        check_before_split(self, trainer)  # rebalancing pickles layers: refuse one that cannot be, now
         self.engine = self._build_engine(module)  # moves this rank's layers to the device
         self.precision_plugin.setup(self.engine, self.root_device)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -392,7 +395,11 @@ class PipelineStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        return self._checkpointer().load(checkpoint_path)
+        checkpointer = self._checkpointer()
+        checkpoint = checkpointer.load(checkpoint_path)
+        if self.rebalancer is not None:  # back to the split it was saved with ([Note: resuming a rebalanced run])
+            self.rebalancer.resume(checkpoint, checkpointer.saved_layout)
+        return checkpoint
 
     def _checkpointer(self) -> ShardedCheckpointer:
         assert self.lightning_module is not None

@@ -93,21 +93,31 @@ def load_plan(plan: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str, Any
     return data
 
 
+def plan_name(plan: str | os.PathLike[str] | Mapping[str, Any]) -> str:
+    """How errors name a plan: its file, or its one-line layout for a plan given as a dict."""
+    if isinstance(plan, Mapping):
+        return f"the plan {plan.get('layout', '(a dict)')!r}"
+    return f"the plan file {str(plan)!r}"
+
+
 def apply_plan(plan: str | os.PathLike[str] | Mapping[str, Any], world_size: int | None = None,
-               num_layers: int | None = None) -> dict[str, Any]:
+               num_layers: int | None = None, name: str | None = None) -> dict[str, Any]:
     """The ``PipelineStrategy`` settings that replay a saved plan: schedule, micro-batches, stages per rank,
-    replicas and the explicit per-stage layer counts. Checks the plan against the world and the model when given."""
+    replicas and the explicit per-stage layer counts. Checks the plan against the world and the model when given
+    (``name``: how the errors name the plan; default :func:`plan_name`)."""
+    name = name or plan_name(plan)
     data = load_plan(plan)
     pp, dp = int(data["pipeline_size"]), int(data["data_parallel_size"])
     if world_size is not None and pp * dp != world_size:
         raise config_error("A plan is made for one world size (pipeline size x data-parallel size).",
-                           f"a plan for {pp} x {dp} = {pp * dp} ranks on a world of {world_size}", "devices",
+                           f"{name}, for {pp} x {dp} = {pp * dp} ranks, on a world of {world_size}", "devices",
                            "run on that many devices, or search a new plan for this world")
     counts = [int(c) for c in data["partition"]]
     if num_layers is not None and sum(counts) != num_layers:
-        raise config_error("A plan's partition must cover the model's layers exactly.",
-                           f"partition {counts} (sum {sum(counts)}) for {num_layers} layers", "plan",
-                           "search a new plan for this model")
+        raise config_error("A plan is made for one model: its partition must cover the model's layers exactly.",
+                           f"{name} with partition {counts} (sum {sum(counts)}) for a model of {num_layers} layers",
+                           "plan", "search a new plan for this model (python -m lightning_pipe.planner search), "
+                           "or pass the plan made for it")
     kwargs = {"schedule": data["schedule"], "microbatches": int(data["microbatches"]),
               "stages_per_rank": int(data["stages_per_rank"]), "data_parallel_size": dp, "partition": counts}
     try:

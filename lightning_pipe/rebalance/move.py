@@ -20,6 +20,7 @@ Gradients do not travel: Lightning zeroes them before the next batch's backward 
 from __future__ import annotations
 
 import io
+import pickle
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pipe.config import PipelineConfig
+from lightning_pipe.config import PipelineConfig, config_error
 from lightning_pipe.layers.partition import ranges_of
 from lightning_pipe.layers.stages import RemoteLayer, TiedParameter, find_layers
 from lightning_pipe.parallel.topology import Topology
@@ -60,6 +61,38 @@ def _pack(layer: nn.Module, optimizers: Sequence[torch.optim.Optimizer], slots: 
     buffer = io.BytesIO()
     torch.save({"layer": layer, "entries": entries}, buffer)
     return buffer.getvalue()
+
+
+class _DryPickler(pickle.Pickler):
+    """Pickles what ``torch.save`` of a layer pickles (its class, attributes, hooks and tensor metadata), but not
+    the tensors' bytes: storages are persistent ids, as in ``torch.save``, so the check costs no copy."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, (torch.storage.TypedStorage, torch.UntypedStorage)):
+            return ("storage", id(obj))
+        return None
+
+
+class _Sink:
+    def write(self, data: Any) -> int:
+        return len(data)
+
+
+def check_movable(module: nn.Module, layers_attr: str, every: int) -> None:
+    """Refuse, at setup, a layer that a move would fail to send ([Note: moving a layer]: ``torch.save`` of the layer
+    module), instead of failing at the first move, possibly hours in. Run on every rank over the whole layer list
+    before it is split, so all ranks refuse together."""
+    for index, layer in enumerate(find_layers(module, layers_attr)):
+        try:
+            _DryPickler(_Sink(), protocol=2).dump(layer)  # torch.save's default protocol
+        except Exception as err:  # pickle raises what the object raises (PicklingError, TypeError, ...)
+            raise config_error(
+                "Rebalancing moves a layer between ranks by pickling it (torch.save of the whole layer module: its "
+                "class, attributes, parameters, buffers and hooks), so every layer must pickle.",
+                f"layer {index} ({type(layer).__name__}): {type(err).__name__}: {err}, with "
+                f"rebalance_every_n_steps={every}", "rebalance_every_n_steps", "set it to None",
+                fix="Make the layer picklable (module-level classes and functions instead of lambdas or local ones, "
+                    "in its attributes and its hooks)") from None
 
 
 def _transport_device(device: torch.device) -> torch.device:

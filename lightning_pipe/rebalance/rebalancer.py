@@ -24,12 +24,20 @@ from torch import nn
 
 from lightning_pipe.config import PipelineConfig, config_error
 from lightning_pipe.layers.partition import counts_of
-from lightning_pipe.rebalance.decide import Decision, LayerTime, Move, decide, describe
+from lightning_pipe.rebalance.decide import Decision, LayerTime, Move, decide, describe, moves_between
 from lightning_pipe.rebalance.measure import LayerTimer
 from lightning_pipe.rebalance.move import move_layers, rebuild_engine
 from lightning_pipe.runtime.build import PipelineLayout
 from lightning_pipe.runtime.engine import PipelineEngine
 from lightning_pipe.schedules import SchedulePlan
+
+# [Note: resuming a rebalanced run]
+# A checkpoint holds parameters by name, whatever the split (it resumes into any layout), and records the split it
+# was saved with. A run that rebalances and resumes from a checkpoint a rebalancing run saved goes back to that
+# split right after loading (the same layers move, with their optimizer state, as at a decision) when its plan has
+# the same stages (same schedule and pipeline size; a checkpoint of a run without rebalancing keeps the configured
+# split: it was the user's choice, not the rebalancer's), and counts its cadence from the checkpoint's step: it then
+# decides at the same steps, on the same split, as the run that was never interrupted. Without this it would restart on the configured split and move only one period later.
 
 MEASURED_STEPS = 5
 """Optimizer steps timed before each decision (fewer when N is smaller; never the first batch after a rebuild);
@@ -106,6 +114,24 @@ class Rebalancer:
                     self._apply(decision.moves, decision.proposed, optimizers)
         self._arm()
         return event, self.engine
+
+    def resume(self, step: int, saved: Sequence[Sequence[int]] | None,
+               optimizers: Sequence[torch.optim.Optimizer]) -> tuple[Move, ...] | None:
+        """After a checkpoint saved at optimizer step ``step`` was loaded: keep the cadence from there, and go back
+        to the split the run had when it was saved (``saved``: its layer ranges per stage) when this run's plan can
+        hold it. [Note: resuming a rebalanced run]. Returns the moves made (``None``: the split stays). Collective."""
+        self.steps = step
+        moves = None
+        current = counts_of(self.layout.ranges)
+        counts = [len(r) for r in saved] if saved is not None else None
+        if (counts is not None and len(counts) == len(current) and sum(counts) == sum(current) and min(counts) > 0
+                and list(counts) != list(current)):
+            plan = self.layout.plan
+            moves = moves_between(current, counts, [plan.stage_to_rank(s) for s in range(plan.num_stages)])
+            self._apply(moves, counts, optimizers)
+        self.timer.reset()
+        self._arm()
+        return moves
 
     def _decide(self) -> Decision | None:
         topo = self.engine.groups.topology

@@ -65,8 +65,10 @@ from lightning_pipe.layers.batches import (
     Signature,
     check_target,
     input_args,
+    is_structured,
     loss_parts,
     pad_rows,
+    select_rows,
     signature,
     target_elements,
     trim_rows,
@@ -124,6 +126,7 @@ class PipelineEngine:
         # fp16 loss scaling, set by PipelinePrecision ([Note: fp16 loss scaling in a pipeline] in lightning/precision.py)
         self.loss_scaler: Callable[[Tensor], Tensor] | None = None
         self._records: list[LossParts] = []  # this step's micro-batch losses (last stage)
+        self._structured_target: Any = None  # a dict / tuple target of this step: [Note: structured targets]
         self._owner = type(module).__name__
         # Context managers entered around every training schedule step (see lightning_pipe.trace.memory / trace).
         self.step_contexts: list[Callable[[], contextlib.AbstractContextManager]] = []
@@ -175,6 +178,8 @@ class PipelineEngine:
         if self.phase != "train":
             # Forward-only passes still call the schedule's loss; we compute eval losses on merged outputs.
             return torch.zeros((), device=self.device)
+        if self._structured_target is not None:  # target: this micro-batch's row indices ([Note: structured targets])
+            target = select_rows(self._structured_target, target)
         parts = loss_parts(self.module.loss_fn(output, target), self._owner)
         if not self._inferring:  # torch's shape inference calls the loss too: not one of the step's micro-batches
             self._records.append(parts.detached())
@@ -251,10 +256,13 @@ class PipelineEngine:
         inputs, target = module.split_batch(batch)
         args = input_args(inputs, self._owner)
         mb_rows = self._check_rows(args[0].shape[0], "training")
-        target = check_target(target, self.plan.microbatches, self._owner)
+        target = check_target(target, self.plan.microbatches, self._owner, rows=args[0].shape[0])
         self._use_signature(signature("train", args, mb_rows, target))
         self._loss_scale = 1.0 / (self.plan.microbatches * self.accumulate_grad_batches)
         elements = float(target_elements(target))
+        self._structured_target = target if is_structured(target) else None
+        if self._structured_target is not None:  # torch cuts the row indices: [Note: structured targets]
+            target = torch.arange(args[0].shape[0], device=self.device)
         # [Note: gradients across Lightning's zero_grad]: keep what earlier batches accumulated out of the way.
         saved = [p.grad for p in self.parameters]
         for p in self.parameters:

@@ -28,6 +28,8 @@ from lightning_pipe.parallel.tensor_parallel import FusedColwiseParallel
 class Embedding(nn.Module):
     """Token + learned position embeddings: LongTensor[B, T] -> [B, T, C]."""
 
+    vocab_setting = "`vocab_size` (GPT(vocab_size=...); Hydra: model.vocab_size)"  # named by a TokenIdError
+
     def __init__(self, vocab_size: int, block_size: int, n_embd: int, dropout: float) -> None:
         super().__init__()
         self.block_size = block_size

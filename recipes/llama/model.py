@@ -112,6 +112,8 @@ class Block(nn.Module):
 class Embedding(nn.Module):
     """LongTensor[B, T] -> [B, T, C] (no position embedding: positions enter through RoPE)."""
 
+    vocab_setting = "`vocab_size` (Llama(vocab_size=...); Hydra: model.vocab_size)"  # named by a TokenIdError
+
     def __init__(self, vocab_size: int, block_size: int, n_embd: int) -> None:
         super().__init__()
         self.block_size = block_size

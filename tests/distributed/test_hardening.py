@@ -43,8 +43,11 @@ PP2_CASES = [
     *(HardeningCase(model="skip", schedule=s, validate=s == "interleaved_1f1b", predict=s == "zbv")
       for s in ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zbv", "dualpipev")),
     HardeningCase(model="skip", schedule="custom", microbatches=4, actions=ONE_F_ONE_B),
-    # split_batch returning a dict: refused on every rank before any waits
+    # split_batch returning a dict: refused on every rank before any waits (on one device too: test_engine_contract)
     HardeningCase(model="dict_inputs", steps=1, expect_error=True),
+    # a dict target: each micro-batch's loss gets its rows of every value, as one device does ([Note: structured
+    # targets]); validation passes the whole dict
+    HardeningCase(model="dict_target", schedule="1f1b", steps=2, optimizer="adamw", validate=True),
 ]
 if refused("split_backward"):  # restricted torch tier: those schedules are refused (tests/unit/test_compat.py)
     PP2_CASES = [case for case in PP2_CASES if case.schedule not in SPLIT_BACKWARD_SCHEDULES]

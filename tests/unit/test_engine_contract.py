@@ -66,11 +66,34 @@ def test_none_in_a_tuple_and_dict_inputs_are_refused() -> None:
     with pytest.raises(LayerContractError, match=r"inputs of shapes \[\(2, 3\), \(3, 3\)\]. Rule: every input holds "
                                                  r"the batch in dim 0"):
         input_args((torch.ones(2, 3), torch.ones(3, 3)), "M")
-    with pytest.raises(LayerContractError, match=r"training target that is a tuple, with microbatches=2\. Rule"):
+    with pytest.raises(LayerContractError, match=r"training target that is a tuple of \['tensor\(2,\)'\], with "
+                                                 r"microbatches=2\. Rule"):
         check_target((torch.ones(2),), 2, "M")
     with pytest.raises(LayerContractError, match=r"target that is a tensor of shape \(3,\), with microbatches=2"):
         check_target(torch.ones(3), 2, "M")
     assert input_args([torch.ones(2, 3), torch.ones(2)], "M")[1].shape == (2,)
+
+
+def test_split_batch_dicts_agree_on_one_device_and_the_pipeline() -> None:
+    """Dict inputs: refused on one device as under the pipeline, even with a forward that would take them. A dict
+    target: accepted by both; the pipeline gives each micro-batch's loss its rows ([Note: structured targets])."""
+    from lightning_pipe.layers.batches import select_rows
+    from tests.models import DictTargetRegressor, OwnForwardDictInputsRegressor
+
+    batch = (torch.randn(4, 4), torch.randn(4, 4))
+    with pytest.raises(LayerContractError, match=r"OwnForwardDictInputsRegressor\.split_batch returned inputs that "
+                                                 r"are a dict with keys \['x'\]"):
+        OwnForwardDictInputsRegressor().compute_loss(batch)
+    model = DictTargetRegressor()
+    x, target = model.split_batch(batch)
+    whole = model.compute_loss(batch)
+    assert check_target(target, 2, "M", rows=4) is target
+    rows = torch.arange(4).tensor_split(2)  # what torch gives each micro-batch's loss instead of the target
+    halves = [model.loss_fn(model(x[r]), select_rows(target, r)) for r in rows]
+    torch.testing.assert_close((halves[0] + halves[1]) / 2, whole)
+    with pytest.raises(LayerContractError, match=r"a dict with keys \['y'\] \(values \['tensor\(3, 4\)'\]\), with "
+                                                 r"microbatches=2 and 4 input rows"):
+        check_target({"y": torch.ones(3, 4)}, 2, "M", rows=4)
 
 
 def test_loss_fn_results_are_read_or_refused_naming_the_rule() -> None:

@@ -274,3 +274,22 @@ def test_drift_per_kind_and_calibration(tmp_path) -> None:
     assert cli(["validate", str(plan_path), "--records", str(rec_path), "--profile", str(prof_path),
                 "--calibrated-out", str(out)]) == 0
     assert ModelProfile.from_json(json.loads(out.read_text())).meta["calibrated"]["F"] == pytest.approx(1.5, rel=1e-3)
+
+
+def test_a_plan_for_another_model_is_refused_naming_the_plan(tmp_path) -> None:
+    """A plan searched for a 6-layer model, used on the 4-layer Chain (and one covering 5 of 7 layers): the error
+    names the plan file and the `plan` setting, not the `partition` the plan replaced (the user never set it)."""
+    from lightning_pipe import PipelineStrategy
+    from lightning_pipe.lightning.preflight import check_plan_fits
+
+    path = tmp_path / "plan_gpt6.json"
+    path.write_text(json.dumps(to_plan(search(synthetic(6), 2, 8, schedules=["1f1b"]), 8)))
+    strategy = PipelineStrategy(plan=str(path))
+    with pytest.raises(PipelineConfigError) as err:
+        check_plan_fits(strategy._plan_source, strategy._plan_name, Chain(), "layers")
+    message = str(err.value)
+    assert "plan_gpt6.json" in message and "a model of 4 layers" in message and "sum 6" in message, message
+    assert "Change `plan`" in message and "partition`" not in message, message
+    short = dict(json.loads(path.read_text()), partition=[3, 2])  # 5 of 7 layers
+    with pytest.raises(PipelineConfigError, match=r"partition \[3, 2\] \(sum 5\) for a model of 7 layers"):
+        apply_plan(short, num_layers=7)

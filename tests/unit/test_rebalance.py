@@ -133,3 +133,65 @@ def test_layer_timer_detach_keeps_wrappers_installed_before_it() -> None:
     timer.detach()
     assert stage.forward_one_chunk() == "earlier wrapper"
     assert "backward_one_chunk" not in vars(stage) and engine.step_contexts == []
+
+
+class Act(nn.Module):
+    """A module-level layer class holding a local function (an activation made by a factory)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+        def relu(x):
+            return torch.relu(x)
+
+        self.fn = relu
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+def test_a_layer_that_cannot_move_is_refused_at_setup_naming_it() -> None:
+    """Rebalancing sends layers with torch.save: a layer holding a local function (or a hook that is one) would
+    fail at the first move, possibly hours in. The setup check pickles what torch.save pickles, without the bytes."""
+    import io
+
+    from lightning_pipe.config import PipelineConfigError
+    from lightning_pipe.rebalance.move import check_movable
+
+    holder = nn.Module()
+    holder.layers = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), Act())
+    with pytest.raises(Exception, match="local object"):
+        torch.save(holder.layers[2], io.BytesIO())  # what the first move would meet
+    with pytest.raises(PipelineConfigError) as err:
+        check_movable(holder, "layers", 4)
+    message = str(err.value)
+    assert "layer 2 (Act)" in message and "local object" in message and "rebalance_every_n_steps=4" in message
+    assert "change `rebalance_every_n_steps`" in message and "strategy.rebalance_every_n_steps" in message, message
+    holder.layers[2] = nn.ReLU()
+    holder.layers[0].register_forward_hook(lambda m, i, o: None)  # a hook is pickled with its layer too
+    with pytest.raises(PipelineConfigError, match="layer 0 \\(Linear\\)"):
+        check_movable(holder, "layers", 4)
+    holder.layers[0] = nn.Linear(4, 4)
+    with torch.device("meta"):
+        holder.layers[1] = nn.Linear(4, 4)  # built on meta (configure_model): nothing to read, still checked
+    check_movable(holder, "layers", 4)
+
+
+def test_the_strategy_checks_layers_before_the_split_only_when_a_fit_rebalances() -> None:
+    from types import SimpleNamespace
+
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    from lightning_pipe import PipelineStrategy
+    from lightning_pipe.config import PipelineConfigError
+    from lightning_pipe.lightning.rebalancing import check_before_split
+
+    module = nn.Module()
+    module.layers = nn.Sequential(nn.Linear(4, 4), Act())
+    fit, validate = (SimpleNamespace(state=SimpleNamespace(fn=fn)) for fn in (TrainerFn.FITTING, TrainerFn.VALIDATING))
+    rebalancing = SimpleNamespace(pipeline_config=PipelineStrategy(rebalance_every_n_steps=2).pipeline_config,
+                                  lightning_module=module)
+    with pytest.raises(PipelineConfigError, match=r"layer 1 \(Act\).*rebalance_every_n_steps=2"):
+        check_before_split(rebalancing, fit)
+    check_before_split(rebalancing, validate)  # nothing moves outside fit
+    check_before_split(SimpleNamespace(pipeline_config=PipelineStrategy().pipeline_config, lightning_module=module), fit)

@@ -245,6 +245,10 @@ class MicrobatchUpdate:
     it waits for them, averages over data-parallel replicas (``dp_group``), clips this stage's own gradients with
     ``clip = (value, "norm" | "value")`` (a global norm over stages is undefined here: the stages update at
     different times, on different micro-batches), steps the optimizer and zeroes the gradients (``None``).
+    [Note: clipping a tied weight under PipeDream]: each weight tied across stages (``ties``) is clipped by the
+    norm of its own gradient, apart from the stage's other parameters: after the tied-copy sum every copy holds the
+    same gradient, so every holder scales it alike and the copies stay equal. Clipping by value is elementwise:
+    the same on every copy already.
     With tensor-parallel stages ``tensor_grads`` (the engine's ``GradientSync``) clips instead of torch, whose
     clipping cannot mix DTensor and plain gradients: the stage norm sums the split gradients' parts over the tensor
     group and counts each replicated one once ([Note: tensor parallel stages]).
@@ -277,11 +281,16 @@ class MicrobatchUpdate:
             value, algorithm = self.clip
             if self.tensor_grads is not None and algorithm == "value":
                 self.tensor_grads.clip_grad_value_(self.params, value)
-            elif self.tensor_grads is not None:  # this stage's norm only: the others update at other times
-                self.tensor_grads.clip_grad_norm_(self.params, value, over_pipeline=False)
             elif algorithm == "value":
                 torch.nn.utils.clip_grad_value_(self.params, value)
-            else:
-                torch.nn.utils.clip_grad_norm_(self.params, value)
+            else:  # this stage's norm only (the others update at other times); each tied weight by its own norm
+                tied = [param for param, _ in self.ties]
+                untied = [p for p in self.params if all(p is not t for t in tied)]
+                if self.tensor_grads is not None:
+                    self.tensor_grads.clip_grad_norm_(untied, value, over_pipeline=False)
+                else:
+                    torch.nn.utils.clip_grad_norm_(untied, value)
+                for param in tied:  # one tensor (a DTensor under tensor parallelism: torch takes its whole norm)
+                    torch.nn.utils.clip_grad_norm_([param], value)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

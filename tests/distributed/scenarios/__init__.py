@@ -19,6 +19,7 @@ from tests.distributed.scenarios import (
     pipedream,
     planner,
     rebalance,
+    recipe,
     trace,
     training,
 )
@@ -27,7 +28,7 @@ from tests.distributed.scenarios.trace import TraceCase
 from tests.distributed.scenarios.training import TrainingCase
 
 Case = (TrainingCase | CheckpointCase | TraceCase | hardening.HardeningCase | planner.SlowRankCase | hf.HFCase
-        | rebalance.RebalanceCase | fsdp.FsdpCountCase | frozen.FrozenCase)
+        | rebalance.RebalanceCase | fsdp.FsdpCountCase | frozen.FrozenCase | recipe.RecipeCase)
 
 
 class Scenario(NamedTuple):
@@ -55,6 +56,7 @@ SCENARIOS: dict[str, Scenario] = {
     "rebalance": Scenario(rebalance.RebalanceCase, rebalance.run_rebalance),  # issue 15.8: test_rebalance.py
     "fsdp_counts": Scenario(fsdp.FsdpCountCase, fsdp.run_counts),  # issue 12: test_fsdp.py
     "frozen": Scenario(frozen.FrozenCase, frozen.run_frozen),  # issue 23: test_frozen.py
+    "recipe": Scenario(recipe.RecipeCase, recipe.run_recipe),  # issue 23: tests/recipes/test_every_schedule.py
 }
 
 __all__ = ["Case", "CheckpointCase", "Failure", "SCENARIOS", "Scenario", "TraceCase", "TrainingCase"]

@@ -26,6 +26,7 @@ from tests.models import (
     BNRegressor,
     DictInputsRegressor,
     DictOutRegressor,
+    DictTargetRegressor,
     SameOrderAsDistributedSampler,
     SkipRegressor,
     TinyLM,
@@ -64,6 +65,7 @@ MODELS: dict[str, Callable[[HardeningCase], L.LightningModule]] = {
     "bn": lambda c: BNRegressor(optimizer=c.optimizer),
     "dict_out": lambda c: DictOutRegressor(),
     "dict_inputs": lambda c: DictInputsRegressor(),
+    "dict_target": lambda c: DictTargetRegressor(optimizer=c.optimizer),
     "lm": lambda c: TinyLM(loss=c.loss, optimizer=c.optimizer, lr=0.1 if c.optimizer == "sgd" else 0.02),
 }
 

@@ -42,6 +42,7 @@ class RebalanceCase:
     batch: int = 8
     ckpt: str | None = None  # a directory: checkpoint at the end of the (one-epoch) fit, then resume from it
     resume_steps: int = 2
+    resume_rebalance: bool = False  # the resumed run rebalances too (same settings), else uniform, no rebalancing
     expect_error: bool = False
 
 
@@ -54,6 +55,8 @@ class RebalanceResult(TypedDict):
     events: list[dict[str, Any]]  # every decision: step, proposed split, moves
     timeline: NotRequired[list[int]]  # per recorded step, its forward slices (the last ones: after the rebalance)
     resumed: NotRequired[dict[str, torch.Tensor]]  # params after resuming from the checkpoint
+    resumed_start: NotRequired[list[int]]  # resume_rebalance: layers per stage right after the checkpoint loaded
+    resumed_events: NotRequired[list[dict[str, Any]]]  # resume_rebalance: the resumed run's decisions
 
 
 class SleepyBlock(Block):
@@ -159,10 +162,29 @@ def run_rebalance(case: RebalanceCase) -> RebalanceResult:
         assert recorded == held, f"the recorder follows the new engine: it records layers {recorded}, not {held}"
         result["timeline"] = [sum(s.kind == "F" for s in r.slices) for r in timeline[0].records]
     if case.ckpt is not None:
-        # uniform, no rebalancing
-        again = PipelineStrategy(schedule="1f1b", microbatches=case.microbatches, data_parallel_size=case.dp)
-        resumed = RebalanceModel(case)
-        _trainer(case.steps + case.resume_steps, again, devices, []).fit(resumed, _data(case),
-                                                                         ckpt_path=f"{case.ckpt}/end.ckpt")
+        if case.resume_rebalance:  # the same settings: [Note: resuming a rebalanced run]
+            again = PipelineStrategy(schedule="1f1b", microbatches=case.microbatches, partition=case.partition,
+                                     data_parallel_size=case.dp, rebalance_every_n_steps=case.every,
+                                     rebalance_threshold=case.threshold)
+        else:  # uniform, no rebalancing
+            again = PipelineStrategy(schedule="1f1b", microbatches=case.microbatches, data_parallel_size=case.dp)
+        resumed, start = RebalanceModel(case), _SplitAtStart()
+        _trainer(case.steps + case.resume_steps, again, devices, [start]).fit(
+            resumed, _data(case), ckpt_path=f"{case.ckpt}/end.ckpt")
         result["resumed"] = {k: v.detach().clone() for k, v in resumed.named_parameters()}
+        if case.resume_rebalance:
+            assert again.rebalancer is not None
+            result["resumed_start"] = start.counts
+            result["resumed_events"] = [{"step": e.step, "proposed": list(e.decision.proposed)}
+                                        for e in again.rebalancer.history]
     return result
+
+
+class _SplitAtStart(L.Callback):
+    """The layers per stage when training starts (after the checkpoint loaded)."""
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        self.counts = [len(r) for r in pl_module._pipeline_layout.ranges]
