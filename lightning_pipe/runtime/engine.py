@@ -78,6 +78,7 @@ from lightning_pipe.parallel.grads import GradientSync
 from lightning_pipe.parallel.topology import ProcessGroups
 from lightning_pipe.runtime.spec import SchedulePlan, build_torch_schedule
 from lightning_pipe.runtime.stage import PipelineStage
+from lightning_pipe.runtime.wire import named_p2p_failures
 
 PipelineModel = Any
 """The user's module as the core sees it: an ``nn.Module`` with the layer-list contract of
@@ -264,6 +265,7 @@ class PipelineEngine:
                                                   self.groups.topology.data_parallel_size, self.device)
         self._sum_scale = 1.0 / (self.accumulate_grad_batches * elements)
         with contextlib.ExitStack() as stack:
+            stack.enter_context(named_p2p_failures())  # [Note: naming a failed P2P op] in wire.py
             for make_context in self.step_contexts:  # measurement (memory meter, trace recorder), off by default
                 stack.enter_context(make_context())
             try:
@@ -359,7 +361,8 @@ class PipelineEngine:
         kept = [p.grad for p in self.parameters]
         # Lightning evaluates under inference_mode; torch's P2P buffers must stay ordinary tensors so that the
         # next training step can reuse them, so run under no_grad instead.
-        with torch.inference_mode(False), torch.no_grad(), _compat.forward_only_actions(self.schedule):
+        with torch.inference_mode(False), torch.no_grad(), _compat.forward_only_actions(self.schedule), \
+                named_p2p_failures():
             step_args = pad_rows(args, padded) if self.has_first else ()
             dummy_target = torch.zeros(padded, device=self.device) if self.has_last else None
             out = self.schedule.eval(*step_args, target=dummy_target)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_pipe._compat import torch as _compat
+from lightning_pipe.runtime import wire
 
 CallHook = Callable[[Callable[[], Any], tuple[Any, ...], dict[str, Any]], Any]
 """``hook(run, args, kwargs)``: around one call of a stage method; ``run()`` makes the call (through the hooks
@@ -84,9 +85,51 @@ class PipelineStage(CallHooks, _compat.GuardedPipelineStage):
     updater: Any = None
     """What applies a per-micro-batch update (``MicrobatchUpdate``; set by the engine); unused by other stages."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not self.is_last:  # its outputs cross to the next stage ([Note: contiguous on the wire])
+            self.submod.register_forward_hook(wire.own_outputs)
+
     def flush_update(self) -> None:
         """Apply an update that is due (per-micro-batch stages); called by the engine after each training step."""
 
     def stash_live(self) -> None:
         """Keep the current weights as the version the next batch runs on (weight-versioned stages); called by the
         engine right before each optimizer step."""
+
+    # ------------------------------------------------------------------ the wire ([Note: contiguous on the wire])
+    # torch builds the ops; these put contiguous tensors in them and tag each with what it carries (wire.py).
+    # ``act_send_info`` / ``grad_send_info`` / ``*_recv_info`` are torch's per-stage P2P tables (every checked
+    # release); where their order does not match the ops, positions are reported as unknown.
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[Any]:
+        ops = super().get_fwd_send_ops(fwd_chunk_id)
+        if ops:
+            table = self.act_send_info
+            sends = [(i, dst) for i in sorted(table) for dst in table[i] if dst is not None]
+            wire.tag_sends(ops, self.stage_index, fwd_chunk_id, "forward send", *_unzip(sends))
+        return ops
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[Any]:
+        ops = super().get_bwd_send_ops(bwd_chunk_id)
+        if ops:
+            sends = [(i, dst) for i, dst in enumerate(self.grad_send_info or ()) if dst is not None]
+            wire.tag_sends(ops, self.stage_index, bwd_chunk_id, "backward send", *_unzip(sends))
+        return ops
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[Any]:
+        ops = super().get_fwd_recv_ops(fwd_chunk_id)
+        if ops:
+            wire.tag_receives(ops, self.args_recv_info.get(fwd_chunk_id), self.stage_index, fwd_chunk_id,
+                              "forward receive")
+        return ops
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[Any]:
+        ops = super().get_bwd_recv_ops(bwd_chunk_id)
+        if ops:
+            wire.tag_receives(ops, self.grad_recv_info.get(bwd_chunk_id), self.stage_index, bwd_chunk_id,
+                              "backward receive")
+        return ops
+
+
+def _unzip(pairs: list[tuple[int, Any]]) -> tuple[list[int], list[Any]]:
+    return [i for i, _ in pairs], [peer for _, peer in pairs]

@@ -29,6 +29,7 @@ from tests.models import (
     SameOrderAsDistributedSampler,
     SkipRegressor,
     TinyLM,
+    ViewsRegressor,
     pad_collate,
     regression_data,
     varlen_tokens,
@@ -64,6 +65,7 @@ MODELS: dict[str, Callable[[HardeningCase], L.LightningModule]] = {
     "bn": lambda c: BNRegressor(optimizer=c.optimizer),
     "dict_out": lambda c: DictOutRegressor(),
     "dict_inputs": lambda c: DictInputsRegressor(),
+    "views": lambda c: ViewsRegressor(optimizer=c.optimizer),
     "lm": lambda c: TinyLM(loss=c.loss, optimizer=c.optimizer, lr=0.1 if c.optimizer == "sgd" else 0.02),
 }
 
