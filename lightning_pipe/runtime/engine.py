@@ -76,6 +76,7 @@ from lightning_pipe.parallel.dp_overlap import DataParallelHandoff, DataParallel
 from lightning_pipe.parallel.fsdp import reshard
 from lightning_pipe.parallel.grads import GradientSync
 from lightning_pipe.parallel.topology import ProcessGroups
+from lightning_pipe.runtime.rng import StageStream
 from lightning_pipe.runtime.spec import SchedulePlan, build_torch_schedule
 from lightning_pipe.runtime.stage import PipelineStage
 from lightning_pipe.runtime.wire import named_p2p_failures
@@ -97,6 +98,8 @@ class PipelineEngine:
         self.device = device
         self.stage_modules = stage_modules
         self.stages, self.schedule = self._build_runtime(stage_modules, local_stage_ids)
+        for stage in self.stages:  # [Note: random streams per stage] in rng.py
+            stage.random_stream = StageStream(stage.stage_index, device)
         # PipeDream: the optimizer steps inside the schedule, per micro-batch ([Note: PipeDream weight stashing])
         self.per_microbatch_updates = any(st.updates_per_microbatch for st in self.stages)
         self.has_first = any(st.is_first for st in self.stages)
@@ -193,8 +196,11 @@ class PipelineEngine:
         cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         self._inferring = True
         self.shape_inferences += forward
+        # the stage's own stream, unchanged afterwards ([Note: random streams per stage] in rng.py)
+        stream = next((st.random_stream for st in self.stages if st.submod is stage_module), None)
         try:
-            yield
+            with stream.peek() if stream is not None else contextlib.nullcontext():
+                yield
         finally:
             self._inferring = False
             # Through .data: no autograd version bump, so the inference graph (BatchNorm saves its running

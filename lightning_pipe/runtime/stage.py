@@ -8,11 +8,13 @@ calls them on every stage, without asking what kind of stage it holds.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
 from lightning_pipe._compat import torch as _compat
 from lightning_pipe.runtime import wire
+from lightning_pipe.runtime.rng import StageStream
 
 CallHook = Callable[[Callable[[], Any], tuple[Any, ...], dict[str, Any]], Any]
 """``hook(run, args, kwargs)``: around one call of a stage method; ``run()`` makes the call (through the hooks
@@ -85,10 +87,29 @@ class PipelineStage(CallHooks, _compat.GuardedPipelineStage):
     updater: Any = None
     """What applies a per-micro-batch update (``MicrobatchUpdate``; set by the engine); unused by other stages."""
 
+    random_stream: StageStream | None = None
+    """This stage's random stream (set by the engine): [Note: random streams per stage] in rng.py."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if not self.is_last:  # its outputs cross to the next stage ([Note: contiguous on the wire])
             self.submod.register_forward_hook(wire.own_outputs)
+
+    # ------------------------------------------------------------------ compute, in the stage's random stream
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        with self._stream():
+            return super().forward_one_chunk(*args, **kwargs)
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        with self._stream():
+            return super().backward_one_chunk(*args, **kwargs)
+
+    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        with self._stream():
+            return super().backward_weight_one_chunk(*args, **kwargs)
+
+    def _stream(self) -> contextlib.AbstractContextManager:
+        return self.random_stream.active() if self.random_stream is not None else contextlib.nullcontext()
 
     def flush_update(self) -> None:
         """Apply an update that is due (per-micro-batch stages); called by the engine after each training step."""
