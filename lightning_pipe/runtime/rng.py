@@ -59,21 +59,22 @@ class StageStream:
     def active(self, advance: bool = True) -> Iterator[None]:
         """Torch's default generator(s) draw from this stream inside the context; the base is restored after.
         ``advance=False``: the stream is left as it was (what was drawn inside will be drawn again)."""
+        cuda = self.cuda
         base_cpu = torch.get_rng_state()
-        base_cuda = torch.cuda.get_rng_state(self.cuda) if self.cuda is not None else None
+        base_cuda = torch.cuda.get_rng_state(cuda) if cuda is not None else None
         torch.set_rng_state(self.cpu_state)
-        if self.cuda_state is not None:
-            torch.cuda.set_rng_state(self.cuda_state, self.cuda)
+        if cuda is not None and self.cuda_state is not None:
+            torch.cuda.set_rng_state(self.cuda_state, cuda)
         try:
             yield
         finally:
             if advance:
                 self.cpu_state = torch.get_rng_state()
             torch.set_rng_state(base_cpu)
-            if base_cuda is not None:
+            if cuda is not None and base_cuda is not None:
                 if advance:
-                    self.cuda_state = torch.cuda.get_rng_state(self.cuda)
-                torch.cuda.set_rng_state(base_cuda, self.cuda)
+                    self.cuda_state = torch.cuda.get_rng_state(cuda)
+                torch.cuda.set_rng_state(base_cuda, cuda)
 
     def peek(self) -> contextlib.AbstractContextManager:
         """Draw from this stream without advancing it (torch's shape inference: no side effects)."""
