@@ -12,7 +12,8 @@ only the layout's stage count, not its rank placement, decides the draws:
   stage get the same stream (they must: one tensor, split), data-parallel replicas get the same stream when their
   processes were seeded alike — what Lightning's DDP does (each rank draws from its own seeded generator, so
   identically seeded replicas drop the same positions of different samples) — and different ones when each process
-  is seeded differently. The base generator is not advanced: code outside the stages sees the draws it would see;
+  is seeded differently (likewise Chimera's two copies of a stage, which run different micro-batches). The base
+  generator is not advanced: code outside the stages sees the draws it would see;
 * every forward / backward of a stage (``forward_one_chunk``, ``backward_one_chunk``, ``backward_weight_one_chunk``)
   runs with the stage's stream as torch's default generator (CPU, and the stage's CUDA device), which is saved back
   and the base restored afterwards;

@@ -38,6 +38,7 @@ def params(results: list[list[dict[str, Any]]], i: int) -> dict[str, torch.Tenso
     return {name: p for rank in results for name, p in rank[i]["params"].items()}
 
 
+@pytest.mark.compact  # make test-torch: the stage's compute overrides, on every supported torch
 @pytest.mark.timeout(600)
 def test_each_stage_draws_its_own_stream_reproducibly(tmp_path) -> None:
     results = launch("rng", 2, CASES, tmp_path, timeout=300)
