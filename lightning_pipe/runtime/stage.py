@@ -13,8 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_pipe._compat import torch as _compat
-from lightning_pipe.runtime import wire
 from lightning_pipe.runtime.rng import StageStream
+from lightning_pipe.runtime.wire import own_outputs, tag_receives, tag_sends
 
 CallHook = Callable[[Callable[[], Any], tuple[Any, ...], dict[str, Any]], Any]
 """``hook(run, args, kwargs)``: around one call of a stage method; ``run()`` makes the call (through the hooks
@@ -93,7 +93,7 @@ class PipelineStage(CallHooks, _compat.GuardedPipelineStage):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if not self.is_last:  # its outputs cross to the next stage ([Note: contiguous on the wire])
-            self.submod.register_forward_hook(wire.own_outputs)
+            self.submod.register_forward_hook(own_outputs)
 
     # ------------------------------------------------------------------ compute, in the stage's random stream
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
@@ -127,27 +127,27 @@ class PipelineStage(CallHooks, _compat.GuardedPipelineStage):
         if ops:
             table = self.act_send_info
             sends = [(i, dst) for i in sorted(table) for dst in table[i] if dst is not None]
-            wire.tag_sends(ops, self.stage_index, fwd_chunk_id, "forward send", *_unzip(sends))
+            tag_sends(ops, self.stage_index, fwd_chunk_id, "forward send", *_unzip(sends))
         return ops
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[Any]:
         ops = super().get_bwd_send_ops(bwd_chunk_id)
         if ops:
             sends = [(i, dst) for i, dst in enumerate(self.grad_send_info or ()) if dst is not None]
-            wire.tag_sends(ops, self.stage_index, bwd_chunk_id, "backward send", *_unzip(sends))
+            tag_sends(ops, self.stage_index, bwd_chunk_id, "backward send", *_unzip(sends))
         return ops
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[Any]:
         ops = super().get_fwd_recv_ops(fwd_chunk_id)
         if ops:
-            wire.tag_receives(ops, self.args_recv_info.get(fwd_chunk_id), self.stage_index, fwd_chunk_id,
+            tag_receives(ops, self.args_recv_info.get(fwd_chunk_id), self.stage_index, fwd_chunk_id,
                               "forward receive")
         return ops
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[Any]:
         ops = super().get_bwd_recv_ops(bwd_chunk_id)
         if ops:
-            wire.tag_receives(ops, self.grad_recv_info.get(bwd_chunk_id), self.stage_index, bwd_chunk_id,
+            tag_receives(ops, self.grad_recv_info.get(bwd_chunk_id), self.stage_index, bwd_chunk_id,
                               "backward receive")
         return ops
 
