@@ -29,6 +29,7 @@ from lightning_pipe.lightning import world
 from lightning_pipe.lightning.checkpointing import RankGroup, ShardedCheckpointer
 from lightning_pipe.lightning.faults import DEFAULT_TIMEOUT, PipelineFaults, resolve_timeout
 from lightning_pipe.lightning.launchers import PipelineMultiProcessingLauncher
+from lightning_pipe.lightning.optimizers import check_optimizers_agree, empty_parameter_lists_allowed
 from lightning_pipe.lightning.pipedream import attach_microbatch_updates
 from lightning_pipe.lightning.precision import PipelinePrecision, to_pipeline_precision
 from lightning_pipe.lightning.preflight import (
@@ -253,6 +254,19 @@ class PipelineStrategy(ParallelStrategy):
             if self.engine.per_microbatch_updates:  # schedule=pipedream ([Note: PipeDream in Lightning's loop])
                 attach_microbatch_updates(self, trainer)
         self.rebalancer = start_rebalancing(self, trainer)
+
+    @override
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        # configure_optimizers sees this rank's layers only: a stage with nothing to train gets an empty optimizer
+        # ([Note: stages with nothing to train] in lightning/optimizers.py)
+        with empty_parameter_lists_allowed():
+            super().setup_optimizers(trainer)
+        engine = self.engine
+        if engine is not None and self.lightning_module is not None and self.lightning_module.automatic_optimization:
+            stages = zip(engine.plan.stages_of_rank(self._topology().pp_rank), engine.stage_modules)
+            where = ", ".join(f"stage {s}, layers {sm.layer_indices.start}-{sm.layer_indices.stop - 1}"
+                              for s, sm in stages)
+            check_optimizers_agree(self.optimizers, len(self.lr_scheduler_configs), engine.parameters, where)
 
     def _build_engine(self, module: LightningModule) -> PipelineEngine:
         assert self.plan is not None, "set_world_ranks resolves the plan before setup"

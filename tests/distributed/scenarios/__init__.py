@@ -12,6 +12,7 @@ from typing import Any, Literal, NamedTuple, TypedDict
 
 from tests.distributed.scenarios import (
     checkpoint,
+    frozen,
     fsdp,
     hardening,
     hf,
@@ -27,7 +28,7 @@ from tests.distributed.scenarios.trace import TraceCase
 from tests.distributed.scenarios.training import TrainingCase
 
 Case = (TrainingCase | CheckpointCase | TraceCase | hardening.HardeningCase | planner.SlowRankCase | hf.HFCase
-        | rebalance.RebalanceCase | fsdp.FsdpCountCase | rng.RngCase)
+        | rebalance.RebalanceCase | fsdp.FsdpCountCase | frozen.FrozenCase | rng.RngCase)
 
 
 class Scenario(NamedTuple):
@@ -54,6 +55,7 @@ SCENARIOS: dict[str, Scenario] = {
     "pipedream": Scenario(TrainingCase, pipedream.run_pipedream),  # issue 11: test_pipedream.py
     "rebalance": Scenario(rebalance.RebalanceCase, rebalance.run_rebalance),  # issue 15.8: test_rebalance.py
     "fsdp_counts": Scenario(fsdp.FsdpCountCase, fsdp.run_counts),  # issue 12: test_fsdp.py
+    "frozen": Scenario(frozen.FrozenCase, frozen.run_frozen),  # issue 23: test_frozen.py
     "rng": Scenario(rng.RngCase, rng.run_pipeline),  # issue 23: test_random_streams.py
 }
 
