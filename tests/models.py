@@ -239,6 +239,57 @@ class SkipRegressor(ToyRegressor):
         return (x, x.flip(-1)), y
 
 
+class ViewIn(nn.Module):
+    """First layer of :class:`ViewsRegressor`: a strided input in, the (expanded) mask passed along unchanged."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, width)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.fc(x) * mask, mask
+
+
+class ViewBlock(nn.Module):
+    """Consumes its input transposed (its input gradient is a transpose) and returns a column-major output."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        projected = torch.mm(self.fc.weight, h.t()).t() + self.fc.bias  # fc(h), as a transposed view
+        out = h + torch.tanh(projected) * mask
+        return out.t().contiguous().t(), mask  # same values, not contiguous
+
+
+class ViewOut(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, 4)
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.fc(h * mask)
+
+
+class ViewsRegressor(ToyRegressor):
+    """Non-contiguous tensors everywhere a stage boundary can see them: split_batch's inputs are a strided slice and
+    an expanded mask (stride 0, carried through every layer like a transformers attention mask), and each block's
+    output is column-major. One device trains on them as they are."""
+
+    def __init__(self, n_layers: int = 8, width: int = WIDTH, **kwargs: Any) -> None:
+        super().__init__(n_layers=n_layers, width=width, **kwargs)
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(ViewIn(width), *(ViewBlock(width) for _ in range(n_layers - 2)), ViewOut(width))
+        self.width = width
+
+    def split_batch(self, batch: Any) -> tuple[Any, Any]:
+        x, y = batch
+        strided = torch.cat([x, x], dim=1)[:, ::2]  # == x, stride (8, 2)
+        mask = torch.ones(1, self.width, device=x.device).expand(x.shape[0], -1)
+        return (strided, mask), y
+
+
 class DictOut(nn.Module):
     def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"h": x}

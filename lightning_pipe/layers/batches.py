@@ -53,7 +53,12 @@ def signature(mode: str, args: tuple[Tensor, ...], mb_rows: int, target: Any = N
 
 def input_args(inputs: Any, owner: str) -> tuple[Tensor, ...]:
     """``split_batch``'s inputs as the first layer's positional arguments, checked on every rank before any waits:
-    tensors (or a tuple of them) that all hold the batch in dim 0."""
+    tensors (or a tuple of them) that all hold the batch in dim 0; contiguous.
+
+    A view (a collator's ``v[:, :longest]``, an expanded mask) is copied once, contiguous: torch cuts the batch into
+    micro-batches along dim 0 and torch 2.11 checks every micro-batch against the first one's strides, which a
+    contiguous batch's row blocks share ([Note: contiguous on the wire] in runtime/wire.py). A contiguous input is
+    used as it is."""
     check_layer_io(inputs, f"{owner}.split_batch returned inputs that are")
     args = layer_args(inputs)
     rows = {a.shape[0] if a.dim() > 0 else None for a in args}
@@ -62,7 +67,7 @@ def input_args(inputs: Any, owner: str) -> tuple[Tensor, ...]:
             f"{owner}.split_batch returned inputs of shapes {[tuple(a.shape) for a in args]}. Rule: every input "
             "holds the batch in dim 0, with the same number of rows (the pipeline cuts micro-batches along it). "
             "Move the batch to dim 0, or pass batch-independent values as module attributes instead of inputs.")
-    return args
+    return tuple(a if a.is_contiguous() else a.contiguous() for a in args)
 
 
 def check_target(target: Any, microbatches: int, owner: str, rows: int | None = None) -> Tensor:

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_pipe.hf.layers import CausalLMDecoderLayer, causal_lm_layers, layers_from_config
+from lightning_pipe.hf.layers import CausalLMDecoderLayer, causal_lm_layers, check_model_type, layers_from_config
 from lightning_pipe.hf.loss import causal_lm_loss_sum_count
 from lightning_pipe.hf.tensor_parallel import parallelize_decoder_layer
 from lightning_pipe.hf.weights import SafetensorsCheckpoint, init_layer_, load_layer_weights_
@@ -56,6 +56,9 @@ class HFCausalLM(PipelineModule):
                  if value is not None]
         if len(given) != 1:
             raise ValueError(f"HFCausalLM takes exactly one of `model`, `config`, `pretrained`; got {given or 'none'}.")
+        # an unsupported family (a mixture of experts, say) is refused here, not at setup on every rank
+        if config is not None:
+            check_model_type(config)
         self.layers = causal_lm_layers(model) if model is not None else None
         self.hf_config = config
         self.pretrained = os.fspath(pretrained) if pretrained is not None else None

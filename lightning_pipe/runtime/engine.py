@@ -78,8 +78,10 @@ from lightning_pipe.parallel.dp_overlap import DataParallelHandoff, DataParallel
 from lightning_pipe.parallel.fsdp import reshard
 from lightning_pipe.parallel.grads import GradientSync
 from lightning_pipe.parallel.topology import ProcessGroups
+from lightning_pipe.runtime.rng import StageStream
 from lightning_pipe.runtime.spec import SchedulePlan, build_torch_schedule
 from lightning_pipe.runtime.stage import PipelineStage
+from lightning_pipe.runtime.wire import named_p2p_failures
 
 PipelineModel = Any
 """The user's module as the core sees it: an ``nn.Module`` with the layer-list contract of
@@ -98,6 +100,8 @@ class PipelineEngine:
         self.device = device
         self.stage_modules = stage_modules
         self.stages, self.schedule = self._build_runtime(stage_modules, local_stage_ids)
+        for stage in self.stages:  # [Note: random streams per stage] in rng.py
+            stage.random_stream = StageStream(stage.stage_index, device)
         # PipeDream: the optimizer steps inside the schedule, per micro-batch ([Note: PipeDream weight stashing])
         self.per_microbatch_updates = any(st.updates_per_microbatch for st in self.stages)
         self.has_first = any(st.is_first for st in self.stages)
@@ -197,8 +201,11 @@ class PipelineEngine:
         cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         self._inferring = True
         self.shape_inferences += forward
+        # the stage's own stream, unchanged afterwards ([Note: random streams per stage] in rng.py)
+        stream = next((st.random_stream for st in self.stages if st.submod is stage_module), None)
         try:
-            yield
+            with stream.peek() if stream is not None else contextlib.nullcontext():
+                yield
         finally:
             self._inferring = False
             # Through .data: no autograd version bump, so the inference graph (BatchNorm saves its running
@@ -272,6 +279,7 @@ class PipelineEngine:
                                                   self.groups.topology.data_parallel_size, self.device)
         self._sum_scale = 1.0 / (self.accumulate_grad_batches * elements)
         with contextlib.ExitStack() as stack:
+            stack.enter_context(named_p2p_failures())  # [Note: naming a failed P2P op] in wire.py
             for make_context in self.step_contexts:  # measurement (memory meter, trace recorder), off by default
                 stack.enter_context(make_context())
             try:
@@ -367,7 +375,8 @@ class PipelineEngine:
         kept = [p.grad for p in self.parameters]
         # Lightning evaluates under inference_mode; torch's P2P buffers must stay ordinary tensors so that the
         # next training step can reuse them, so run under no_grad instead.
-        with torch.inference_mode(False), torch.no_grad(), _compat.forward_only_actions(self.schedule):
+        with torch.inference_mode(False), torch.no_grad(), _compat.forward_only_actions(self.schedule), \
+                named_p2p_failures():
             step_args = pad_rows(args, padded) if self.has_first else ()
             dummy_target = torch.zeros(padded, device=self.device) if self.has_last else None
             out = self.schedule.eval(*step_args, target=dummy_target)

@@ -8,10 +8,13 @@ calls them on every stage, without asking what kind of stage it holds.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
 from lightning_pipe._compat import torch as _compat
+from lightning_pipe.runtime.rng import StageStream
+from lightning_pipe.runtime.wire import own_outputs, tag_receives, tag_sends
 
 CallHook = Callable[[Callable[[], Any], tuple[Any, ...], dict[str, Any]], Any]
 """``hook(run, args, kwargs)``: around one call of a stage method; ``run()`` makes the call (through the hooks
@@ -84,9 +87,70 @@ class PipelineStage(CallHooks, _compat.GuardedPipelineStage):
     updater: Any = None
     """What applies a per-micro-batch update (``MicrobatchUpdate``; set by the engine); unused by other stages."""
 
+    random_stream: StageStream | None = None
+    """This stage's random stream (set by the engine): [Note: random streams per stage] in rng.py."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not self.is_last:  # its outputs cross to the next stage ([Note: contiguous on the wire])
+            self.submod.register_forward_hook(own_outputs)
+
+    # ------------------------------------------------------------------ compute, in the stage's random stream
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        with self._stream():
+            return super().forward_one_chunk(*args, **kwargs)
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        with self._stream():
+            return super().backward_one_chunk(*args, **kwargs)
+
+    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        with self._stream():
+            return super().backward_weight_one_chunk(*args, **kwargs)
+
+    def _stream(self) -> contextlib.AbstractContextManager:
+        return self.random_stream.active() if self.random_stream is not None else contextlib.nullcontext()
+
     def flush_update(self) -> None:
         """Apply an update that is due (per-micro-batch stages); called by the engine after each training step."""
 
     def stash_live(self) -> None:
         """Keep the current weights as the version the next batch runs on (weight-versioned stages); called by the
         engine right before each optimizer step."""
+
+    # ------------------------------------------------------------------ the wire ([Note: contiguous on the wire])
+    # torch builds the ops; these put contiguous tensors in them and tag each with what it carries (wire.py).
+    # ``act_send_info`` / ``grad_send_info`` / ``*_recv_info`` are torch's per-stage P2P tables (every checked
+    # release); where their order does not match the ops, positions are reported as unknown.
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[Any]:
+        ops = super().get_fwd_send_ops(fwd_chunk_id)
+        if ops:
+            table = self.act_send_info
+            sends = [(i, dst) for i in sorted(table) for dst in table[i] if dst is not None]
+            tag_sends(ops, self.stage_index, fwd_chunk_id, "forward send", *_unzip(sends))
+        return ops
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[Any]:
+        ops = super().get_bwd_send_ops(bwd_chunk_id)
+        if ops:
+            sends = [(i, dst) for i, dst in enumerate(self.grad_send_info or ()) if dst is not None]
+            tag_sends(ops, self.stage_index, bwd_chunk_id, "backward send", *_unzip(sends))
+        return ops
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[Any]:
+        ops = super().get_fwd_recv_ops(fwd_chunk_id)
+        if ops:
+            tag_receives(ops, self.args_recv_info.get(fwd_chunk_id), self.stage_index, fwd_chunk_id,
+                              "forward receive")
+        return ops
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[Any]:
+        ops = super().get_bwd_recv_ops(bwd_chunk_id)
+        if ops:
+            tag_receives(ops, self.grad_recv_info.get(bwd_chunk_id), self.stage_index, bwd_chunk_id,
+                              "backward receive")
+        return ops
+
+
+def _unzip(pairs: list[tuple[int, Any]]) -> tuple[list[int], list[Any]]:
+    return [i for i, _ in pairs], [peer for _, peer in pairs]

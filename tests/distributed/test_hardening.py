@@ -43,6 +43,9 @@ PP2_CASES = [
     *(HardeningCase(model="skip", schedule=s, validate=s == "interleaved_1f1b", predict=s == "zbv")
       for s in ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zbv", "dualpipev")),
     HardeningCase(model="skip", schedule="custom", microbatches=4, actions=ONE_F_ONE_B),
+    # non-contiguous inputs (a strided slice, an expanded mask carried across) and column-major layer outputs
+    *(HardeningCase(model="views", schedule=s, stages_per_rank=2 if s == "interleaved_1f1b" else None)
+      for s in ("1f1b", "zbv", "interleaved_1f1b")),
     # split_batch returning a dict: refused on every rank before any waits (on one device too: test_engine_contract)
     HardeningCase(model="dict_inputs", steps=1, expect_error=True),
     # a dict target: each micro-batch's loss gets its rows of every value, as one device does ([Note: structured

@@ -49,6 +49,7 @@ def test_hf_models_match_transformers_on_one_device(tmp_path) -> None:
     cases = [HFCase(family=f, schedule=s, stages_per_rank=2 if s == "zbv" else None)
              for f in FAMILIES for s in schedules]
     cases.append(HFCase(family="gpt2", from_model=True))  # HFCausalLM(model): built whole, then split
+    cases.append(HFCase(family="llama", sliced=True))  # ids, mask and labels as strided views (the mask crosses)
     cases.append(HFCase(pretrained=str(pretrained)))  # last: the keys-read checks below
     # the padding is uneven across micro-batches (a mean of micro-batch means would not be the batch loss)
     first = next(iter(DataLoader(padded_data(32), batch_size=8, sampler=SameOrderAsDistributedSampler(32))))

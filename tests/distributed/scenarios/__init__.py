@@ -20,6 +20,7 @@ from tests.distributed.scenarios import (
     planner,
     rebalance,
     recipe,
+    rng,
     trace,
     training,
 )
@@ -28,7 +29,7 @@ from tests.distributed.scenarios.trace import TraceCase
 from tests.distributed.scenarios.training import TrainingCase
 
 Case = (TrainingCase | CheckpointCase | TraceCase | hardening.HardeningCase | planner.SlowRankCase | hf.HFCase
-        | rebalance.RebalanceCase | fsdp.FsdpCountCase | frozen.FrozenCase | recipe.RecipeCase)
+        | rebalance.RebalanceCase | fsdp.FsdpCountCase | frozen.FrozenCase | recipe.RecipeCase | rng.RngCase)
 
 
 class Scenario(NamedTuple):
@@ -57,6 +58,7 @@ SCENARIOS: dict[str, Scenario] = {
     "fsdp_counts": Scenario(fsdp.FsdpCountCase, fsdp.run_counts),  # issue 12: test_fsdp.py
     "frozen": Scenario(frozen.FrozenCase, frozen.run_frozen),  # issue 23: test_frozen.py
     "recipe": Scenario(recipe.RecipeCase, recipe.run_recipe),  # issue 23: tests/recipes/test_every_schedule.py
+    "rng": Scenario(rng.RngCase, rng.run_pipeline),  # issue 23: test_random_streams.py
 }
 
 __all__ = ["Case", "CheckpointCase", "Failure", "SCENARIOS", "Scenario", "TraceCase", "TrainingCase"]

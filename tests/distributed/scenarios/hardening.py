@@ -30,6 +30,7 @@ from tests.models import (
     SameOrderAsDistributedSampler,
     SkipRegressor,
     TinyLM,
+    ViewsRegressor,
     pad_collate,
     regression_data,
     varlen_tokens,
@@ -66,6 +67,7 @@ MODELS: dict[str, Callable[[HardeningCase], L.LightningModule]] = {
     "dict_out": lambda c: DictOutRegressor(),
     "dict_inputs": lambda c: DictInputsRegressor(),
     "dict_target": lambda c: DictTargetRegressor(optimizer=c.optimizer),
+    "views": lambda c: ViewsRegressor(optimizer=c.optimizer),
     "lm": lambda c: TinyLM(loss=c.loss, optimizer=c.optimizer, lr=0.1 if c.optimizer == "sgd" else 0.02),
 }
 

@@ -56,6 +56,7 @@ class HFCase:
     n_data: int = 32
     tp: int = 1  # tensor_parallel_size: decoder layers split by transformers' base_model_tp_plan
     tied: bool = False  # tie_word_embeddings (the embedding and head: one weight on the first and the last stage)
+    sliced: bool = False  # the collator trims padding by slicing: every batch tensor is a strided view
     expect_error: bool = False
 
 
@@ -96,6 +97,19 @@ def hf_params(layers: Any) -> dict[str, torch.Tensor]:
         for local, p in layer.named_parameters(remove_duplicate=False):
             out[keys[local][0]] = full_tensor(p)
     return out
+
+
+def sliced_collate(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Pads each field 4 columns wider, then trims back by slicing (``v[:, :longest]``, as collators that trim
+    padding do): the same values, as non-contiguous views."""
+    from torch.utils.data import default_collate
+
+    batch = default_collate(rows)
+    return {k: torch.cat([v, v[:, :4]], dim=1)[:, :LENGTH] for k, v in batch.items()}
+
+
+def _loader(case: HFCase, data: Any, **kwargs: Any) -> DataLoader:
+    return DataLoader(data, batch_size=case.batch, collate_fn=sliced_collate if case.sliced else None, **kwargs)
 
 
 class _Losses(Callback):
@@ -143,8 +157,8 @@ def run_pipeline(case: HFCase) -> HFResult:
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=int(os.environ["TEST_WORLD_SIZE"]),
                         max_steps=case.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[recorder])
-    trainer.fit(module, DataLoader(data, batch_size=case.batch, shuffle=False, drop_last=True))
-    val = trainer.validate(module, DataLoader(data[:case.batch], batch_size=case.batch), verbose=False)
+    trainer.fit(module, _loader(case, data, shuffle=False, drop_last=True))
+    val = trainer.validate(module, _loader(case, data[:case.batch]), verbose=False)
     out = HFResult(params=hf_params(module.layers), losses=recorder.losses, val_loss=float(val[0]["val_loss"]),
                    topology=(trainer.strategy.topology.dp_rank, trainer.strategy.topology.pp_rank))
     if module.checkpoint_reader is not None:
@@ -171,8 +185,7 @@ def run_reference(case: HFCase) -> tuple[HFResult, dict[str, torch.Tensor]]:
         tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
         assert not unexpected and set(missing) <= tied, (missing, unexpected)
     data = padded_data(case.n_data)
-    loader = DataLoader(data, batch_size=case.batch, sampler=SameOrderAsDistributedSampler(len(data)),
-                        drop_last=True)
+    loader = _loader(case, data, sampler=SameOrderAsDistributedSampler(len(data)), drop_last=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for _, batch in zip(range(case.steps), loader):
@@ -181,7 +194,7 @@ def run_reference(case: HFCase) -> tuple[HFResult, dict[str, torch.Tensor]]:
         loss.backward()
         optimizer.step()
         losses.append(float(loss.detach()))
-    first = next(iter(DataLoader(data[:case.batch], batch_size=case.batch)))
+    first = next(iter(_loader(case, data[:case.batch])))
     with torch.no_grad():
         val_loss = float(model(**first).loss)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}

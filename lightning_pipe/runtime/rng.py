@@ -1,0 +1,82 @@
+"""One random stream per pipeline stage, derived from the user's seed.
+
+[Note: random streams per stage]
+Every process of a pipeline is usually seeded alike (``seed_everything`` in a script, as our recipes do), so without
+care every rank draws the same numbers: stage 1's dropout masks repeat stage 0's (a tester counted 52 of 117 masks
+equal across the two ranks of a 1F1B run). On one device those draws are independent. Megatron offsets the seed per
+pipeline rank; we give each *stage* its own stream (a rank of an interleaved or V schedule holds several), so that
+only the layout's stage count, not its rank placement, decides the draws:
+
+* at engine build, after the tensor ranks agreed on one state (``parallel.tensor_parallel.sync_random_state``), the
+  stream of stage ``s`` is seeded with a hash of (this process's torch CPU generator state, ``s``): tensor ranks of a
+  stage get the same stream (they must: one tensor, split), data-parallel replicas get the same stream when their
+  processes were seeded alike — what Lightning's DDP does (each rank draws from its own seeded generator, so
+  identically seeded replicas drop the same positions of different samples) — and different ones when each process
+  is seeded differently (likewise Chimera's two copies of a stage, which run different micro-batches). The base
+  generator is not advanced: code outside the stages sees the draws it would see;
+* every forward / backward of a stage (``forward_one_chunk``, ``backward_one_chunk``, ``backward_weight_one_chunk``)
+  runs with the stage's stream as torch's default generator (CPU, and the stage's CUDA device), which is saved back
+  and the base restored afterwards;
+* activation checkpointing replays exactly: the checkpoint saves the generator state it found at the forward (the
+  stage's) and restores it around the recomputation; torch's shape inference draws from the stage's stream without
+  advancing it (:meth:`StageStream.peek`, in the engine's inference guard: [Note: shape inference has no side
+  effects] in engine.py), so the first real forward draws what it drew.
+
+Reproducible therefore means: the same seed and the same layout (stage count) give bit-identical runs; another
+layout draws other masks, statistically equivalent (as one device with another seed). See docs/module-contract.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Iterator
+
+import torch
+
+
+def stage_seed(state: torch.Tensor, stage: int) -> int:
+    """A 63-bit seed from a generator state and a stage index (stable across processes and runs)."""
+    digest = hashlib.blake2b(state.numpy().tobytes() + b"lightning_pipe stage %d" % stage, digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+class StageStream:
+    """The random stream of one stage on this rank: entered around each of its forwards and backwards."""
+
+    def __init__(self, stage: int, device: torch.device) -> None:
+        self.cuda = device if device.type == "cuda" else None
+        seed = stage_seed(torch.get_rng_state(), stage)
+        self.cpu_state = torch.Generator().manual_seed(seed).get_state()
+        self.cuda_state: torch.Tensor | None = None
+        if self.cuda is not None:
+            base = torch.cuda.get_rng_state(self.cuda)
+            with torch.cuda.device(self.cuda):
+                torch.cuda.manual_seed(seed)
+            self.cuda_state = torch.cuda.get_rng_state(self.cuda)
+            torch.cuda.set_rng_state(base, self.cuda)
+
+    @contextlib.contextmanager
+    def active(self, advance: bool = True) -> Iterator[None]:
+        """Torch's default generator(s) draw from this stream inside the context; the base is restored after.
+        ``advance=False``: the stream is left as it was (what was drawn inside will be drawn again)."""
+        cuda = self.cuda
+        base_cpu = torch.get_rng_state()
+        base_cuda = torch.cuda.get_rng_state(cuda) if cuda is not None else None
+        torch.set_rng_state(self.cpu_state)
+        if cuda is not None and self.cuda_state is not None:
+            torch.cuda.set_rng_state(self.cuda_state, cuda)
+        try:
+            yield
+        finally:
+            if advance:
+                self.cpu_state = torch.get_rng_state()
+            torch.set_rng_state(base_cpu)
+            if cuda is not None and base_cuda is not None:
+                if advance:
+                    self.cuda_state = torch.cuda.get_rng_state(cuda)
+                torch.cuda.set_rng_state(base_cuda, cuda)
+
+    def peek(self) -> contextlib.AbstractContextManager:
+        """Draw from this stream without advancing it (torch's shape inference: no side effects)."""
+        return self.active(advance=False)
