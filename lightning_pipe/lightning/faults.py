@@ -27,6 +27,7 @@ Lightning's requeue (checkpoint, ``scontrol requeue``) run by every rank at that
 from __future__ import annotations
 
 import signal
+import sys
 import uuid
 from datetime import timedelta
 from typing import Any
@@ -41,7 +42,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_pipe._compat import lightning as _compat
 from lightning_pipe._compat import torch as _compat_torch
 from lightning_pipe.config import config_error
-from lightning_pipe.runtime.watchdog import FailureWatch, any_rank
+from lightning_pipe.runtime.watchdog import FailureWatch, any_rank, consequence_note
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 """The process-group timeout: how long one collective or P2P transfer may wait before it fails.
@@ -131,7 +132,8 @@ class PipelineFaults:
         # Keys private to this run: a process that runs fit, then validate, reuses the store.
         token = strategy.broadcast(uuid.uuid4().hex[:12])
         store = dist.PrefixStore(f"lightning_pipe/faults/{token}/", _compat_torch.default_store())
-        watch = FailureWatch(store, strategy.global_rank, before_exit=lambda: _end_launched_ranks(strategy))
+        watch = FailureWatch(store, strategy.global_rank, world_size=strategy.world_size,
+                             before_exit=lambda: _end_launched_ranks(strategy))
         faults = cls(strategy, trainer, watch)
         connector = _compat.signal_connector(trainer)
         if isinstance(connector, PipelineSignalConnector):
@@ -149,6 +151,15 @@ class PipelineFaults:
             return
         self.failed = True
         self.watch.report(exception)
+        cause = self.watch.cause_of(exception)
+        if cause is not None:  # this rank's error is only gloo's / NCCL's "the peer is gone": name the cause
+            note = consequence_note(self.strategy.global_rank, cause)
+            exception.add_note(note)
+            try:
+                sys.stderr.write(note + "\n")
+                sys.stderr.flush()
+            except Exception:
+                pass
 
     # ------------------------------------------------------------------ SIGTERM
     def sigterm_received(self, signum: Any) -> None:
@@ -199,6 +210,8 @@ class PipelineFaults:
             self.trainer.callbacks.remove(self._reporter)
         if not self.failed:
             self.strategy.barrier("lightning_pipe.faults.stop")
+        else:
+            self.watch.wait_seen()  # peers read this failure before this process (maybe the store's) ends
         self.watch.stop()
 
 

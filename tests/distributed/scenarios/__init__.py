@@ -36,6 +36,7 @@ SCENARIOS: dict[str, Scenario] = {
     "ckpt_train": Scenario(CheckpointCase, checkpoint.run_train),
     "ckpt_resume": Scenario(CheckpointCase, checkpoint.run_resume),
     "ckpt_crash": Scenario(CheckpointCase, checkpoint.run_crash),
+    "ckpt_full": Scenario(CheckpointCase, checkpoint.run_disk_full),  # issue 23: a full disk mid-save
     "trace": Scenario(TraceCase, trace.run_trace),
     "hardening": Scenario(hardening.HardeningCase, hardening.run_pipeline),  # issue 14: test_hardening.py
     "planner_slow_rank": Scenario(planner.SlowRankCase, planner.run_slow_rank),  # issue 15: test_planner.py
