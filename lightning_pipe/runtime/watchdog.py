@@ -122,6 +122,7 @@ class FailureWatch:
         self.grace = grace
         self.before_exit = before_exit
         self.failed_here = False
+        self.store_gone = False  # its process ended (rank 0's): every later call would fail (and log) again
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._deadline: tuple[float, str, int] | None = None
@@ -154,9 +155,12 @@ class FailureWatch:
         store holds afterwards (this one, or an earlier one of another rank), or None when the store is gone."""
         self.failed_here = True  # from now on this rank is never stopped by its own thread
         text = error if isinstance(error, str) else describe_failure(self.rank, error)
+        if self.store_gone:
+            return self.seen
         try:
             return self.store.compare_set(FAILURE_KEY, "", text).decode(errors="replace")
         except Exception:  # the store's process ended: what this rank's thread read before is all there is
+            self.store_gone = True
             return self.seen
 
     def cause_of(self, error: BaseException) -> str | None:
@@ -170,23 +174,27 @@ class FailureWatch:
         """After this rank failed: wait (at most ``timeout``, default two polls and a second) until every rank's
         thread has read the first failure, so that it outlives the store if this process hosts it. True if all did."""
         end = time.monotonic() + (2 * self.interval + 1.0 if timeout is None else timeout)
-        while True:
+        while not self.store_gone:
             try:
                 if int(self.store.add(SEEN_KEY, 0)) >= self.world_size:
                     return True
             except Exception:  # the store is gone: nobody can read it any more
-                return False
+                self.store_gone = True
+                break
             if time.monotonic() >= end or not self.running:
                 return False
             time.sleep(min(0.05, self.interval))
+        return False
 
     def first_failure(self) -> str | None:
         """The first failure any rank reported, or None."""
+        if self.store_gone:
+            return None
         try:
             if self.store.check([FAILURE_KEY]):
                 return self.store.get(FAILURE_KEY).decode(errors="replace")
         except Exception:
-            pass
+            self.store_gone = True
         return None
 
     def set_deadline(self, seconds: float, message: str, code: int) -> None:
@@ -199,14 +207,13 @@ class FailureWatch:
     # ------------------------------------------------------------------ thread
     def _run(self) -> None:
         peer_failed_at: float | None = None
-        store_gone = False
         while not self._stop.wait(self.interval):
             now = time.monotonic()
             deadline = self._deadline
             if deadline is not None and now >= deadline[0]:
                 self.terminate(deadline[1], deadline[2])
                 return
-            if store_gone:
+            if self.store_gone:
                 continue
             if peer_failed_at is None:
                 try:
@@ -216,7 +223,7 @@ class FailureWatch:
                         peer_failed_at = now
                         self.store.add(SEEN_KEY, 1)
                 except Exception:
-                    store_gone = True  # its process ended (see the note): nothing more to learn from it
+                    self.store_gone = True  # its process ended (see the note): nothing more to learn from it
             elif self.failed_here:
                 continue
             elif now - peer_failed_at >= self.grace:
