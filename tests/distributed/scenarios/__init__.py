@@ -10,13 +10,24 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple, TypedDict
 
-from tests.distributed.scenarios import checkpoint, fsdp, hardening, hf, pipedream, planner, rebalance, trace, training
+from tests.distributed.scenarios import (
+    checkpoint,
+    fsdp,
+    hardening,
+    hf,
+    pipedream,
+    planner,
+    rebalance,
+    soak,
+    trace,
+    training,
+)
 from tests.distributed.scenarios.checkpoint import CheckpointCase
 from tests.distributed.scenarios.trace import TraceCase
 from tests.distributed.scenarios.training import TrainingCase
 
 Case = (TrainingCase | CheckpointCase | TraceCase | hardening.HardeningCase | planner.SlowRankCase | hf.HFCase
-        | rebalance.RebalanceCase | fsdp.FsdpCountCase)
+        | rebalance.RebalanceCase | fsdp.FsdpCountCase | soak.SoakCase)
 
 
 class Scenario(NamedTuple):
@@ -44,6 +55,7 @@ SCENARIOS: dict[str, Scenario] = {
     "pipedream": Scenario(TrainingCase, pipedream.run_pipedream),  # issue 11: test_pipedream.py
     "rebalance": Scenario(rebalance.RebalanceCase, rebalance.run_rebalance),  # issue 15.8: test_rebalance.py
     "fsdp_counts": Scenario(fsdp.FsdpCountCase, fsdp.run_counts),  # issue 12: test_fsdp.py
+    "soak": Scenario(soak.SoakCase, soak.run_soak),  # issue 23: test_soak.py
 }
 
 __all__ = ["Case", "CheckpointCase", "Failure", "SCENARIOS", "Scenario", "TraceCase", "TrainingCase"]
