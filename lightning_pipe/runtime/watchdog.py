@@ -19,8 +19,8 @@ its sockets stay open, so its peers see no error: they wait until the process-gr
 A failing process that *ends* closes its sockets, and its peers' transfers fail at once with the backend's own error
 (gloo's "Connection closed by peer"): that error, not the cause, is what rank 0's user would see. Hence:
 
-* every rank's thread reads the first failure as soon as it appears (kept in :attr:`FailureWatch.seen`) and counts
-  itself under ``SEEN_KEY``; a failed rank waits at its teardown (:meth:`FailureWatch.wait_seen`, about one poll)
+* every rank reads the first failure as soon as it appears (its thread's next poll, or its own report; kept in
+  :attr:`FailureWatch.seen`) and counts itself under ``SEEN_KEY``; a failed rank waits at its teardown (:meth:`FailureWatch.wait_seen`, about one poll)
   until every rank has read its failure, so peers know it even when the store's process (rank 0) is the one ending;
 * a rank whose own error is a lost connection (:func:`is_peer_connection_error`) names the first failure of another
   rank as the cause (:func:`consequence_note`, added to its exception and printed).
@@ -123,6 +123,7 @@ class FailureWatch:
         self.before_exit = before_exit
         self.failed_here = False
         self.store_gone = False  # its process ended (rank 0's): every later call would fail (and log) again
+        self._seen_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._deadline: tuple[float, str, int] | None = None
@@ -158,10 +159,21 @@ class FailureWatch:
         if self.store_gone:
             return self.seen
         try:
-            return self.store.compare_set(FAILURE_KEY, "", text).decode(errors="replace")
+            first = self.store.compare_set(FAILURE_KEY, "", text).decode(errors="replace")
+            self._read(first)  # this rank knows the first failure now: counted at once, not at the next poll
+            return first
         except Exception:  # the store's process ended: what this rank's thread read before is all there is
             self.store_gone = True
             return self.seen
+
+    def _read(self, first: str) -> bool:
+        """Keep the first failure and count this rank as having read it (once, whichever thread comes first)."""
+        with self._seen_lock:
+            if self.seen is not None:
+                return False
+            self.seen = first
+        self.store.add(SEEN_KEY, 1)
+        return True
 
     def cause_of(self, error: BaseException) -> str | None:
         """Another rank's first failure, when ``error`` (this rank's, reported) is only a lost connection to it."""
@@ -217,11 +229,11 @@ class FailureWatch:
                 continue
             if peer_failed_at is None:
                 try:
-                    if self.store.check([FAILURE_KEY]):
+                    if self.seen is None and self.store.check([FAILURE_KEY]):
                         # read at once (the store's process may end soon after), then counted as read
-                        self.seen = self.store.get(FAILURE_KEY).decode(errors="replace")
+                        self._read(self.store.get(FAILURE_KEY).decode(errors="replace"))
+                    if self.seen is not None:
                         peer_failed_at = now
-                        self.store.add(SEEN_KEY, 1)
                 except Exception:
                     self.store_gone = True  # its process ended (see the note): nothing more to learn from it
             elif self.failed_here:
