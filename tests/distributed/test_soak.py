@@ -1,11 +1,13 @@
-"""Soak (issue 23): 300 tiny training steps on 2 ranks, timeline on, epochs and validation along the way; after a
+"""Soak (issue 23): 240 tiny training steps on 2 ranks, timeline on, epochs and validation along the way; after a
 warm-up nothing grows — live tensors, Python objects, open files, threads exactly (objects: within a few); resident
-memory by its robust slope (measured here 23:40 UTC 2026-12-01, 2 busy cores: 6.5 MiB per 1,000 steps, in two jumps of
-0.5 and 1 MiB at the same steps on both ranks, objects flat within 4).
+memory by its robust slope.
 
-An outside 1,500-step soak measured +2.1 MiB of RSS per 1,000 steps on rank 0 (allocator noise, nothing kept) and
-flat tensors, fds and threads; the RSS limit below is 8 times that, so a real leak (a graph or a batch kept per
-step) fails while a noisy machine's allocator jumps do not."""
+An outside 1,500-step soak measured +2.1 MiB of RSS per 1,000 steps. That growth is torch's flight recorder (a ring
+of the last 2,000 collectives, default on, also for gloo): bounded, it stops once the ring is full. Measured here
+(2026-12-01, 2 shared cores, 500 steps): 6.6 MiB per 1,000 steps with it, 0.35 with ``TORCH_FR_BUFFER_SIZE=0``; a
+plain gloo all-reduce loop grows the same way for 2,000 calls, then stays flat. So the soak turns the recorder off
+and returns freed memory to the OS before each sample (``malloc_trim``): what stays resident is held by someone, and
+the limit (4 MiB per 1,000 steps, 10 times the measured slope) catches a kept graph or batch per step."""
 
 from __future__ import annotations
 
@@ -20,8 +22,9 @@ from tests.distributed.scenarios.soak import SoakCase
 
 pytestmark = [pytest.mark.distributed]
 
-WARMUP_STEPS = 100  # torch's shape inference, the first epoch's and validation's buffers, the timeline's window
-RSS_LIMIT = 16 * 2**20 / 1000  # bytes per step: 16 MiB per 1,000 steps
+# torch's shape inference, the first epochs' and validation's buffers, the timeline's window (its last 64 records)
+WARMUP_STEPS = 80
+RSS_LIMIT = 4 * 2**20 / 1000  # bytes per step: 4 MiB per 1,000 steps
 
 
 def theil_sen(points: list[tuple[int, int]]) -> float:
@@ -30,11 +33,13 @@ def theil_sen(points: list[tuple[int, int]]) -> float:
 
 
 @pytest.mark.timeout(240)
-def test_soak_nothing_grows_per_step(tmp_path: Path) -> None:
+def test_soak_nothing_grows_per_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):  # the flight recorder (see above)
+        monkeypatch.setenv(name, "0")
     results = launch("soak", 2, [SoakCase()], tmp_path, timeout=200)
     for rank, (result,) in enumerate(results):
         samples = [s for s in result["samples"] if s["step"] >= WARMUP_STEPS]
-        assert len(samples) >= 10, result
+        assert len(samples) >= 8, result
         first, last = samples[0], samples[-1]
         summary = f"rank {rank}: {first} -> {last}"
         assert last["tensors"] <= first["tensors"], summary
