@@ -103,6 +103,19 @@ def save_last_checkpoint(callback: Any, trainer: Any) -> None:
     callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
 
 
+def is_last_batch(trainer: Any, phase: str) -> bool:
+    """Whether the batch of ``phase`` that just ran is the last one of its loader(s) here: Lightning's fetcher looks
+    one batch ahead (``batch_progress.is_last_batch``; always False for a ``dataloader_iter`` step, which cannot)."""
+    if phase == "train":
+        loop = trainer.fit_loop.epoch_loop
+    elif phase == "validate":
+        loop = trainer.fit_loop.epoch_loop.val_loop if trainer.state.fn == "fit" else trainer.validate_loop
+    else:
+        loop = trainer.test_loop if phase == "test" else trainer.predict_loop
+    progress = getattr(loop, "batch_progress", None)
+    return bool(progress is not None and progress.is_last_batch)
+
+
 def versions_checked() -> bool:
     """Whether the installed Lightning is a version this module was verified against."""
     return lightning.__version__.startswith(CHECKED_LIGHTNING)

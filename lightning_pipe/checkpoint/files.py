@@ -8,11 +8,13 @@ same path is first renamed aside to ``.<name>.old-<token>`` and removed after th
 those two renames, :func:`recover` puts the old copy back (PipelineStrategy calls it on rank 0 before loading; the
 CLI's ``consolidate`` calls it too; :func:`describe` only points at it). A rank killed while writing leaves only a
 ``.partial`` directory: the previous checkpoint, and any link to it (``ModelCheckpoint``'s ``last``), stay valid.
-Stale ``.partial`` directories are removed by the next good save.
+Stale ``.partial`` directories are removed by the next good save; a save that fails (a full disk, a rank's error)
+removes its own at once (:func:`no_space_error` then says what was missing, before torch's ``CheckpointException``).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import uuid
@@ -143,6 +145,44 @@ def save_file_atomic(obj: Any, path: Path) -> None:
     tmp = partial_path(path, uuid.uuid4().hex[:8])
     _save_synced(obj, tmp)
     commit(tmp, path, uuid.uuid4().hex[:8])
+
+
+def state_bytes(state: Mapping[str, Any]) -> int:
+    """Bytes of the tensors in a flat state dict (what its shard files hold, near enough)."""
+    return sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, Tensor))
+
+
+def _errors_in(error: BaseException) -> list[BaseException]:
+    """``error``, what it was raised from, and the per-rank failures a DCP ``CheckpointException`` carries."""
+    found: list[BaseException] = []
+    todo = [error]
+    while todo and len(found) < 64:
+        current = todo.pop()
+        if any(current is e for e in found):
+            continue
+        found.append(current)
+        if isinstance(current, CheckpointException):
+            todo.extend(exc for exc, _ in current.failures.values() if isinstance(exc, BaseException))
+        todo.extend(e for e in (current.__cause__, current.__context__) if e is not None)
+    return found
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MB" if n >= 2**20 else f"{n / 2**10:.0f} KB"
+
+
+def no_space_error(error: BaseException, path: Path, needed: int) -> CheckpointError | None:
+    """A clear error when a save of ``needed`` bytes into ``path`` failed for lack of space; None otherwise."""
+    if not any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in _errors_in(error)):
+        return None
+    try:
+        free = f"{_size(shutil.disk_usage(path.parent).free)} free there now"
+    except OSError:
+        free = "free space unknown"
+    return CheckpointError(
+        f"No space left on {str(path.parent)!r}: saving {path.name!r} needed about {_size(needed)} "
+        f"({free}). The partial save was removed and earlier checkpoints are intact; free space, or point "
+        "ModelCheckpoint(dirpath=...) at another disk (save_top_k limits how many checkpoints are kept).")
 
 
 # ---------------------------------------------------------------------------------------------------------- reading

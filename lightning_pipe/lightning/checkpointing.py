@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,8 @@ from lightning_pipe.parallel.dtensor import full_values, shard_optimizer_state, 
 from lightning_pipe.parallel.topology import Topology
 
 T = TypeVar("T")
+P = TypeVar("P")
+_NOTHING: Any = object()
 NO_OPTIMIZER_STATE = ("The checkpoint holds no optimizer state (saved with weights_only=True), so training cannot "
                       "resume from it. Load its weights with `Model.load_from_checkpoint(...)` and start a new fit, "
                       "or use a full checkpoint.")
@@ -68,16 +70,24 @@ class RankGroup:
         dist.all_gather_object(out, obj)
         return out
 
-    def agree(self, fn: Callable[[], T]) -> T:
-        """Run a check on every rank; if it fails anywhere, raise the same CheckpointError everywhere (no hang)."""
+    @overload
+    def agree(self, fn: Callable[[], T]) -> T: ...
+
+    @overload
+    def agree(self, fn: Callable[[], Any], payload: P) -> list[P]: ...
+
+    def agree(self, fn: Callable[[], Any], payload: Any = _NOTHING) -> Any:
+        """Run a check on every rank; if it fails anywhere, raise the same CheckpointError everywhere (no hang).
+        Returns the check's result, or with ``payload`` every rank's payload (gathered along, no extra collective)."""
         try:
             result, error = fn(), None
         except CheckpointError as err:
             result, error = None, str(err)
-        first = next((e for e in self.gather(error) if e), None)
+        gathered = self.gather((error, None if payload is _NOTHING else payload))
+        first = next((e for e, _ in gathered if e), None)
         if first is not None:
             raise CheckpointError(first)
-        return result  # type: ignore[return-value]
+        return result if payload is _NOTHING else [p for _, p in gathered]
 
 
 class ShardedCheckpointer:
@@ -120,7 +130,6 @@ class ShardedCheckpointer:
                 raise CheckpointError(
                     f"Refusing to save a checkpoint over {str(path)!r}: it is a directory that is not a checkpoint.")
 
-        ranks.agree(check_target)
         # replicas hold the same values: replica 0 alone writes; tensor ranks gather the same whole tensors: rank 0
         writes = self.topology.dp_rank == 0 and self.topology.tp_rank == 0
         # FSDP-sharded / tensor-parallel stages: every rank of the mesh gathers full tensors, so the format does not
@@ -135,7 +144,20 @@ class ShardedCheckpointer:
         if writes:
             state.update({MODEL_PREFIX + k: v for k, v in model_sd.items()})
         groups = [s["groups"] for s in opt_states] if opt_states is not None else None
+        # the target check and every rank's size in one gather (the size names what a full disk lacked)
+        needed = sum(ranks.agree(check_target, payload=files.state_bytes(state)))
         tmp = files.partial_path(path, token)
+        try:
+            self._write(ranks, path, tmp, token, state, checkpoint, groups)
+        except BaseException as err:  # DCP's CheckpointException is a BaseException
+            files.remove(tmp)  # what this failed save wrote; the earlier checkpoints stay as they are
+            full = files.no_space_error(err, path, needed)
+            if full is not None:
+                raise full from err
+            raise
+
+    def _write(self, ranks: RankGroup, path: Path, tmp: Path, token: str, state: dict[str, Any],
+               checkpoint: dict[str, Any], groups: list[Any] | None) -> None:
         if ranks.rank == 0:
             tmp.mkdir(parents=True, exist_ok=True)
         ranks.barrier()

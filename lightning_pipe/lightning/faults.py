@@ -22,11 +22,21 @@ the ranks have not agreed within :data:`SIGTERM_DEADLINE_S` (a rank stuck outsid
 SLURM's requeue signal (SIGUSR1 with ``SLURMEnvironment(auto_requeue=True)``) has the same problem — Lightning saves
 a checkpoint inside its handler — and the same cure: recorded in the handler, agreed in the same all-reduce, and
 Lightning's requeue (checkpoint, ``scontrol requeue``) run by every rank at that step boundary.
+
+[Note: the same last batch]
+Every rank iterates its own data loader; the stages of a pipeline (and its tensor ranks, and the replicas, which
+average each step) must run the same number of batches. A rank whose loader yields fewer (a per-rank
+``limit_train_batches``, an uneven shard, an iterable dataset) would end its epoch and wait in the next collective
+while the others wait for its transfers of the next batch: a silent hang until the process-group timeout. Lightning's
+fetcher looks one batch ahead, so after each step every rank knows whether that was its last batch; "last here" and
+"more here" ride in the SIGTERM all-reduce above (no collective of their own), and if both are set somewhere, every
+rank raises the same error at that step, naming who ran out after how many batches.
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 import uuid
 from datetime import timedelta
 from typing import Any
@@ -40,8 +50,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_pipe._compat import lightning as _compat
 from lightning_pipe._compat import torch as _compat_torch
-from lightning_pipe.config import config_error
-from lightning_pipe.runtime.watchdog import FailureWatch, any_rank
+from lightning_pipe.config import PipelineConfigError, config_error
+from lightning_pipe.runtime.watchdog import FailureWatch, any_rank, consequence_note
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 """The process-group timeout: how long one collective or P2P transfer may wait before it fails.
@@ -131,7 +141,8 @@ class PipelineFaults:
         # Keys private to this run: a process that runs fit, then validate, reuses the store.
         token = strategy.broadcast(uuid.uuid4().hex[:12])
         store = dist.PrefixStore(f"lightning_pipe/faults/{token}/", _compat_torch.default_store())
-        watch = FailureWatch(store, strategy.global_rank, before_exit=lambda: _end_launched_ranks(strategy))
+        watch = FailureWatch(store, strategy.global_rank, world_size=strategy.world_size,
+                             before_exit=lambda: _end_launched_ranks(strategy))
         faults = cls(strategy, trainer, watch)
         connector = _compat.signal_connector(trainer)
         if isinstance(connector, PipelineSignalConnector):
@@ -149,6 +160,15 @@ class PipelineFaults:
             return
         self.failed = True
         self.watch.report(exception)
+        cause = self.watch.cause_of(exception)
+        if cause is not None:  # this rank's error is only gloo's / NCCL's "the peer is gone": name the cause
+            note = consequence_note(self.strategy.global_rank, cause)
+            exception.add_note(note)
+            try:
+                sys.stderr.write(note + "\n")
+                sys.stderr.flush()
+            except Exception:
+                pass
 
     # ------------------------------------------------------------------ SIGTERM
     def sigterm_received(self, signum: Any) -> None:
@@ -166,10 +186,15 @@ class PipelineFaults:
             "without a checkpoint, with code 143.", 143)
 
     def after_step(self, phase: str, batch_idx: int | None) -> None:
-        """Every rank, after every step: agree on SIGTERM ([Note: SIGTERM at a step boundary])."""
+        """Every rank, after every step: agree on SIGTERM ([Note: SIGTERM at a step boundary]) and on where the
+        epoch ends ([Note: the same last batch]), in one all-reduce."""
         if not self.stopping:
-            sigterm, requeue = any_rank([self.sigterm_pending, self.requeue_pending and not self._requeued],
-                                        self.strategy.root_device)
+            last = _compat.is_last_batch(self.trainer, phase)
+            sigterm, requeue, last_somewhere, more_somewhere = any_rank(
+                [self.sigterm_pending, self.requeue_pending and not self._requeued, last, not last],
+                self.strategy.root_device)
+            if last_somewhere and more_somewhere:
+                raise uneven_batches_error(phase, batch_idx, last, self.strategy.global_rank)
             if requeue:
                 self._requeued = True  # once per run: ranks may get the signal a step apart
                 _compat.signal_connector(self.trainer).run_requeue()
@@ -199,7 +224,29 @@ class PipelineFaults:
             self.trainer.callbacks.remove(self._reporter)
         if not self.failed:
             self.strategy.barrier("lightning_pipe.faults.stop")
+        else:
+            self.watch.wait_seen()  # peers read this failure before this process (maybe the store's) ends
         self.watch.stop()
+
+
+def uneven_batches_error(phase: str, batch_idx: int | None, last: bool, rank: int) -> PipelineConfigError:
+    """Every rank, when some ranks just ran their last batch of ``phase`` and others have more: which ran out, after
+    how many batches (one gather, on this error path only), as the error every rank raises."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (rank, last))
+    done = [r for r, is_last in gathered if is_last]
+    more = [r for r, is_last in gathered if not is_last]
+    count = "?" if batch_idx is None else str(batch_idx + 1)
+    what = {"train": "training", "validate": "validation"}.get(phase, phase)
+    setting = {"train": "limit_train_batches", "validate": "limit_val_batches", "test": "limit_test_batches",
+               "predict": "limit_predict_batches"}.get(phase, "limit_train_batches")
+    return PipelineConfigError(
+        f"The ranks' {what} data ends at different batches: rank(s) {done} ran out after {count} batches (batch_idx "
+        f"{batch_idx} was their last) while rank(s) {more} have more. Rule: every rank runs the same batches of an "
+        "epoch (the stages and tensor ranks of a pipeline pass each batch through together, and replicas average "
+        "every step), so the rest would wait for each other forever. Give every rank the same number of batches: "
+        f"the same Trainer({setting}=...) everywhere, a DistributedSampler (Lightning adds one; it pads the shards "
+        "to equal length), an IterableDataset that yields as many batches on every rank.")
 
 
 def _save_last_on_preemption(trainer: Any) -> None:

@@ -209,7 +209,14 @@ def agree_after_split(module: nn.Module, tied: Sequence[TiedParameter], before: 
     mine = _Setup(type(failure).__name__ if failure else None, str(failure) if failure else "",
                   [] if failure else _tie_layouts(module, tied, before, tp_rank))
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
+    try:
+        dist.all_gather_object(gathered, mine)
+    except Exception:
+        if failure is None:
+            raise
+        # a peer still in the collectives this rank skipped was stopped (by its failure watch): this rank's own
+        # error is the one to raise, not the lost connection
+        raise failure from None
     if failure is not None:
         raise failure
     failed = [(rank, setup) for rank, setup in enumerate(gathered) if setup.error_type is not None]

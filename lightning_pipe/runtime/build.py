@@ -36,6 +36,7 @@ from lightning_pipe.parallel.tensor_parallel import check_module as check_tensor
 from lightning_pipe.parallel.topology import TENSOR, ProcessGroups, Topology, build_mesh, data_parallel_mesh
 from lightning_pipe.runtime.engine import PipelineEngine, PipelineModel
 from lightning_pipe.runtime.spec import SchedulePlan
+from lightning_pipe.runtime.watchdog import report_now
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,10 @@ def build_engine(module: PipelineModel, config: PipelineConfig, plan: SchedulePl
         if not (tensor_parallel and fresh):
             raise
         failure = err  # the hooks are the module's code: every rank must learn that one failed (below)
+        # ... and now: a peer whose hook failed later, or not at all, is still in the next layers' broadcasts and
+        # its hook's own collectives, which this rank will not join; only the store reaches it there
+        # ([Note: failure propagation]).
+        report_now(err)
     if tensor_parallel:
         assert groups.tensor is not None
         if fresh:

@@ -16,6 +16,18 @@ its sockets stay open, so its peers see no error: they wait until the process-gr
 * the thread never acts on store errors: the store lives in one process (rank 0, or torchrun's agent), which may
   end normally before a slower peer's teardown; peers of a *killed* process see its closed sockets anyway.
 
+A failing process that *ends* closes its sockets, and its peers' transfers fail at once with the backend's own error
+(gloo's "Connection closed by peer"): that error, not the cause, is what rank 0's user would see. Hence:
+
+* every rank reads the first failure as soon as it appears (its thread's next poll, or its own report; kept in
+  :attr:`FailureWatch.seen`) and counts itself under ``SEEN_KEY``; a failed rank waits at its teardown (:meth:`FailureWatch.wait_seen`, about one poll)
+  until every rank has read its failure, so peers know it even when the store's process (rank 0) is the one ending;
+* a rank whose own error is a lost connection (:func:`is_peer_connection_error`) names the first failure of another
+  rank as the cause (:func:`consequence_note`, added to its exception and printed).
+
+A per-rank hook that fails between collectives (a ``parallelize_layer`` failing on one tensor rank) is reported at
+once with :func:`report_now`, before its rank waits in any agreement its peers may never reach.
+
 The same thread enforces a deadline (used after SIGTERM: if the ranks do not stop together in time, stop anyway).
 Plain torch: the Lightning adapter (``lightning_pipe.lightning.faults``) decides when to start, report and stop.
 """
@@ -33,6 +45,13 @@ import torch
 import torch.distributed as dist
 
 FAILURE_KEY = "first_failure"
+SEEN_KEY = "failure_seen"
+"""Counts the ranks whose watch has read the first failure."""
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",
+              "remote process exited", "ncclremoteerror", "nccl communicator was aborted", "socket closed")
+"""How gloo and NCCL word "a peer went away" (lower case)."""
+_ACTIVE: FailureWatch | None = None
+"""The watch running in this process (one trainer run at a time), for :func:`report_now`."""
 MAX_MESSAGE = 2000
 """Characters of an error message kept in the store (tracebacks stay in the failing rank's own output)."""
 
@@ -52,6 +71,25 @@ def describe_failure(rank: int, error: BaseException) -> str:
     return f"rank {rank}: {text}"
 
 
+def is_peer_connection_error(error: BaseException) -> bool:
+    """Whether ``error`` (or an exception it was raised from) says a peer process went away, rather than what
+    failed there."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if any(text in str(current).lower() for text in _PEER_LOST):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def consequence_note(rank: int, cause: str) -> str:
+    """What a rank adds to its lost-connection error: the first failure of the run, which is the real cause."""
+    return (f"lightning_pipe: rank {rank} lost its connection because another rank failed first: {cause}\n"
+            "lightning_pipe: (that rank's traceback is in its own output; the error above is only the consequence).")
+
+
 def any_rank(flags: Sequence[bool], device: torch.device, group: Any | None = None) -> list[bool]:
     """For each flag, whether it is set on any rank of ``group`` (one MAX all-reduce; every rank must call it at
     the same point of its program, like any collective)."""
@@ -67,19 +105,25 @@ class FailureWatch:
     Args:
         store: a store every rank shares, with keys private to this run (e.g. a ``PrefixStore`` per run).
         rank: this process's global rank (names it in messages).
+        world_size: how many ranks watch this store (:meth:`wait_seen` waits for that many).
         interval: seconds between two polls of the store.
         grace: seconds a peer's failure is left for this rank to fail on its own before this process is stopped.
         before_exit: called just before this process ends (e.g. to end child processes it launched).
     """
 
-    def __init__(self, store: Any, rank: int, *, interval: float = 0.5, grace: float = 5.0,
+    def __init__(self, store: Any, rank: int, *, world_size: int = 1, interval: float = 0.5, grace: float = 5.0,
                  before_exit: Callable[[], None] | None = None) -> None:
         self.store = store
         self.rank = rank
+        self.world_size = world_size
+        self.seen: str | None = None
+        """The first failure of the run, once this rank's thread read it."""
         self.interval = interval
         self.grace = grace
         self.before_exit = before_exit
         self.failed_here = False
+        self.store_gone = False  # its process ended (rank 0's): every later call would fail (and log) again
+        self._seen_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._deadline: tuple[float, str, int] | None = None
@@ -87,12 +131,17 @@ class FailureWatch:
 
     # ------------------------------------------------------------------ control
     def start(self) -> FailureWatch:
+        global _ACTIVE
+        _ACTIVE = self
         self._thread = threading.Thread(target=self._run, name=f"lightning_pipe-watch-rank{self.rank}", daemon=True)
         self._thread.start()
         return self
 
     def stop(self) -> None:
         """Stop polling; returns once the thread is done with the store (at most one poll later)."""
+        global _ACTIVE
+        if _ACTIVE is self:
+            _ACTIVE = None
         self._stop.set()
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
@@ -107,18 +156,57 @@ class FailureWatch:
         store holds afterwards (this one, or an earlier one of another rank), or None when the store is gone."""
         self.failed_here = True  # from now on this rank is never stopped by its own thread
         text = error if isinstance(error, str) else describe_failure(self.rank, error)
+        if self.store_gone:
+            return self.seen
         try:
-            return self.store.compare_set(FAILURE_KEY, "", text).decode(errors="replace")
-        except Exception:  # the store's process ended: its peers learn from closed sockets instead
+            first = self.store.compare_set(FAILURE_KEY, "", text).decode(errors="replace")
+            self._read(first)  # this rank knows the first failure now: counted at once, not at the next poll
+            return first
+        except Exception:  # the store's process ended: what this rank's thread read before is all there is
+            self.store_gone = True
+            return self.seen
+
+    def _read(self, first: str) -> bool:
+        """Keep the first failure and count this rank as having read it (once, whichever thread comes first)."""
+        with self._seen_lock:
+            if self.seen is not None:
+                return False
+            self.seen = first
+        self.store.add(SEEN_KEY, 1)
+        return True
+
+    def cause_of(self, error: BaseException) -> str | None:
+        """Another rank's first failure, when ``error`` (this rank's, reported) is only a lost connection to it."""
+        if not is_peer_connection_error(error):
             return None
+        first = self.first_failure() or self.seen
+        return first if first is not None and not first.startswith(f"rank {self.rank}:") else None
+
+    def wait_seen(self, timeout: float | None = None) -> bool:
+        """After this rank failed: wait (at most ``timeout``, default two polls and a second) until every rank's
+        thread has read the first failure, so that it outlives the store if this process hosts it. True if all did."""
+        end = time.monotonic() + (2 * self.interval + 1.0 if timeout is None else timeout)
+        while not self.store_gone:
+            try:
+                if int(self.store.add(SEEN_KEY, 0)) >= self.world_size:
+                    return True
+            except Exception:  # the store is gone: nobody can read it any more
+                self.store_gone = True
+                break
+            if time.monotonic() >= end or not self.running:
+                return False
+            time.sleep(min(0.05, self.interval))
+        return False
 
     def first_failure(self) -> str | None:
         """The first failure any rank reported, or None."""
+        if self.store_gone:
+            return None
         try:
             if self.store.check([FAILURE_KEY]):
                 return self.store.get(FAILURE_KEY).decode(errors="replace")
         except Exception:
-            pass
+            self.store_gone = True
         return None
 
     def set_deadline(self, seconds: float, message: str, code: int) -> None:
@@ -131,28 +219,32 @@ class FailureWatch:
     # ------------------------------------------------------------------ thread
     def _run(self) -> None:
         peer_failed_at: float | None = None
-        store_gone = False
         while not self._stop.wait(self.interval):
             now = time.monotonic()
             deadline = self._deadline
             if deadline is not None and now >= deadline[0]:
                 self.terminate(deadline[1], deadline[2])
                 return
-            if self.failed_here or store_gone:
+            if self.store_gone:
                 continue
             if peer_failed_at is None:
                 try:
-                    if self.store.check([FAILURE_KEY]):
+                    if self.seen is None and self.store.check([FAILURE_KEY]):
+                        # read at once (the store's process may end soon after), then counted as read
+                        self._read(self.store.get(FAILURE_KEY).decode(errors="replace"))
+                    if self.seen is not None:
                         peer_failed_at = now
                 except Exception:
-                    store_gone = True  # its process ended (see the note): nothing more to learn from it
+                    self.store_gone = True  # its process ended (see the note): nothing more to learn from it
+            elif self.failed_here:
+                continue
             elif now - peer_failed_at >= self.grace:
                 # `grace` let this rank fail on its own first (the same configuration error on every rank).
                 self._stop_for_peer()
                 return
 
     def _stop_for_peer(self) -> None:
-        failure = self.first_failure() or "(its error could not be read from the store)"
+        failure = self.first_failure() or self.seen or "(its error could not be read from the store)"
         self.terminate(
             f"lightning_pipe: rank {self.rank} stops because another rank failed: {failure}\n"
             f"lightning_pipe: (its traceback is in that rank's output). Every rank of a pipeline waits on the "
@@ -176,4 +268,12 @@ class FailureWatch:
         self._exit(code)
 
 
-__all__ = ["FailureWatch", "any_rank", "describe_failure"]
+def report_now(error: BaseException) -> None:
+    """Report ``error`` to the other ranks now, if a watch runs in this process: for a failure in a per-rank hook
+    that this rank keeps for a later agreement, which peers blocked in the hook's own collectives never reach."""
+    if _ACTIVE is not None:
+        _ACTIVE.report(error)
+
+
+__all__ = ["FailureWatch", "any_rank", "consequence_note", "describe_failure", "is_peer_connection_error",
+           "report_now"]

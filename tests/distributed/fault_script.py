@@ -8,7 +8,10 @@ Modes:
   ``resume`` continues from ``ckpt_path="last"`` up to ``max_steps`` and writes ``start<rank>`` / ``resumed<rank>``
   (the global step at the start and at the end);
 * ``fail``: the layer of rank ``fail_rank`` raises at its forward call ``fail_at``; the script *catches* the error and
-  sleeps 90 s, as a notebook or a script that handles errors would keep the process alive.
+  sleeps 90 s, as a notebook or a script that handles errors would keep the process alive;
+* ``crash``: rank ``fail_rank`` raises at ``fail_in`` (``"configure_optimizers"`` at setup, ``"save"``: its
+  checkpoint write fails as on a read-only file system) and its process *ends*, closing its sockets: the other
+  rank's transfer fails with gloo's own error, to which it must add the cause.
 
 Also the harness the tests and ``bench/sigterm.py`` share: start the script, wait for a step, time every rank's exit.
 """
@@ -45,6 +48,16 @@ def main(out: Path, mode: str, opts: dict[str, Any]) -> None:
         PipelineFaults.start = classmethod(lambda cls, strategy: None)  # type: ignore[method-assign]
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     busy = bool(opts.get("busy"))
+    crash_here = mode == "crash" and rank == opts.get("fail_rank")
+    if crash_here and opts.get("fail_in") == "save":
+        import errno
+
+        from lightning_pipe.checkpoint import files
+
+        def read_only(state: Any, tmp: Path, no_dist: bool = False) -> Any:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(tmp))
+
+        files.write_shards = read_only  # type: ignore[assignment]
     (out / f"pid{rank}").write_text(str(os.getpid()))
 
     class SlowLayer(nn.Module):
@@ -80,6 +93,8 @@ def main(out: Path, mode: str, opts: dict[str, Any]) -> None:
             return F.mse_loss(output, target)
 
         def configure_optimizers(self) -> Any:
+            if crash_here and opts.get("fail_in") == "configure_optimizers":
+                raise ValueError(f"injected failure in configure_optimizers on rank {rank}")
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
     class Progress(Callback):
@@ -103,7 +118,8 @@ def main(out: Path, mode: str, opts: dict[str, Any]) -> None:
     loader = DataLoader(data, batch_size=8, drop_last=True)
     callbacks: list[Any] = [Progress()]
     if opts.get("ckpt"):
-        callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", save_last=True, every_n_train_steps=10))
+        callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", save_last=True,
+                                         every_n_train_steps=opts.get("ckpt_every", 10)))
     max_steps = opts.get("max_steps", 100_000)
     trainer = L.Trainer(strategy=PipelineStrategy(microbatches=4), accelerator="cpu", devices=2, max_steps=max_steps,
                         callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,

@@ -150,7 +150,7 @@ def test_crash_mid_save_reshard_to_pp2_single_files_and_bad_input(four_ranks: di
     assert ckpt_lib.describe(crash_dir / "epoch=0-step=2.ckpt") == "sharded"
     assert not (crash_dir / STEP4).exists()
     assert os.readlink(crash_dir / "last.ckpt") == "epoch=0-step=2.ckpt"
-    assert list(crash_dir.glob(f".{STEP4}.partial-*")), "the interrupted save stays in its temporary directory"
+    assert not list(crash_dir.glob(f".{STEP4}.partial-*")), "the surviving rank removes the failed save's files"
     assert ckpt_lib.consolidated(crash_dir / "last.ckpt")["global_step"] == 2
 
     # 2) single files: one consolidated from a pipeline checkpoint, one written by a plain single-device run
@@ -185,7 +185,11 @@ def test_crash_mid_save_reshard_to_pp2_single_files_and_bad_input(four_ranks: di
         CheckpointCase(resume_from=str(text_file), expect_error=True),
         CheckpointCase(resume_from=str(tmp_path / "nowhere.ckpt"), expect_error=True),
     ]
-    res = launch("ckpt_resume", 2, cases, tmp_path / "out2", timeout=400)
+    # 4) last, in the same processes: rank 1's disk is full in the middle of the second save (issue 23)
+    full_dir = tmp_path / "full"
+    full = CheckpointCase(dir=str(full_dir), crash_rank=1, schedule="1f1b", expect_error=True)
+    res = launch_runs(2, [*(("ckpt_resume", case) for case in cases), ("ckpt_full", full)], tmp_path / "out2",
+                      timeout=400)
     four = four_ranks["results"]
     # pp4 -> pp2 continues exactly like the uninterrupted pp4 run (same data, same optimizer state)
     src = merge_replica(four, four_ranks["index"]["pp4_gpipe"], run="full")
@@ -215,3 +219,10 @@ def test_crash_mid_save_reshard_to_pp2_single_files_and_bad_input(four_ranks: di
         assert errors[0]["error"].startswith("CheckpointError")
         for phrase in phrases:
             assert phrase in errors[0]["error"], (phrase, errors[0]["error"])
+    # the full disk: every rank names it first (not DCP's CheckpointException), the failed save's files are gone,
+    # the step-2 checkpoint and `last` (linked to it) stay
+    for rank in res:
+        assert not rank[-1]["ok"] and rank[-1]["error"].startswith(
+            f"CheckpointError: No space left on {str(full_dir)!r}: saving {STEP4!r} needed about "), rank[-1]
+    assert sorted(p.name for p in full_dir.iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+    assert ckpt_lib.describe(full_dir / "last.ckpt") == "sharded"

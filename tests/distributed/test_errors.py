@@ -20,17 +20,27 @@ def test_bad_input_fails_fast_on_every_rank(tmp_path):
         TrainingCase(model="no_layers", steps=1, expect_error=True),
         # explicit partition that does not sum to the 8 layers
         TrainingCase(partition=[3, 3], steps=1, expect_error=True),
+        # rank 0's loader yields 5 batches, rank 1's 3 (issue 23: a hang before): every rank stops after batch 3
+        TrainingCase(steps=10, validate=False, rank_limits={"limit_train_batches": [5, 3]}, expect_error=True),
+        # the same in validation (3 batches on rank 0, 1 on rank 1), at the first check after 2 training batches
+        TrainingCase(steps=4, rank_limits={"limit_val_batches": [3, 1]}, expect_error=True),
         # and afterwards a good run still works in the same processes, monitored by ModelCheckpoint
         TrainingCase(steps=4, monitor_dir=str(tmp_path / "ckpts")),
     ]
     results = launch("training", 2, cases, tmp_path, timeout=200)
     for rank_results in results:
-        batch, no_layers, partition, good = rank_results
+        batch, no_layers, partition, uneven_train, uneven_val, good = rank_results
         assert not batch["ok"] and "batch size 6 (batch_idx 0), microbatches=4" in batch["error"]
         assert "data.batch_size" in batch["error"] and "drop_last=True" in batch["error"]
         assert not no_layers["ok"] and "no attribute `layers`" in no_layers["error"]
         assert "strategy.layers_attr" in no_layers["error"]
         assert not partition["ok"] and "counts [3, 3] (sum 6) for 8 layers" in partition["error"]
+        assert not uneven_train["ok"] and ("training data ends at different batches: rank(s) [1] ran out after 3 "
+                                           "batches (batch_idx 2 was their last) while rank(s) [0] have more"
+                                           ) in uneven_train["error"], uneven_train
+        assert "Trainer(limit_train_batches=...)" in uneven_train["error"]
+        assert not uneven_val["ok"] and ("validation data ends at different batches: rank(s) [1] ran out after 1 "
+                                         "batches") in uneven_val["error"], uneven_val
         assert good["ok"] and len(good["losses"]) == 4
         # validation every 2 batches fed ModelCheckpoint's monitor on every rank with the same value
         assert good["best"] == results[0][-1]["best"] and good["best"][1] == min(good["fit_val_losses"])

@@ -1,5 +1,6 @@
 """No hangs (issue 14, items 4 and 5), on real processes started the way users start them (popen: the script is
-re-run for rank 1): a rank that fails and stays alive, SIGTERM to the main process mid-step, kill -9 of a rank.
+re-run for rank 1): a rank that fails and stays alive, SIGTERM to the main process mid-step, kill -9 of a rank;
+issue 23: a rank that fails and ends is named on every rank, a tensor-parallel hook failing on one rank.
 ``bench/sigterm.py`` runs the SIGTERM case 20 times."""
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.distributed import fault_script as fs
+from tests.distributed.launcher import RanksFailed, launch
+from tests.distributed.scenarios import TrainingCase
 
 pytestmark = [pytest.mark.distributed]
 
@@ -95,3 +99,46 @@ def test_kill_9_of_the_main_process_still_ends_every_process(tmp_path: Path) -> 
     finally:
         fs.cleanup(proc)
     assert seconds < 30, f"ranks still running 30 s after kill -9 of rank {victim}:\n{fs.log_tail(tmp_path)}"
+
+
+# ---------------------------------------------------------------------------------------------------- issue 23
+@pytest.mark.timeout(300)
+def test_a_failing_rank_is_named_on_every_rank_whether_it_ends_or_blocks_a_tensor_parallel_split(
+        tmp_path: Path) -> None:
+    """Three runs side by side (one launch's worth of suite time):
+
+    * the failing process *ends* (its sockets close): the other rank's transfer fails at once with gloo's
+      "Connection closed by peer", and that rank must still print the cause: rank 1 fails in
+      ``configure_optimizers`` (setup), or rank 0 (the store's process) in a checkpoint save (a read-only disk);
+    * tensor rank 1's ``parallelize_layer`` raises at layer 0 while tensor rank 0 goes on to layer 1's broadcast
+      and its hook's collectives (a hang until the process-group timeout before): rank 0 stops, naming rank 1's
+      error, and rank 1 raises its own error, not the lost connection.
+    """
+    runs = {"setup": (1, dict(fail_rank=1, fail_in="configure_optimizers")),
+            "save": (0, dict(fail_rank=0, fail_in="save", ckpt=True, ckpt_every=2))}
+    procs = {name: fs.start(tmp_path / name, "crash", **opts) for name, (_, opts) in runs.items()}
+    try:
+        split = tmp_path / "split"
+        case = TrainingCase(model="tp_hook_fails", tp=2, steps=1, validate=False, expect_error=True)
+        with pytest.raises(RanksFailed) as failed:
+            launch("training", 2, [case], split, timeout=200)
+        codes = {name: proc.wait(timeout=STARTUP_S) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            fs.cleanup(proc)
+    for name, (failing, _) in runs.items():
+        log = fs.log_tail(tmp_path / name, 400)
+        other = 1 - failing
+        assert codes[name] != 0, log
+        assert "Connection closed by peer" in log, log  # what the other rank's own error says
+        cause = {"setup": "ValueError: injected failure in configure_optimizers on rank 1",
+                 "save": "OSError: [Errno 30] Read-only file system"}[name]
+        note = f"lightning_pipe: rank {other} lost its connection because another rank failed first: rank {failing}: "
+        assert note + cause in log, log
+        assert f"[rank{other}]: {note}{cause}" in log, log  # also in its traceback (a note on its exception)
+    rank0 = (split / "rank0.log").read_text(errors="replace")
+    assert ("lightning_pipe: rank 0 stops because another rank failed: rank 1: ValueError: injected failure in "
+            "parallelize_layer on tensor rank 1 at layer 0") in rank0, failed.value
+    rank1 = torch.load(split / "result1.pt", weights_only=False)
+    assert rank1 == [{"ok": False, "error": "ValueError: injected failure in parallelize_layer on tensor rank 1 at "
+                                            "layer 0"}], rank1

@@ -172,3 +172,25 @@ def test_describe_is_a_pure_query(saved: tuple, tmp_path: Path) -> None:
     assert ckpt_lib.describe(target) == "sharded" and old.is_dir()  # the stray copy is left alone too
     shutil.rmtree(target)
     assert ckpt_lib.recover(target) == target and target.is_dir() and not old.exists()  # explicit
+
+
+def test_a_full_disk_is_named_first_with_the_size_needed(tmp_path: Path) -> None:
+    """DCP wraps each rank's write error in a CheckpointException (a BaseException) whose text starts with its own
+    name; the save says "no space left" first (issue 23)."""
+    import errno
+
+    from torch.distributed.checkpoint import CheckpointException
+
+    from lightning_pipe.checkpoint import files
+
+    full = CheckpointException("save failed", {1: (OSError(errno.ENOSPC, "No space left on device"), None)})
+    error = files.no_space_error(full, tmp_path / "epoch=0-step=4.ckpt", 3 * 2**20)
+    assert error is not None and str(error).startswith(
+        f"No space left on {str(tmp_path)!r}: saving 'epoch=0-step=4.ckpt' needed about 3.0 MB (")
+    assert "MB free there now" in str(error) and "partial save was removed" in str(error)
+    try:
+        raise RuntimeError("write failed") from OSError(errno.ENOSPC, "No space left on device")
+    except RuntimeError as chained:
+        assert files.no_space_error(chained, tmp_path / "x", 10) is not None
+    assert files.no_space_error(CheckpointException("x", {0: (ValueError("bad"), None)}), tmp_path / "x", 1) is None
+    assert files.state_bytes({"a": torch.zeros(4), "b": 3, "c": torch.zeros(2, dtype=torch.float64)}) == 32

@@ -77,7 +77,10 @@ def test_sigterm_and_requeue_are_acted_on_after_a_step(monkeypatch: pytest.Monke
     calls: list[str] = []
     monkeypatch.setattr(faults_module, "any_rank", lambda flags, device: list(flags))
     connector = SimpleNamespace(run_requeue=lambda: calls.append("requeue"), received_sigterm=False)
-    trainer = SimpleNamespace(_signal_connector=connector, accumulate_grad_batches=2, global_step=3)
+    progress = SimpleNamespace(is_last_batch=False)
+    trainer = SimpleNamespace(_signal_connector=connector, accumulate_grad_batches=2, global_step=3,
+                              fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
+                              state=SimpleNamespace(fn="validate"), validate_loop=SimpleNamespace(batch_progress=progress))
     strategy = SimpleNamespace(root_device="cpu", global_rank=0, launcher=None)
     watch = SimpleNamespace(clear_deadline=lambda: calls.append("clear"),
                             set_deadline=lambda *args: calls.append("deadline"))
@@ -95,3 +98,34 @@ def test_sigterm_and_requeue_are_acted_on_after_a_step(monkeypatch: pytest.Monke
     assert connector.received_sigterm  # Lightning raises SIGTERMException after this batch's optimizer step
     with pytest.raises(SIGTERMException):
         faults.after_step("validate", 0)
+
+
+def test_ranks_whose_data_ends_at_different_batches_raise_naming_who_ran_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The flags "last batch here" / "more here" ride in the per-step all-reduce; both set: every rank raises, with
+    who ran out after how many batches (one gather, on this path only)."""
+    from types import SimpleNamespace
+
+    from lightning_pipe.config import PipelineConfigError
+    from lightning_pipe.lightning import faults as faults_module
+
+    reduced: list[list[bool]] = []
+
+    def all_reduce(flags: list[bool], device: object) -> list[bool]:
+        reduced.append(list(flags))
+        return [False, False, True, True]  # some rank's last batch, another's not
+
+    def all_gather_object(out: list[object], obj: object) -> None:
+        out[:] = [(0, False), obj, (2, True)]
+
+    monkeypatch.setattr(faults_module, "any_rank", all_reduce)
+    monkeypatch.setattr(faults_module.dist, "get_world_size", lambda: 3)
+    monkeypatch.setattr(faults_module.dist, "all_gather_object", all_gather_object)
+    progress = SimpleNamespace(is_last_batch=True)
+    trainer = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)))
+    strategy = SimpleNamespace(root_device="cpu", global_rank=1, launcher=None)
+    faults = faults_module.PipelineFaults(strategy, trainer, SimpleNamespace())  # type: ignore[arg-type]
+    with pytest.raises(PipelineConfigError, match=r"training data ends at different batches: rank\(s\) \[1, 2\] ran "
+                                                  r"out after 3 batches \(batch_idx 2 was their last\) while "
+                                                  r"rank\(s\) \[0\] have more.*Trainer\(limit_train_batches=...\)"):
+        faults.after_step("train", 2)
+    assert reduced == [[False, False, True, False]]  # one all-reduce: SIGTERM, requeue, last here, more here

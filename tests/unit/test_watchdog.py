@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import torch.distributed as dist
 
-from lightning_pipe.runtime.watchdog import FailureWatch, describe_failure
+from lightning_pipe.runtime.watchdog import FailureWatch, describe_failure, is_peer_connection_error, report_now
 
 
 class Ranks:
@@ -123,3 +124,93 @@ def test_describe_failure_names_the_innermost_cause_first() -> None:
     assert describe_failure(0, KeyboardInterrupt()) == "rank 0: KeyboardInterrupt: (no message)"
     long: str | None = describe_failure(0, ValueError("x" * 5000))
     assert long is not None and len(long) < 2100 and long.endswith(" ...")
+
+
+# ------------------------------------------------------------------ issue 23: the cause, not gloo's "peer closed"
+GLOO_CLOSED = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:47830. This is "
+                           "typically caused by a remote worker crashing.")
+
+
+class ClosableStore:
+    """An in-process store that can 'end with its process' (rank 0's TCPStore): then every call raises."""
+
+    def __init__(self) -> None:
+        self.inner = dist.PrefixStore("run/", dist.HashStore())
+        self.closed = False
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.inner, name)
+
+        def call(*args: Any) -> Any:
+            if self.closed:
+                raise RuntimeError("Connection reset by peer")
+            return method(*args)
+
+        return call
+
+
+def test_peer_connection_errors_are_recognised_through_their_chain() -> None:
+    assert is_peer_connection_error(GLOO_CLOSED)
+    assert is_peer_connection_error(RuntimeError("NCCL error: remote process exited or there was a network error"))
+    try:
+        try:
+            raise GLOO_CLOSED
+        except RuntimeError as err:
+            raise RuntimeError("[Stage 0] failed to run forward") from err
+    except RuntimeError as wrapped:
+        assert is_peer_connection_error(wrapped)
+    assert not is_peer_connection_error(ValueError("bad batch"))
+
+
+def test_a_lost_connection_names_the_first_failure_even_after_the_store_is_gone() -> None:
+    """Rank 0 (the store's process) fails and ends; rank 1 then loses its connection: its error names rank 0's."""
+    store = ClosableStore()
+    exits: dict[int, int] = {}
+    watches = [FailureWatch(store, rank, world_size=2, interval=0.02, grace=5.0) for rank in range(2)]
+    for watch in watches:
+        watch._exit = lambda code, w=watch: exits.__setitem__(w.rank, code)  # type: ignore[misc]
+        watch.start()
+    try:
+        watches[0].report(ValueError("Read-only file system"))
+        assert watches[0].wait_seen(timeout=5.0)  # both threads read it (rank 0 may end now)
+        assert watches[1].seen == "rank 0: ValueError: Read-only file system"
+        store.closed = True
+        assert watches[1].report(GLOO_CLOSED) == "rank 0: ValueError: Read-only file system"
+        assert watches[1].cause_of(GLOO_CLOSED) == "rank 0: ValueError: Read-only file system"
+        assert watches[1].cause_of(ValueError("its own bug")) is None  # not a lost connection: its own error
+        assert watches[0].cause_of(GLOO_CLOSED) is None  # the first failure is rank 0's own
+        assert not watches[0].wait_seen(timeout=0.1)  # a gone store ends the wait at once
+        assert exits == {}
+    finally:
+        for watch in watches:
+            watch.stop()
+
+
+def test_the_pipeline_faults_add_the_cause_to_a_lost_connection_and_print_it(capsys: Any) -> None:
+    from lightning_pipe.lightning.faults import PipelineFaults
+
+    ranks = Ranks(2)
+    try:
+        ranks.watches[1].report(ValueError("injected failure in configure_optimizers on rank 1"))
+        faults = PipelineFaults(SimpleNamespace(global_rank=0), SimpleNamespace(), ranks.watches[0])
+        error = RuntimeError(str(GLOO_CLOSED))
+        faults.report(error)
+        note = ("lightning_pipe: rank 0 lost its connection because another rank failed first: rank 1: ValueError: "
+                "injected failure in configure_optimizers on rank 1")
+        assert note in error.__notes__[0]
+        assert note in capsys.readouterr().err
+        time.sleep(0.5)
+        assert ranks.exits == {}  # rank 0 failed itself: its own (annotated) exception ends it
+    finally:
+        ranks.stop()
+
+
+def test_report_now_reaches_the_watch_running_in_this_process() -> None:
+    ranks = Ranks(2)
+    try:
+        report_now(ValueError("hook failed on tensor rank 1"))  # the last watch started is rank 1's
+        assert ranks.watches[0].first_failure() == "rank 1: ValueError: hook failed on tensor rank 1"
+        assert ranks.watches[1].failed_here
+    finally:
+        ranks.stop()
+    report_now(ValueError("no watch runs: nothing happens"))

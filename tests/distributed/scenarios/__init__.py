@@ -21,6 +21,7 @@ from tests.distributed.scenarios import (
     rebalance,
     recipe,
     rng,
+    soak,
     trace,
     training,
 )
@@ -29,7 +30,8 @@ from tests.distributed.scenarios.trace import TraceCase
 from tests.distributed.scenarios.training import TrainingCase
 
 Case = (TrainingCase | CheckpointCase | TraceCase | hardening.HardeningCase | planner.SlowRankCase | hf.HFCase
-        | rebalance.RebalanceCase | fsdp.FsdpCountCase | frozen.FrozenCase | recipe.RecipeCase | rng.RngCase)
+        | rebalance.RebalanceCase | fsdp.FsdpCountCase | frozen.FrozenCase | recipe.RecipeCase | rng.RngCase
+        | soak.SoakCase)
 
 
 class Scenario(NamedTuple):
@@ -49,6 +51,7 @@ SCENARIOS: dict[str, Scenario] = {
     "ckpt_train": Scenario(CheckpointCase, checkpoint.run_train),
     "ckpt_resume": Scenario(CheckpointCase, checkpoint.run_resume),
     "ckpt_crash": Scenario(CheckpointCase, checkpoint.run_crash),
+    "ckpt_full": Scenario(CheckpointCase, checkpoint.run_disk_full),  # issue 23: a full disk mid-save
     "trace": Scenario(TraceCase, trace.run_trace),
     "hardening": Scenario(hardening.HardeningCase, hardening.run_pipeline),  # issue 14: test_hardening.py
     "planner_slow_rank": Scenario(planner.SlowRankCase, planner.run_slow_rank),  # issue 15: test_planner.py
@@ -59,6 +62,7 @@ SCENARIOS: dict[str, Scenario] = {
     "frozen": Scenario(frozen.FrozenCase, frozen.run_frozen),  # issue 23: test_frozen.py
     "recipe": Scenario(recipe.RecipeCase, recipe.run_recipe),  # issue 23: tests/recipes/test_every_schedule.py
     "rng": Scenario(rng.RngCase, rng.run_pipeline),  # issue 23: test_random_streams.py
+    "soak": Scenario(soak.SoakCase, soak.run_soak),  # issue 23: test_soak.py
 }
 
 __all__ = ["Case", "CheckpointCase", "Failure", "SCENARIOS", "Scenario", "TraceCase", "TrainingCase"]

@@ -185,6 +185,50 @@ def run_crash(case: CheckpointCase) -> CheckpointRun:
         return _run(case, callbacks=(ckpt,))
 
 
+@contextlib.contextmanager
+def disk_full_in_save(save_number: int, rank: int) -> Iterator[None]:
+    """While active, rank ``rank``'s ``save_number``-th checkpoint write fails with ENOSPC after its first item
+    reached the disk (DCP's per-item writer, patched: what a full disk does mid-save)."""
+    import errno
+
+    from torch.distributed.checkpoint import filesystem
+
+    original, saves, items = filesystem._write_item, 0, 0
+
+    def counting_write(state: dict[str, Any], tmp: Path, no_dist: bool = False) -> dict[str, Any]:
+        nonlocal saves, items
+        saves, items = saves + 1, 0
+        return write_shards(state, tmp, no_dist)
+
+    def full_write(*args: Any, **kwargs: Any) -> Any:
+        nonlocal items
+        items += 1
+        if saves == save_number and items > 1 and int(os.environ["RANK"]) == rank:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return original(*args, **kwargs)
+
+    holders = [m for name, m in list(sys.modules.items())
+               if name.startswith("lightning_pipe") and getattr(m, "write_shards", None) is write_shards]
+    for module in holders:
+        module.write_shards = counting_write
+    filesystem._write_item = full_write
+    try:
+        yield
+    finally:
+        filesystem._write_item = original
+        for module in holders:
+            module.write_shards = write_shards
+
+
+def run_disk_full(case: CheckpointCase) -> CheckpointRun:
+    """Save every 2 steps; rank ``crash_rank``'s disk is full in the middle of the second save."""
+    if case.dir is None or case.crash_rank is None:
+        raise ValueError(f"ckpt_full needs dir and crash_rank: {case}")
+    ckpt = ModelCheckpoint(dirpath=case.dir, save_top_k=-1, every_n_train_steps=2, save_last="link")
+    with disk_full_in_save(2, case.crash_rank):
+        return _run(case, callbacks=(ckpt,))
+
+
 def run_reference(case: CheckpointCase, ckpt_path: str | Path | None = None, steps: int = 8
                   ) -> tuple[CheckpointRun, L.LightningModule, L.Trainer]:
     """The same module on one device, global batch, optionally resumed from a single-file checkpoint."""

@@ -74,6 +74,8 @@ class TrainingCase:
     # a tie across stages counts its weight on both. Cases with ``tied=True`` must switch this off explicitly.
     check_grad_norms: bool = True
     expect_error: bool = False  # the worker records the exception message instead of failing the launch
+    # per-rank Trainer limits, e.g. {"limit_train_batches": [5, 3]}: rank 1's epoch ends first (issue 23)
+    rank_limits: dict[str, list[int]] | None = None
     # pipeline side: every rank but global rank 0 shifts its freshly built parameters, so only the initial broadcasts
     # (over the data-parallel and the tensor group) make the ranks start as the one device does. Pipeline size 1
     # only: every layer's source is then global rank 0.
@@ -168,6 +170,21 @@ def gpt_splitting_its_head(case: TrainingCase) -> L.LightningModule:
     return model
 
 
+def tp_hook_failing_first(case: TrainingCase) -> L.LightningModule:
+    """The tensor-parallel toy whose ``parallelize_layer`` raises on tensor rank 1 at layer 0, while tensor rank 0
+    goes on to the next layers' broadcasts and its own hook's collectives (issue 23: a hang before the fix)."""
+    model = toy(TensorParallelRegressor)(case)
+    split = model.parallelize_layer
+
+    def parallelize_layer(index: int, layer: torch.nn.Module, tp_mesh: Any) -> None:
+        if index == 0 and tp_mesh.get_local_rank() == 1:
+            raise ValueError("injected failure in parallelize_layer on tensor rank 1 at layer 0")
+        split(index, layer, tp_mesh)
+
+    model.parallelize_layer = parallelize_layer  # type: ignore[method-assign]
+    return model
+
+
 def toy(cls: type[ToyRegressor]) -> Callable[[TrainingCase], L.LightningModule]:
     def build(case: TrainingCase) -> L.LightningModule:
         return cls(n_layers=case.n_layers, optimizer=case.optimizer, tied=case.tied,
@@ -184,7 +201,8 @@ def token_data(n: int, seed: int = 1) -> TensorDataset:
 
 MODELS: dict[str, Callable[[TrainingCase], L.LightningModule]] = {
     "toy": toy(ToyRegressor), "no_layers": toy(NoLayerList), "meta": toy(MetaBuiltRegressor), "gpt": tiny_gpt,
-    "tp": toy(TensorParallelRegressor), "gpt_split_head": gpt_splitting_its_head, "llama": tiny_llama}
+    "tp": toy(TensorParallelRegressor), "gpt_split_head": gpt_splitting_its_head, "llama": tiny_llama,
+    "tp_hook_fails": tp_hook_failing_first}
 DATA: dict[str, Callable[[int], TensorDataset]] = {"gpt": token_data, "gpt_split_head": token_data,
                                                    "llama": token_data}
 
@@ -246,12 +264,15 @@ def _trainer(case: TrainingCase, pipeline: bool, recorder: Callback, *extra: Cal
     # ModelCheckpoint(monitor="val_loss"): the metric must exist, identical, on every rank
     monitor = [] if case.monitor_dir is None else [
         ModelCheckpoint(dirpath=case.monitor_dir, monitor="val_loss", mode="min", save_top_k=1)]
-    return L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=case.steps,
+    limits: dict[str, Any] = {"limit_val_batches": 3}
+    if pipeline and case.rank_limits:
+        limits.update({key: values[int(os.environ["RANK"])] for key, values in case.rank_limits.items()})
+    return L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=case.steps, **limits,
                      **_precision(case, pipeline), accumulate_grad_batches=case.acc, gradient_clip_val=case.clip,
                      gradient_clip_algorithm=case.clip_algo, logger=False,
                      enable_checkpointing=case.monitor_dir is not None,
                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                     limit_val_batches=3, val_check_interval=2, check_val_every_n_epoch=None,
+                     val_check_interval=2, check_val_every_n_epoch=None,
                      callbacks=[recorder, *monitor, *extra])
 
 
