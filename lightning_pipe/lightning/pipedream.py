@@ -111,5 +111,6 @@ def configure_pipemare(strategy: Any, stages: list[PipeMareStage]) -> None:
                     f"lr_reschedule with tied weights {tie.names} on stages {spanned} (delays "
                     f"{[stage_delay(s, p, m) for s in spanned]})", "schedule_options",
                     "set schedule.options.lr_reschedule=false, or place the tie's layers on stages of delay <= 1")
-    for stage in stages:
-        stage.configure(rule, m)
+    trainer = strategy.lightning_module.trainer
+    for stage in stages:  # global_step counts batches, each m updates per stage (read after a checkpoint's restore)
+        stage.configure(rule, m, lambda: trainer.global_step * m)

@@ -32,8 +32,9 @@ from lightning_pipe.schedules.pipemare.rule import (
     stage_delay,
 )
 from tests.distributed.launcher import launch_runs
-from tests.distributed.scenarios import TrainingCase
+from tests.distributed.scenarios import CheckpointCase, TrainingCase
 from tests.distributed.scenarios.training import DATA, MODELS
+from tests.distributed.test_checkpoint import STEP4
 from tests.distributed.test_pipedream import pipedream_reference
 from tests.distributed.test_seed_schedules import delayed_reference, max_difference, validation_loss
 from tests.models import reference_train_loader, regression_data
@@ -172,9 +173,14 @@ STASHING = TrainingCase(schedule="pipedream", steps=1, validate=False)
 @pytest.mark.timeout(420)
 def test_pipemare_matches_its_one_process_reference(tmp_path) -> None:
     """3 stages, 3 batches of 4 micro-batches: the cases above, then the settings the schedule refuses (each with its
-    message, on every rank), then PipeDream's stashes on the same model against PipeMare's copies."""
+    message, on every rank), PipeDream's stashes on the same model against PipeMare's copies, and a resume."""
+    # resumed after 4 of 8 batches == uninterrupted: the learning-rate annealing continues from global_step * m
+    # (correction off: delta is not checkpointed)
+    resume = CheckpointCase(schedule="pipemare", microbatches=4, dir=str(tmp_path / "ckpt"),
+                            resume_from=str(tmp_path / "ckpt" / STEP4),
+                            schedule_options={"lr_reschedule": 40, "discrepancy_correction": False})
     runs = [*(("pipedream", case) for case in CASES), *(("pipedream", case) for case, _ in REFUSED),
-            ("pipedream", STASHING)]
+            ("pipedream", STASHING), ("ckpt_train", resume)]
     results = launch_runs(P, runs, tmp_path / "out", timeout=360)
     for index, case in enumerate(CASES):
         check(results, index, case)
@@ -188,7 +194,11 @@ def test_pipemare_matches_its_one_process_reference(tmp_path) -> None:
                 assert word in refusal["error"], refusal["error"]
         # memory: one weight version. PipeMare's only copy is delta (correction on, not on the last stage);
         # PipeDream keeps min(w, m - w + 1) stashes of the stage
-        plain, corrected, stashing = rank_results[1], rank_results[0], rank_results[-1]
+        full, resumed = rank_results[-1]["full"], rank_results[-1]["resumed"]
+        assert resumed["global_step"] == 8
+        for name, value in resumed["params"].items():
+            torch.testing.assert_close(value, full["params"][name], rtol=0, atol=1e-6)
+        plain, corrected, stashing = rank_results[1], rank_results[0], rank_results[-2]
         s, stage_bytes = plain["pp_rank"], plain["stage_bytes"]
         assert plain["copy_bytes"] == 0
         assert corrected["copy_bytes"] == (stage_bytes if s < P - 1 else 0)

@@ -20,6 +20,7 @@ Full backward only (torch's I/W split would unpack the weights at the W step, at
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,11 +57,15 @@ class PipeMareStage(PipelineStage):
         self.versions_used: list[tuple[int, int, int]] = []
         self.lr_factors: list[float] = []
         self.max_copy_bytes = 0
+        self._updates_done: Callable[[], int] | None = None
 
-    def configure(self, rule: PipeMareRule, microbatches: int) -> None:
-        """Set the rule and the stage's steady-state delay ``tau_s = min(m, p - s) - 1`` (one stage per rank)."""
+    def configure(self, rule: PipeMareRule, microbatches: int, updates_done: Callable[[], int] | None = None) -> None:
+        """Set the rule and the stage's steady-state delay ``tau_s = min(m, p - s) - 1`` (one stage per rank).
+        ``updates_done`` (read at the first training forward) gives the updates made before this run: a run resumed
+        from a checkpoint continues the learning-rate annealing where it stopped (``delta`` restarts at 0)."""
         self.rule = rule
         self.delay = stage_delay(self.stage_index, self.num_stages, microbatches)
+        self._updates_done = updates_done
 
     def take_versions(self) -> list[tuple[int, int, int]]:
         used, self.versions_used = self.versions_used, []
@@ -69,6 +74,8 @@ class PipeMareStage(PipelineStage):
     # ------------------------------------------------------------------ forward / backward
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         self.flush_update()
+        if self._updates_done is not None and torch.is_grad_enabled() and self.has_backward:  # first training forward
+            self.version, self._updates_done = self._updates_done(), None
         self._chunk = fwd_chunk_id
         try:
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
