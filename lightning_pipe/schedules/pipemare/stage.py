@@ -15,7 +15,10 @@ update no other backward runs (the update is applied at the stage's next compute
 micro-batch's gradient when :class:`~lightning_pipe.schedules.pipedream.stages.MicrobatchUpdate` takes it.
 
 Full backward only (torch's I/W split would unpack the weights at the W step, at another time); no recomputation
-(``torch.utils.checkpoint`` re-runs the forward at backward time, on the weights then): refused by the spec.
+(``torch.utils.checkpoint`` re-runs the forward at backward time, on the weights then): refused by the spec. Plain
+parameters only: DTensor parameters (tensor parallelism) and FSDP's sharded ones are refused before any rank starts
+(the spec does not declare ``tensor_parallel``; ``parallel/fsdp.py`` refuses every stage class). Saved-tensor hooks
+installed inside the stage (offload, ``ActivationMeter``) do not compose: the innermost hooks win.
 """
 
 from __future__ import annotations
