@@ -1,5 +1,5 @@
 """Schedules: the registry of specs and plans (``registry``), replay as data (``simulate``), action lists (``custom``),
-and one folder per seed schedule (``pipedream/``, ``chimera/``).
+and one folder per seed schedule (``pipedream/``, ``pipemare/``, ``chimera/``).
 
 A new schedule is one file (or folder) here plus a Hydra config: a :class:`ScheduleSpec` registered below. The
 contract it fills, :class:`ScheduleSpec` / :class:`SchedulePlan`, is the runtime's (``lightning_pipe/runtime/spec.py``).
@@ -9,6 +9,7 @@ from lightning_pipe.runtime.spec import SchedulePlan, ScheduleSpec, build_torch_
 from lightning_pipe.schedules.chimera.spec import CHIMERA
 from lightning_pipe.schedules.custom import CUSTOM
 from lightning_pipe.schedules.pipedream.spec import PIPEDREAM, PIPEDREAM_2BW
+from lightning_pipe.schedules.pipemare.spec import PIPEMARE
 from lightning_pipe.schedules.registry import (
     available_schedules,
     check_schedule_settings,
@@ -24,6 +25,7 @@ from lightning_pipe.schedules.simulate import ScheduleDeadlock, SimulatedStep, s
 register_schedule(CUSTOM)
 register_schedule(PIPEDREAM_2BW)
 register_schedule(PIPEDREAM)
+register_schedule(PIPEMARE)
 register_schedule(CHIMERA)
 
 __all__ = [

@@ -115,7 +115,7 @@ def test_each_seed_schedule_lives_in_its_folder() -> None:
     derives from the one base that declares the engine's hooks (runtime/stage.py)."""
     from lightning_pipe.runtime.stage import PipelineStage
 
-    folders = {"pipedream": "pipedream", "pipedream_2bw": "pipedream", "chimera": "chimera"}
+    folders = {"pipedream": "pipedream", "pipedream_2bw": "pipedream", "pipemare": "pipemare", "chimera": "chimera"}
     for name, folder in folders.items():
         spec = get_schedule_spec(name)
         own = [cls for cls in (spec.stage_class, spec.engine) if cls is not None]

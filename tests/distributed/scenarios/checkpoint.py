@@ -48,6 +48,7 @@ class CheckpointCase:
     resume_from: str | None = None  # ckpt_train: resume from it after the full run; ckpt_resume: start from it
     crash_rank: int | None = None  # ckpt_crash: the rank that dies in the second save
     expect_error: bool = False
+    schedule_options: dict[str, Any] | None = None
 
 
 class CheckpointRun(TypedDict):
@@ -115,7 +116,8 @@ def _run(case: CheckpointCase, ckpt_path: str | Path | None = None,
     recorder, start = LossRecorder(), StateAtStart()
     strategy = PipelineStrategy(schedule=case.schedule, microbatches=case.microbatches,
                                 data_parallel_size=case.dp, stages_per_rank=case.stages_per_rank,
-                                fsdp_size=case.fsdp, tensor_parallel_size=case.tp)
+                                fsdp_size=case.fsdp, tensor_parallel_size=case.tp,
+                                schedule_options=case.schedule_options)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=int(os.environ["TEST_WORLD_SIZE"]),
                         max_steps=case.steps, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,

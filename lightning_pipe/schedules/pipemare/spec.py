@@ -1,0 +1,36 @@
+"""PipeMare (``schedule="pipemare"``): asynchronous 1F1B with one weight version per stage and an update per
+micro-batch, with learning-rate rescheduling and discrepancy correction ([Note: PipeMare] in ``rule.py``; the
+stage: ``stage.py``; the Lightning side is PipeDream's, ``lightning/pipedream.py``)."""
+
+from __future__ import annotations
+
+from torch.distributed.pipelining import schedules as torch_schedules
+
+from lightning_pipe.config import PipelineConfig, config_error
+from lightning_pipe.runtime.spec import SchedulePlan, ScheduleSpec
+from lightning_pipe.schedules.pipedream.spec import resolve_versioned
+from lightning_pipe.schedules.pipemare.rule import OPTIONS, rule_from_options
+from lightning_pipe.schedules.pipemare.stage import PipeMareStage
+from lightning_pipe.schedules.registry import _bubble_flush, _order_1f1b
+
+
+def resolve_pipemare(spec: ScheduleSpec, config: PipelineConfig, pipeline_size: int) -> SchedulePlan:
+    """PipeDream's rules (one stage per rank, m >= p, no recomputation; split backward is never in its order),
+    and the two techniques' options checked here, on every rank before any process waits."""
+    rule_from_options(config.schedule_options)
+    if config.recompute_every is not None:
+        raise config_error(
+            "Schedule 'pipemare' reads the weights at backward time for the tensors the forward saved; recomputed "
+            "layers would re-run their forward then, on other weights than the forward's, so activation "
+            "recomputation is not available with it.",
+            f"recompute={config.recompute!r}", "recompute", "set it to 'none', or choose another schedule",
+            also=("schedule",))
+    return resolve_versioned(spec, config, pipeline_size)
+
+
+PIPEMARE = ScheduleSpec(
+    "pipemare", torch_schedules.Schedule1F1B,
+    "PipeMare: 1F1B on one weight version per stage, one update per micro-batch, LR rescheduling and "
+    "discrepancy correction",
+    theory_bubble=_bubble_flush, resolve=resolve_pipemare, order=_order_1f1b, options=OPTIONS,
+    stage_class=PipeMareStage)
