@@ -2,32 +2,34 @@
 Controllable Memory", 2024), built as per-rank action lists for torch's action-list runtime.
 
 [Note: memory-capped V schedules]
-Placement is ZB-V's: 2p stages, rank r holds stage r (first leg) and stage 2p-1-r (second leg), so the whole model's
-activations per micro-batch on a rank are those of two half-size stages. A *unit* below is one stage's activations
-for one micro-batch, i.e. half of what a 1F1B rank keeps per micro-batch (A); 1F1B's first rank keeps p micro-batches,
-p*A = 2p units. The backward is split (I: input gradient, W: weight gradient) and torch keeps every saved tensor of
-a micro-batch until its W has run, so a unit is held from F to W (what
-:func:`~lightning_pipe.schedules.simulate.peak_activations` counts).
+Placement is ZB-V's: 2p stages, rank r holds stage r (first leg) and stage 2p-1-r (second leg), so a rank's
+activations per micro-batch are those of two half-size stages. A *unit* below is one stage's activations for one
+micro-batch, half of what a 1F1B rank keeps per micro-batch (A); 1F1B's first rank keeps p micro-batches, p*A =
+2p units. The backward is split (I: input gradient, W: weight gradient) and a micro-batch's saved tensors live
+until its W (I runs with ``retain_graph=True`` for W), so a unit is held from F to W: what
+:func:`~lightning_pipe.schedules.simulate.peak_activations` counts on the list order, independent of timing.
 
-The paper builds V-Half and V-Min from a repeated building block whose lifespan sets the memory. We get the same
-memory points from a greedy list scheduler with the cap as a hard rule, which is simpler to state and to prove:
-time advances in unit steps (F = I = W = 1, the zero-bubble papers' cost model); at each step every free rank runs
-the first ready action of
+The cap is the schedule: ``v_half``: p units (half of 1F1B's peak); ``v_min``: max(2, ceil(2p/3)) units (a third,
+rounded up to whole units: 0.375 at p = 4; two units, the least a V order runs with, serialise rank 0). Under it we
+take the order with the least simulated bubble (F = I = W = 1, :func:`~lightning_pipe.schedules.simulate.simulate`)
+among these candidates, each a plain list order:
 
-1. an input backward ``I`` (it is on the critical path; the older micro-batch first, the second leg on a tie),
-2. a forward ``F``, only while the rank holds fewer than ``cap`` units, and for its first-leg stage only while it
-   holds fewer than ``cap - 1`` (the last unit is kept for a second-leg forward: without that reserve, a rank full
-   of first-leg micro-batches waits for its own second-leg forwards and the pipeline deadlocks); second leg first,
-3. a weight backward ``W`` (filler; it frees a unit), oldest first;
+- *Building block repeated* (the paper's construction): one micro-batch's 6p actions placed in time slots with
+  period T: F of stages 0, 1, ..., 2p-1, then I of 2p-1, ..., 0, then each W, every action at the earliest slot
+  after its dependency whose residue mod T is still free on its rank; micro-batch j runs the block shifted by j*T.
+  With T = 6 every rank is busy in the steady state (its 6 actions fill the period), the lifespans are the
+  dependency chains (4p + 4 slots per rank and micro-batch) and the peak comes out at p units: V-Half. A longer T
+  leaves T - 6 idle slots per period and fewer micro-batches overlap: the points between V-Half and V-Min.
+- *Greedy with the cap as a rule*: unit time steps; each free rank runs the first ready one of an I (oldest
+  micro-batch first), an F while it holds fewer than ``cap`` units (its first-leg stage only while fewer than
+  ``cap - 1``: the last unit is kept for a second-leg forward, without which a rank full of first-leg
+  micro-batches waits on itself), a W (oldest first). It never exceeds the cap, so a candidate always exists.
 
-and stays idle when none is ready. Each stage runs its micro-batches' F, I and W in micro-batch order. The cap is
-the schedule: ``v_half``: p units (p/2 micro-batches of 1F1B's, half of its peak); ``v_min``: max(2, ceil(2p/3))
-units (a third, rounded up to whole units: at p = 4 that is 3 units = 0.375 of 1F1B; two units, the least any V
-order can run with, idles rank 0 most of the step). Without a cap (2m units) the rule gives a ZB-V-like order.
-The bubble grows as the cap shrinks: at p = 4, m = 8 (F = I = W) V-Half idles about as much as ZB-H1, V-Min
-about as much as 1F1B (measured by ``simulate`` in tests/unit/test_controllable.py, quoted in docs/schedules.md),
-the paper's trade-off. The orders are plain data, checked like a custom schedule's (no deadlock: ``simulate``;
-torch's ``_validate_schedule`` and send/receive lowering) before any rank starts.
+Candidates whose peak exceeds the cap are dropped. At p = 4, m = 8 this gives V-Half 18.6 % bubble (1F1B 27.3 %,
+ZB-V 5.9 %) and V-Min 48.9 %: the memory/bubble trade-off of the paper; V-Min only pays off against 1F1B at larger p
+and m (numbers: tests/unit/test_controllable.py, docs/schedules.md). Every order is checked like a custom
+schedule's (placement, completeness, no deadlock: ``simulate``; torch's ``_validate_schedule`` and send/receive
+lowering) before any rank starts.
 """
 
 from __future__ import annotations
@@ -48,10 +50,61 @@ def memory_cap(name: str, pipeline_size: int) -> int:
     return p if name == "v_half" else max(2, math.ceil(2 * p / 3))
 
 
+def repeated_block_order(pipeline_size: int, microbatches: int, period: int) -> tuple[tuple[str, ...], ...]:
+    """Per-rank compute actions of one micro-batch's V block repeated every ``period`` slots ([Note:
+    memory-capped V schedules]); ``period`` >= 6 (each rank runs 6 actions per micro-batch)."""
+    p, T = pipeline_size, period
+    if T < 6:
+        raise ValueError(f"a rank runs 6 actions per micro-batch: the period must be >= 6, got {T}")
+    last = 2 * p - 1
+    used: list[set[int]] = [set() for _ in range(p)]
+
+    def place(stage: int, earliest: int) -> int:
+        rank, t = (stage if stage < p else last - stage), earliest
+        while t % T in used[rank]:
+            t += 1
+        used[rank].add(t % T)
+        return t
+
+    slot: dict[tuple[str, int], int] = {}
+    t = -1
+    for s in range(2 * p):
+        t = slot[("F", s)] = place(s, t + 1)
+    for s in reversed(range(2 * p)):
+        t = slot[("I", s)] = place(s, t + 1)
+    for s in range(2 * p):
+        slot[("W", s)] = place(s, slot[("I", s)] + 1)
+    timed: list[list[tuple[int, str]]] = [[] for _ in range(p)]
+    for (kind, s), t0 in slot.items():
+        for j in range(microbatches):
+            timed[s if s < p else last - s].append((t0 + T * j, f"{s}{kind}{j}"))
+    return tuple(tuple(a for _, a in sorted(row)) for row in timed)
+
+
 @lru_cache(maxsize=64)
 def capped_v_order(pipeline_size: int, microbatches: int, cap: int) -> tuple[tuple[str, ...], ...]:
-    """Per-rank compute actions (``"<stage><F|I|W><mb>"``) of the capped greedy V order ([Note: memory-capped V
-    schedules]). Raises ``ValueError`` when the rule stops making progress (it does not for cap >= 2)."""
+    """The order with the least simulated bubble among the candidates whose peak is at most ``cap`` units."""
+    from lightning_pipe.schedules.simulate import compile_order, peak_activations, simulate
+
+    p, m = pipeline_size, microbatches
+    candidates = [greedy_v_order(p, m, cap)]
+    candidates += [repeated_block_order(p, m, period) for period in range(6, 6 + 2 * p + 1)]
+    best: tuple[float, float, tuple[tuple[str, ...], ...]] | None = None
+    for rows in candidates:
+        order = {r: [_compat.parse_action(a) for a in row] for r, row in enumerate(rows)}
+        peak = max(peak_activations(compile_order(order, 2 * p), [1.0] * (2 * p)))
+        if peak > cap:
+            continue
+        bubble = simulate(order, 2 * p).bubble
+        if best is None or (bubble, peak) < best[:2]:
+            best = (bubble, peak, rows)
+    assert best is not None, "the greedy candidate never exceeds the cap"
+    return best[2]
+
+
+def greedy_v_order(pipeline_size: int, microbatches: int, cap: int) -> tuple[tuple[str, ...], ...]:
+    """Per-rank compute actions (``"<stage><F|I|W><mb>"``) of the greedy order under the cap ([Note: memory-capped
+    V schedules]). Raises ``ValueError`` when the rule stops making progress (it does not for cap >= 2)."""
     p, m = pipeline_size, microbatches
     if cap < 2:
         raise ValueError(f"a V order needs room for two units per rank, got cap={cap}")
