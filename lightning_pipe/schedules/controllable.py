@@ -139,10 +139,10 @@ def greedy_v_order(pipeline_size: int, microbatches: int, cap: int) -> tuple[tup
                         pick = ("F", s, j)
                         break
             if pick is None:
-                cands = [(nxt[("W", s)], s) for s in (first, second) if nxt[("W", s)] < nxt[("I", s)]
-                         and ready(("I", s, nxt[("W", s)]), t)]
-                if cands:
-                    j, s = min(cands)
+                waiting = [(nxt[("W", s)], s) for s in (first, second) if nxt[("W", s)] < nxt[("I", s)]
+                           and ready(("I", s, nxt[("W", s)]), t)]
+                if waiting:
+                    j, s = min(waiting)
                     pick = ("W", s, j)
             if pick is not None:
                 started.append((r, pick))
