@@ -36,6 +36,7 @@ from bench._ranks import run_ranks  # noqa: E402
 # (row name, schedule, stages per rank, extra strategy kwargs)
 ROWS = [("gpipe", "gpipe", 1), ("1f1b", "1f1b", 1), ("interleaved_1f1b", "interleaved_1f1b", 2),
         ("looped_bfs", "looped_bfs", 2), ("zb_h1", "zb_h1", 2), ("zbv", "zbv", 2), ("dualpipev", "dualpipev", 2),
+        ("v_half", "v_half", 2), ("v_min", "v_min", 2),
         ("custom (1F1B lists)", "custom", 1), ("pipedream_2bw", "pipedream_2bw", 1),
         ("pipedream", "pipedream", 1),
         ("chimera", "chimera", 1)]

@@ -126,7 +126,8 @@ class PipelineConfig:
     the smallest predicted peak memory, docs/planner.md), or explicit per-stage layer counts such as ``[3, 5]``."""
     stages_per_rank: int | None = None
     """Stages each rank holds. ``None``: the schedule's default (1 for ``gpipe`` / ``1f1b``; 2 for
-    ``interleaved_1f1b``, ``looped_bfs``, ``zb_h1``, ``zbv``, ``dualpipev``; ``custom``: read from the lists)."""
+    ``interleaved_1f1b``, ``looped_bfs``, ``zb_h1``, ``zbv``, ``dualpipev``, ``v_half``, ``v_min``; ``custom``: read from
+    the lists)."""
     layers_attr: str = "layers"
     """Attribute of the LightningModule that holds the ordered layer list."""
     recompute: str | int = "none"

@@ -11,7 +11,7 @@ import pytest
 
 from lightning_pipe._compat.torch import TORCH_GAPS, torch_gap
 
-SPLIT_BACKWARD_SCHEDULES = frozenset({"zb_h1", "zbv", "dualpipev"})
+SPLIT_BACKWARD_SCHEDULES = frozenset({"zb_h1", "zbv", "dualpipev", "v_half", "v_min"})
 
 
 def needs(feature: str) -> pytest.MarkDecorator:

@@ -78,7 +78,7 @@ class TorchGap:
 
 TORCH_GAPS = {
     "split_backward": TorchGap(
-        "A split input/weight backward (schedules zb_h1, zbv, dualpipev, and custom action lists with I/W actions)",
+        "A split input/weight backward (schedules zb_h1, zbv, dualpipev, v_half, v_min, custom lists with I/W actions)",
         (2, 13),
         "torch's stage_backward_weight computes wrong weight gradients when a weight is used more than once inside "
         "one stage (measured 17 % and 62 % off against autograd; torch 2.13 fixed it by clamping saved gradients)"),

@@ -31,7 +31,7 @@ from lightning_pipe.schedules import (
 )
 from lightning_pipe.schedules.simulate import CompiledOrder, compile_order, peak_activations
 
-SEARCHABLE = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zbv", "dualpipev")
+SEARCHABLE = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zbv", "dualpipev", "v_half", "v_min")
 
 
 @dataclass(frozen=True)

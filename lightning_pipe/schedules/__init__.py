@@ -1,5 +1,6 @@
 """Schedules: the registry of specs and plans (``registry``), replay as data (``simulate``), action lists (``custom``),
-and one folder per seed schedule (``pipedream/``, ``pipemare/``, ``chimera/``).
+one folder per seed schedule (``pipedream/``, ``pipemare/``, ``chimera/``) and the memory-capped V schedules
+(``controllable``).
 
 A new schedule is one file (or folder) here plus a Hydra config: a :class:`ScheduleSpec` registered below. The
 contract it fills, :class:`ScheduleSpec` / :class:`SchedulePlan`, is the runtime's (``lightning_pipe/runtime/spec.py``).
@@ -7,6 +8,7 @@ contract it fills, :class:`ScheduleSpec` / :class:`SchedulePlan`, is the runtime
 
 from lightning_pipe.runtime.spec import SchedulePlan, ScheduleSpec, build_torch_schedule
 from lightning_pipe.schedules.chimera.spec import CHIMERA
+from lightning_pipe.schedules.controllable import V_HALF, V_MIN
 from lightning_pipe.schedules.custom import CUSTOM
 from lightning_pipe.schedules.pipedream.spec import PIPEDREAM, PIPEDREAM_2BW
 from lightning_pipe.schedules.pipemare.spec import PIPEMARE
@@ -27,6 +29,8 @@ register_schedule(PIPEDREAM_2BW)
 register_schedule(PIPEDREAM)
 register_schedule(PIPEMARE)
 register_schedule(CHIMERA)
+register_schedule(V_HALF)
+register_schedule(V_MIN)
 
 __all__ = [
     "ScheduleDeadlock",

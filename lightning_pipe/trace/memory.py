@@ -56,7 +56,10 @@ class ActivationMeter:
             __slots__ = ("tensor", "key", "nbytes")
 
             def __init__(self, tensor: torch.Tensor) -> None:
-                self.tensor = tensor
+                # detached (same storage): a saved *output* would otherwise hold its own grad_fn, a cycle through
+                # autograd's C++ graph that Python's collector cannot see. A backward that does not free the graph
+                # (the input half of a split backward, retain_graph=True) then leaked it for good.
+                self.tensor = tensor.detach()
                 storage = tensor.untyped_storage()
                 self.key, self.nbytes = storage.data_ptr(), storage.nbytes()
                 if self.key in meter._param_storages or self.nbytes == 0:

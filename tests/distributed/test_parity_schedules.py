@@ -1,7 +1,8 @@
-"""Parity: every multi-stage schedule (interleaved 1F1B, looped BFS, ZB-H1, ZB-V, DualPipeV) and custom action-list
-schedules under the strategy vs the same LightningModule trained on one device.
+"""Parity: every multi-stage schedule (interleaved 1F1B, looped BFS, ZB-H1, ZB-V, DualPipeV, V-Half, V-Min) and custom
+action-list schedules under the strategy vs the same LightningModule trained on one device.
 
-Pipeline size 2 throughout, so the 2-per-rank schedules run 4 stages (8 layers). One launch runs many cases:
+Pipeline size 2 mostly, so the 2-per-rank schedules run 4 stages (8 layers); V-Half / V-Min also at pipeline 4
+(8 stages of one layer). One launch runs many cases:
 process start-up dominates on a small machine. The parity assertion is tests/distributed/parity.py's.
 """
 
@@ -54,12 +55,15 @@ def test_loop_placement_schedules_match_single_device(tmp_path) -> None:
 def test_v_placement_schedules_match_single_device(tmp_path) -> None:
     """zbv and dualpipev (rank 0 holds stages 0 and 3: first *and* last), with/without acc and clipping, validation
     and test losses and predict (padded last batch) through forward-only runs; tied input/output weights whose two
-    ends then live on the same rank."""
+    ends then live on the same rank. V-Half and V-Min (memory-capped V orders) likewise."""
     cases = grid_cases(V)
     cases += [TrainingCase(schedule="zbv", stages_per_rank=2, microbatches=4, acc=2, clip=0.05, tied=True,
                            optimizer="adamw", check_grad_norms=False),
               TrainingCase(schedule="dualpipev", stages_per_rank=2, microbatches=6, batch=12, acc=1, clip=0.05,
-                           tied=True, check_grad_norms=False)]
+                           tied=True, check_grad_norms=False),
+              TrainingCase(schedule="v_half", microbatches=4, acc=2, clip=0.05, tied=True, optimizer="adamw",
+                           check_grad_norms=False),
+              TrainingCase(schedule="v_min", microbatches=4, predict=True)]
     results = launch("training", 2, cases, tmp_path, timeout=540)
     check_all(results, cases)
     assert results[0][0]["topology"] == (0, 0) and results[0][0]["predictions"].shape[0] == 22
@@ -70,14 +74,19 @@ def test_zero_bubble_with_data_parallel_matches_single_device(tmp_path) -> None:
     """DP 2 x PP 2 with the zero-bubble schedules: torch's I/W split bypasses DDP's gradient hooks (pytorch #144530);
     the strategy averages each stage's gradients once its last weight backward (W) has run (lightning_pipe/
     dp_overlap.py). ZB-V with tied input/output weights: both ends on rank 0, averaged once both stages finish.
-    Interleaved 1F1B: two stages per rank with full backward (buckets launched from inside each last backward)."""
+    Interleaved 1F1B: two stages per rank with full backward (buckets launched from inside each last backward).
+    V-Half with DP 2; V-Half and V-Min at pipeline 4 (8 one-layer stages, rank 0 holds 0 and 7: both tied ends)."""
     cases = [TrainingCase(schedule="zbv", stages_per_rank=2, dp=2, acc=1, clip=None),
              TrainingCase(schedule="zbv", stages_per_rank=2, dp=2, acc=2, clip=0.05, tied=True, optimizer="adamw",
                           check_grad_norms=False, validate=False),
              TrainingCase(schedule="interleaved_1f1b", stages_per_rank=2, dp=2, acc=2, clip=0.05, optimizer="adamw",
                           validate=False),
              TrainingCase(schedule="zb_h1", stages_per_rank=2, dp=2, acc=2, clip=0.05, optimizer="adamw"),
-             TrainingCase(schedule="dualpipev", stages_per_rank=2, dp=2, acc=2, clip=0.05, optimizer="adamw")]
+             TrainingCase(schedule="dualpipev", stages_per_rank=2, dp=2, acc=2, clip=0.05, optimizer="adamw"),
+             TrainingCase(schedule="v_half", dp=2, acc=2, clip=0.05, optimizer="adamw", validate=False),
+             TrainingCase(schedule="v_half", microbatches=8, batch=16, acc=2, clip=0.05, optimizer="adamw",
+                          validate=False),
+             TrainingCase(schedule="v_min", microbatches=8, batch=16, tied=True, check_grad_norms=False)]
     check_all(launch("training", 4, cases, tmp_path, timeout=540), cases)
 
 

@@ -64,6 +64,8 @@ TRAINING = [
     TrainingCase(model="tp", schedule="zb_h1", stages_per_rank=2, tp=2, acc=2, clip=0.05, validate=False),
     TrainingCase(model="tp", schedule="custom", microbatches=None, tp=2, acc=2, clip=0.05, validate=False,
                  schedule_options={"actions": ZB_BY_HAND}),
+    # V-Half's capped order on the same action-list runtime
+    TrainingCase(model="tp", schedule="v_half", tp=2, acc=2, clip=0.05, validate=False),
     # breadth-first over virtual stages (whole backward); clipping by value (each rank clamps its parts)
     TrainingCase(model="tp", schedule="looped_bfs", stages_per_rank=2, tp=2, clip=0.02, clip_algo="value",
                  validate=False),

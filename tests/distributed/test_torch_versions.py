@@ -42,6 +42,7 @@ def _cases() -> list[tuple[TrainingCase, bool]]:
         TrainingCase(schedule="zb_h1", stages_per_rank=2, predict=True),
         TrainingCase(schedule="zbv", stages_per_rank=2, acc=2, clip=0.05, optimizer="adamw", predict=True),
         TrainingCase(schedule="dualpipev", stages_per_rank=2, predict=True),
+        TrainingCase(schedule="v_half", predict=True),
         TrainingCase(schedule="custom", microbatches=None, schedule_options={"actions": F_B_ONLY}, predict=True),
         TrainingCase(schedule="custom", microbatches=None, schedule_options={"actions": WITH_I_W}, clip=0.05),
         TrainingCase(schedule="chimera", microbatches=4, check_grad_norms=False, predict=True),

@@ -31,7 +31,8 @@ def rows(name: str, p: int = 2, v: int | None = None, m: int = 4) -> dict[int, s
 
 def test_every_schedule_is_registered() -> None:
     # the seed schedules (pipedream_2bw, ...) are tested in test_seed_schedules.py
-    assert sorted(NAMED + ["custom", "pipedream", "pipedream_2bw", "pipemare", "chimera"]) == available_schedules()
+    assert sorted(NAMED + ["custom", "pipedream", "pipedream_2bw", "pipemare", "chimera", "v_half", "v_min"]) \
+        == available_schedules()
 
 
 # ------------------------------------------------------------------------------------------ orders, p=2, v=2, m=4
