@@ -189,11 +189,12 @@ class PipelineConfig:
     @property
     def offload_layers(self) -> LayerChoice:
         """The layers whose saved activations go to host memory."""
-        if self.offload == "none":
-            return LayerChoice()
-        if isinstance(self.offload, tuple):
-            return LayerChoice(indices=frozenset(self.offload))
-        return LayerChoice(every=1 if self.offload == "all" else int(self.offload))
+        value = self.offload  # normalised by _offload: "none", "all", a positive int or a tuple of indices
+        if isinstance(value, tuple):
+            return LayerChoice(indices=frozenset(value))
+        if isinstance(value, int) and not isinstance(value, bool):
+            return LayerChoice(every=value)
+        return LayerChoice(every=1) if value == "all" else LayerChoice()
 
     @property
     def recompute_layers(self) -> LayerChoice:
