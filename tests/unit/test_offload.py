@@ -5,6 +5,7 @@ host copies forced on the CPU), with recomputation and under torch's split backw
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 import torch
@@ -15,7 +16,8 @@ from lightning_pipe._compat import torch as _compat
 from lightning_pipe.config import LayerChoice, PipelineConfig, PipelineConfigError
 from lightning_pipe.layers.offload import HostOffload, OffloadStats
 from lightning_pipe.layers.stages import StageModule, localize_layers
-from lightning_pipe.planner import LayerCost, ModelProfile
+from lightning_pipe.planner import LayerCost, ModelProfile, search
+from lightning_pipe.planner.__main__ import main as cli
 from lightning_pipe.planner.model import ActivationPolicy, CostModel, predict
 from lightning_pipe.schedules import compute_order, plan_schedule
 from lightning_pipe.schedules.simulate import compile_order
@@ -207,3 +209,20 @@ def test_backward_reads_the_host_copy_not_the_forward_tensor() -> None:
         y.data.zero_()  # behind autograd's back
         y.backward(torch.ones(6))
         assert torch.allclose(x.grad, want, atol=1e-6, rtol=0) == offload
+
+
+def test_a_budget_only_offload_fits_is_met_by_search_and_the_cli(tmp_path) -> None:
+    profile = _profile()
+    kept = search(profile, 2, 8, schedules=["1f1b"])
+    offloaded = search(profile, 2, 8, schedules=["1f1b"], activations=ActivationPolicy.of(PipelineConfig(offload="all")))
+    budget = max(offloaded.best[1].peak_memory) + 1
+    assert budget < min(max(p.peak_memory) for _, p in kept.ranked)
+    with pytest.raises(PipelineConfigError, match=r"memory budget.*strategy\.offload"):
+        search(profile, 2, 8, budget, schedules=["1f1b"])
+    path, out = tmp_path / "profile.json", tmp_path / "plan.json"
+    path.write_text(json.dumps(profile.to_json()))
+    args = ["search", str(path), "--world", "2", "--batch-size", "8", "--schedules", "1f1b", "--memory-budget",
+            str(budget), "-o", str(out)]
+    assert cli([*args, "--offload", "[0,1,2,3,4,5]"]) == 0
+    assert max(json.loads(out.read_text())["predicted_peak_memory_bytes"]) < budget
+    assert cli(args) == 2  # without offload nothing fits
