@@ -226,3 +226,13 @@ def test_a_budget_only_offload_fits_is_met_by_search_and_the_cli(tmp_path) -> No
     assert cli([*args, "--offload", "[0,1,2,3,4,5]"]) == 0
     assert max(json.loads(out.read_text())["predicted_peak_memory_bytes"]) < budget
     assert cli(args) == 2  # without offload nothing fits
+
+
+def test_a_forward_dropped_without_backward_frees_everything() -> None:
+    """Shape inference runs forwards it never backpropagates: what pack kept must go with the graph (keeping a saved
+    output itself would make a cycle through its grad_fn that no garbage collector sees)."""
+    stage = StageModule(_layers(2), range(2), offload=LayerChoice(every=1))
+    out = stage(torch.randn(2, 5, 8, requires_grad=True))
+    assert stage.offload_stats.live_bytes > 0
+    del out
+    assert stage.offload_stats.live_bytes == 0
