@@ -15,8 +15,11 @@ its forward and its backward, and costs two host transfers per saved byte instea
 - **Not moved**: trainable leaves (parameters: weights are saved by matmuls but live on the device anyway; a
   non-first stage's received input, which the stage keeps for its own backward) and views of them; the layer's own
   buffers and frozen weights (by storage); tensor subclasses (DTensor under tensor parallelism); empty and
-  non-strided tensors. Copying any of them would cost transfers and free nothing; autograd keeps a detached alias
-  of each (the same memory), never the Parameter object itself, which ``Module.to`` may need to swap.
+  non-strided tensors. Copying any of them would cost transfers and free nothing.
+- **Aliases, never the saved tensor object**: what pack returns for a tensor it keeps in place is ``t.detach()``
+  (the same memory). A saved output returned as itself would hold its own grad_fn, which holds it: a cycle through
+  C++ that no garbage collector sees, so a forward dropped without backward (shape inference) would leak, and the
+  parameters its graph holds could no longer be swapped by ``Module.to`` (DTensor parameters are).
 - **One copy per tensor**: a tensor saved by several ops of one layer call (a normalised input feeding q, k and v,
   often through a fresh view per op) is copied once. The cache holds the device tensor until the layer's forward
   returns (so its memory cannot be reused by another tensor meanwhile and mistaken for it), then lets it go.
@@ -24,9 +27,9 @@ its forward and its backward, and costs two host transfers per saved byte instea
   layer, so what stays in host memory is what recomputation keeps -- the layer's inputs (torch saves them as saved
   tensors outside its hooks) -- and the recomputed activations live on the device during that layer's backward only.
 - **When the device is the CPU** the host *is* the device: pack keeps the tensor's memory where it is (an alias),
-  so offload changes nothing but still runs every rule above, the cache and the
-  bookkeeping (:class:`OffloadStats`); ``copy=True`` forces a real copy, which the tests use to prove that backward
-  reads only what pack returned.
+  so offload changes nothing but still runs every rule above, the cache and the bookkeeping
+  (:class:`OffloadStats`); ``copy=True`` forces a real copy, which the tests use to prove that backward reads only
+  what pack returned.
 - **Streams**: copies run on the current stream (as ``torch.autograd.graph.save_on_cpu(pin_memory=True)``): safe
   with the caching allocators without events, but not overlapped with compute.
 """
@@ -96,18 +99,13 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
             if (not _plain(t) or t.layout != torch.strided or t.numel() == 0
                     or (root.requires_grad and root.grad_fn is None)
                     or t.untyped_storage().data_ptr() in own):
-                # kept where it is (see the Note for why each), as an alias: holding the Parameter object itself
-                # would stop Module._apply from swapping it (torch.utils.swap_tensors counts its references)
-                return t.detach()
+                return t.detach()  # kept where it is, as an alias (see the Note for why each, and why an alias)
             key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
             hit = cache.get(key)
             if hit is not None:  # the same memory, held alive by the cache since: the same values
                 return hit[1]
             if t.device.type == "cpu":
-                # the device is the host: nothing to move. An alias, never ``t`` itself: a saved output holds its
-                # grad_fn, which holds this -- a cycle through C++ that no garbage collector sees, so a forward
-                # dropped without backward (shape inference) would never be freed
-                host = t.detach().clone() if copy else t.detach()
+                host = t.detach().clone() if copy else t.detach()  # the device is the host: nothing to move
             else:
                 host = torch.empty_like(t, device="cpu", pin_memory=True)
                 host.copy_(t, non_blocking=True)
