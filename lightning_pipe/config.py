@@ -56,6 +56,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     _strategy("partition", "strategy.partition"),
     _strategy("layers_attr", "strategy.layers_attr"),
     _strategy("recompute", "strategy.recompute"),
+    _strategy("offload", "strategy.offload"),
     _strategy("start_method", "strategy.start_method",
               "``popen`` (default) re-runs the script per rank (like ``ddp``); ``spawn`` for notebooks "
               "(``strategy=\"pipeline_spawn\"``)."),
@@ -132,6 +133,11 @@ class PipelineConfig:
     """Attribute of the LightningModule that holds the ordered layer list."""
     recompute: str | int = "none"
     """Activation recomputation per stage: ``"none"``, ``"all"`` (every layer) or ``k`` (every k-th layer)."""
+    offload: str | int | bool | Sequence[int] = "none"
+    """Keep chosen layers' saved activations in (pinned) host memory between forward and backward, copied back for
+    the backward: ``"none"``, ``"all"`` / ``true``, ``k`` (every k-th layer of each stage, as ``recompute``) or a
+    list of layer indices such as ``[1, 3]``. With ``recompute`` on the same layer, its kept inputs go to the host.
+    On a CPU device nothing moves (docs/parallelism.md: "Recompute or offload")."""
     schedule_options: dict[str, Any] = field(default_factory=dict)
     """Options of the chosen schedule (e.g. the ``custom`` schedule's ``actions`` or ``csv``); an entry set to
     ``None`` counts as absent. A schedule refuses any option it does not take."""
@@ -146,6 +152,7 @@ class PipelineConfig:
         object.__setattr__(self, "schedule", str(self.schedule).lower())
         object.__setattr__(self, "partition", check_partition(self.partition))
         object.__setattr__(self, "schedule_options", _options(self.schedule_options))
+        object.__setattr__(self, "offload", _offload(self.offload))
         self._validate_plain()
 
     def _validate_plain(self) -> None:
@@ -181,6 +188,21 @@ class PipelineConfig:
                                f"recompute={self.recompute!r}", "recompute")
 
     @property
+    def offload_layers(self) -> LayerChoice:
+        """The layers whose saved activations go to host memory."""
+        value = self.offload  # normalised by _offload: "none", "all", a positive int or a tuple of indices
+        if isinstance(value, tuple):
+            return LayerChoice(indices=frozenset(value))
+        if isinstance(value, int) and not isinstance(value, bool):
+            return LayerChoice(every=value)
+        return LayerChoice(every=1) if value == "all" else LayerChoice()
+
+    @property
+    def recompute_layers(self) -> LayerChoice:
+        """The layers recomputed in backward (:attr:`recompute_every` as a :class:`LayerChoice`)."""
+        return LayerChoice(every=self.recompute_every)
+
+    @property
     def recompute_every(self) -> int | None:
         """Recompute every k-th layer of a stage (1 = all); None = keep all activations."""
         value = str(self.recompute).lower()
@@ -189,6 +211,51 @@ class PipelineConfig:
         if value.isdigit() and int(value) >= 1:
             return int(value)
         return None
+
+
+@dataclass(frozen=True)
+class LayerChoice:
+    """The layers a per-layer setting (``recompute``, ``offload``) picks: every k-th of each stage, counted from the
+    stage's first layer (``every=1``: all), and/or these indices of the full layer list, wherever they land."""
+
+    every: int | None = None
+    indices: frozenset[int] = frozenset()
+
+    def picks(self, position: int, index: int) -> bool:
+        """Whether the layer at ``position`` in its stage, ``index`` in the full list, is chosen."""
+        return (self.every is not None and position % self.every == 0) or index in self.indices
+
+    def __bool__(self) -> bool:
+        return self.every is not None or bool(self.indices)
+
+
+def _offload(value: Any) -> str | int | tuple[int, ...]:
+    """``"none"`` / ``"all"`` / a positive k / a tuple of layer indices; anything else is refused."""
+    rule = ("offload is 'none', 'all' (or true), a positive k (every k-th layer of each stage) or a list of layer "
+            "indices, e.g. [1, 3].")
+    if value is None or value is False:
+        return "none"
+    if value is True:
+        return "all"
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("none", "false"):
+            return "none"
+        if text in ("all", "true"):
+            return "all"
+        if text.isdigit() and int(text) >= 1:
+            return int(text)
+        raise config_error(rule, f"offload={value!r}", "offload")
+    if _is_int(value):
+        if value < 1:
+            raise config_error(rule, f"offload={value!r}", "offload")
+        return int(value)
+    if not isinstance(value, Sequence):
+        raise config_error(rule, f"offload={value!r}", "offload")
+    bad = [i for i in value if not _is_int(i) or i < 0]
+    if bad:
+        raise config_error(rule, f"offload={list(value)!r} (not a layer index: {bad!r})", "offload")
+    return tuple(sorted({int(i) for i in value})) or "none"
 
 
 def _is_int(value: Any) -> bool:

@@ -7,6 +7,7 @@ schedule — in every case; ``m`` micro-batches of ``microbatch_size`` sequences
     a2  plain torch loop, gradient accumulation over the m micro-batches (the pipeline's micro-batch size)
     a3  torch.distributed.pipelining by hand: 2 PipelineStages on this rank, ScheduleInterleaved1F1B, m micro-batches
     c   PipelineStrategy via a Lightning Trainer: 1 rank x 2 stages, interleaved_1f1b, m micro-batches
+    c_offload  c with offload="all": every layer's saved activations in pinned host memory (peak memory, step time)
 
 After the timed steps, each case runs one more step counting host-device syncs, and a3 / c one more under
 ``torch.profiler`` (the trace goes next to the results).
@@ -197,10 +198,10 @@ def _trainer(ctx: Ctx, strategy: Any, precision: str, max_steps: int, callbacks:
                      enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks)
 
 
-def _pipeline(schedule: str, m: int) -> Any:
+def _pipeline(schedule: str, m: int, offload: str = "none") -> Any:
     from lightning_pipe import PipelineStrategy
 
-    return PipelineStrategy(schedule=schedule, microbatches=m, stages_per_rank=2)
+    return PipelineStrategy(schedule=schedule, microbatches=m, stages_per_rank=2, offload=offload)
 
 
 def _hooks(ctx: Ctx, window: Window, counter: SyncCounter, profiler: StepProfiler | None) -> Any:
@@ -215,6 +216,10 @@ def _hooks(ctx: Ctx, window: Window, counter: SyncCounter, profiler: StepProfile
             self.losses: list[Any] = []
             self.profile: dict[str, Any] | None = None
             self._counting: Any = None
+            self.host_bytes = 0
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:  # what offload held in host memory, at most
+            self.host_bytes = sum(sm.offload_stats.peak_bytes for sm in trainer.strategy.engine.stage_modules)
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             if batch_idx == counted:
@@ -236,17 +241,18 @@ def _hooks(ctx: Ctx, window: Window, counter: SyncCounter, profiler: StepProfile
     return Hooks()
 
 
-def run_lightning_pipeline(ctx: Ctx) -> dict[str, Any]:
+def run_lightning_pipeline(ctx: Ctx, offload: str = "none") -> dict[str, Any]:
     window, counter = Window(ctx.dev, ctx.warmup, ctx.steps), SyncCounter(ctx.dev)
-    hooks = _hooks(ctx, window, counter, StepProfiler(ctx.dev, ctx.trace))
+    hooks = _hooks(ctx, window, counter, StepProfiler(ctx.dev, ctx.trace) if offload == "none" else None)
     model = build_model(ctx.spec, ctx.total)
-    strategy = _pipeline("interleaved_1f1b", ctx.spec.microbatches)
+    strategy = _pipeline("interleaved_1f1b", ctx.spec.microbatches, offload)
     trainer = _trainer(ctx, strategy, "bf16-mixed", ctx.total, [hooks])
     trainer.fit(model, train_dataloaders=loader(ctx.spec, ctx.total))
     if trainer.global_step != ctx.total:
         raise RuntimeError(f"ran {trainer.global_step} optimizer steps, expected {ctx.total}")
     out = {"backend": strategy.process_group_backend, "microbatches_per_step": ctx.spec.microbatches,
-           "precision": str(trainer.precision_plugin.precision), "profile": hooks.profile}
+           "precision": str(trainer.precision_plugin.precision), "profile": hooks.profile, "offload": offload,
+           "offload_host_peak_gib": hooks.host_bytes / 2**30}
     plan = getattr(strategy, "plan", None)
     if plan is not None:
         out["plan"] = {"schedule": plan.spec.name, "p": plan.pipeline_size, "v": plan.stages_per_rank,
@@ -272,14 +278,15 @@ def _losses() -> Any:
     return Losses()
 
 
-def run_parity(ctx: Ctx, schedule: str, precision: str) -> dict[str, Any]:
-    """One device, then the pipeline, in this process (the same seeded weights); every parameter compared."""
+def run_parity(ctx: Ctx, schedule: str, precision: str, offload: str = "none") -> dict[str, Any]:
+    """One device, then the pipeline, in this process (the same seeded weights); every parameter compared.
+    ``offload="all"``: the pipeline's saved activations make the round trip through pinned host memory."""
     if precision == "32-true":
         fp32_exact()
     spec, steps = ctx.spec, PARITY_STEPS
     start = _params(materialized(build_model(spec, steps)))
     runs: dict[str, dict[str, Any]] = {}
-    for name, strategy in (("one_device", "auto"), ("pipeline", _pipeline(schedule, spec.microbatches))):
+    for name, strategy in (("one_device", "auto"), ("pipeline", _pipeline(schedule, spec.microbatches, offload))):
         model, losses = build_model(spec, steps), _losses()
         trainer = _trainer(ctx, strategy, precision, steps, [losses])
         trainer.fit(model, train_dataloaders=loader(spec, steps))
@@ -301,7 +308,7 @@ def run_parity(ctx: Ctx, schedule: str, precision: str) -> dict[str, Any]:
     update_sq = sum(float((want[n] - start[n]).double().pow(2).sum()) for n in want)
     worst = max(abs_diff, key=lambda n: abs_diff[n])
     out: dict[str, Any] = {
-        "schedule": schedule, "precision": precision, "steps": steps, "backend": runs["pipeline"]["backend"],
+        "schedule": schedule, "precision": precision, "offload": offload, "steps": steps, "backend": runs["pipeline"]["backend"],
         "tolerance": {"atol": atol, "rtol": 0.0}, "parameters": len(want),
         "max_abs_diff": abs_diff[worst], "max_abs_diff_param": worst, "max_rel_diff": max(rel_diff.values()),
         "max_elementwise_rel_diff": elementwise,

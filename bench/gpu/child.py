@@ -74,14 +74,16 @@ def run_child(args: argparse.Namespace) -> int:
         out["model"] = {"name": model, **ctx.spec.kwargs, "microbatches": ctx.spec.microbatches,
                         "microbatch_size": ctx.spec.microbatch_size, "batch": ctx.spec.batch}
         if kind.startswith("parity:"):
-            _, schedule, precision = kind.split(":")
-            out.update(cases.run_parity(ctx, schedule, precision))
+            _, schedule, precision, *offload = kind.split(":")
+            out.update(cases.run_parity(ctx, schedule, precision, *offload))
         elif kind in ("a", "a2"):
             out.update(cases.run_plain(ctx, accumulate=kind == "a2"))
         elif kind == "a3":
             out.update(cases.run_torch_pipeline(ctx))
         elif kind == "c":
             out.update(cases.run_lightning_pipeline(ctx))
+        elif kind == "c_offload":
+            out.update(cases.run_lightning_pipeline(ctx, offload="all"))
         else:
             raise ValueError(f"unknown case kind {kind!r}")
         out["status"] = "ok"

@@ -8,6 +8,7 @@ user's ``configure_optimizers`` all see the usual names, only fewer of them.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,7 +20,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from lightning_pipe._compat import torch as _compat
-from lightning_pipe.config import config_error
+from lightning_pipe.config import LayerChoice, config_error
+from lightning_pipe.layers.offload import HostOffload, OffloadStats
 from lightning_pipe.layers.vocab import TokenIdError, explain_index_error
 
 # [Note: the layer I/O contract]
@@ -76,29 +78,36 @@ def _describe(value: Any) -> str:
 
 
 def run_layers(layers: nn.Module, inputs: Any, indices: Sequence[int] | None = None,
-               recompute_every: int | None = None) -> Any:
+               recompute_every: int | None = None, offload: LayerChoice | None = None,
+               offload_stats: OffloadStats | None = None) -> Any:
     """Run layers as a chain ([Note: the layer I/O contract]); ``indices`` are their places in the full list.
 
     With ``recompute_every=k`` (and grad enabled) every k-th layer is checkpointed: non-reentrant, so only its
-    inputs are kept and its RNG is replayed on recomputation.
+    inputs are kept and its RNG is replayed on recomputation. The layers ``offload`` picks keep what autograd saves
+    (for a recomputed one: its inputs) in host memory ([Note: activation offload]), counted in ``offload_stats``.
     """
     chain: list[nn.Module] = list(layers)  # type: ignore[call-overload]  # nn.Sequential / nn.ModuleList
     indices = range(len(chain)) if indices is None else indices
     check_layer_io(inputs, f"The inputs of layer {indices[0]} (split_batch's inputs, or the previous stage's outputs) are")
     hidden = inputs
     recompute = recompute_every is not None and torch.is_grad_enabled()
+    offloading = bool(offload) and torch.is_grad_enabled()
     for j, (index, layer) in enumerate(zip(indices, chain)):
         args = layer_args(hidden)
-        try:
-            if recompute and j % recompute_every == 0:  # type: ignore[operator]
-                hidden = checkpoint(layer, *args, use_reentrant=False)
-            else:
-                hidden = layer(*args)
-        except IndexError as err:  # an embedding given a token id out of range: [Note: token ids out of range]
-            explained = explain_index_error(layer, index, args) if not isinstance(err, TokenIdError) else None
-            if explained is None:
-                raise
-            raise explained from None
+        # outside the checkpoint: its inputs are saved under these hooks, its recomputation under its own
+        hooks = (HostOffload(layer, offload_stats) if offloading and offload.picks(j, index)  # type: ignore[union-attr]
+                 else contextlib.nullcontext())
+        with hooks:
+            try:
+                if recompute and j % recompute_every == 0:  # type: ignore[operator]
+                    hidden = checkpoint(layer, *args, use_reentrant=False)
+                else:
+                    hidden = layer(*args)
+            except IndexError as err:  # an embedding given a token id out of range: [Note: token ids out of range]
+                explained = explain_index_error(layer, index, args) if not isinstance(err, TokenIdError) else None
+                if explained is None:
+                    raise
+                raise explained from None
         check_layer_io(hidden, f"Layer {index} ({type(layer).__name__}) returned")
     return hidden
 
@@ -128,14 +137,19 @@ class StageModule(nn.Module):
     ([Note: the layer I/O contract]), so the chain semantics of the full model are kept.
     """
 
-    def __init__(self, layers: Sequence[nn.Module], layer_indices: range, recompute_every: int | None = None) -> None:
+    def __init__(self, layers: Sequence[nn.Module], layer_indices: range, recompute_every: int | None = None,
+                 offload: LayerChoice | None = None) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
         self.layer_indices = layer_indices
         self.recompute_every = recompute_every
+        self.offload = offload or LayerChoice()
+        self.offload_stats = OffloadStats()
+        """Host bytes this stage's offloaded layers hold (bench/memory.py reads them)."""
 
     def forward(self, *args: Any) -> Any:
-        return run_layers(self.layers, args[0] if len(args) == 1 else args, self.layer_indices, self.recompute_every)
+        return run_layers(self.layers, args[0] if len(args) == 1 else args, self.layer_indices, self.recompute_every,
+                          self.offload, self.offload_stats)
 
 
 LayerList = nn.Sequential | nn.ModuleList
@@ -199,7 +213,8 @@ def check_no_stray_parameters(module: nn.Module, attr: str) -> None:
 
 
 def localize_layers(module: nn.Module, attr: str, ranges: Sequence[range], local_stages: Sequence[int],
-                    stage_to_rank: Any, recompute_every: int | None = None) -> list[StageModule]:
+                    stage_to_rank: Any, recompute_every: int | None = None,
+                    offload: LayerChoice | None = None) -> list[StageModule]:
     """Swap other ranks' layers for placeholders; return this rank's stage modules in stage order."""
     layers = find_layers(module, attr)
     owner = {}
@@ -208,11 +223,14 @@ def localize_layers(module: nn.Module, attr: str, ranges: Sequence[range], local
             owner[i] = stage
     local = set(local_stages)
     keys = list(layers._modules.keys())
+    if offload is not None and offload.indices and max(offload.indices) >= len(keys):
+        raise config_error("offload's layer indices must be layers of the list (0 to the number of layers - 1).",
+                           f"offload={sorted(offload.indices)!r} with {len(keys)} layers", "offload")
     for i, key in enumerate(keys):
         if owner[i] not in local:
             # Writing _modules directly keeps the original indices ("7") as names; del/insert would renumber.
             layers._modules[key] = RemoteLayer(i, owner[i], stage_to_rank(owner[i]))
-    return [StageModule([layers[i] for i in ranges[s]], ranges[s], recompute_every)
+    return [StageModule([layers[i] for i in ranges[s]], ranges[s], recompute_every, offload)
             for s in local_stages]
 
 

@@ -19,6 +19,7 @@ from lightning_pipe.layers.partition import counts_of
 from lightning_pipe.layers.stages import find_layers
 from lightning_pipe.parallel.topology import Topology
 from lightning_pipe.planner.auto import balance_on_ranks, plan_on_ranks
+from lightning_pipe.planner.model import ActivationPolicy
 from lightning_pipe.planner.plan import apply_plan, explain, load_plan, plan_name
 from lightning_pipe.schedules import SchedulePlan, check_schedule_settings, check_split_backward
 
@@ -100,7 +101,8 @@ def plan_automatically(trainer: Trainer, module: LightningModule, config: Pipeli
                            f"trainer.{getattr(trainer.state.fn, 'value', None)}() with schedule='auto'", "schedule",
                            "pass plan=<a plan file> (python -m lightning_pipe.planner search) to evaluate")
     batch = next(iter(_compat.train_dataloader(trainer)))
-    auto_plan = plan_on_ranks(module, batch, config.data_parallel_size, memory_budget, config.layers_attr, device)
+    auto_plan = plan_on_ranks(module, batch, config.data_parallel_size, memory_budget, config.layers_attr, device,
+                              activations=ActivationPolicy.of(config))
     config = dataclasses.replace(config, **apply_plan(auto_plan, world_size=world_size))
     rank_zero_info("PipelineStrategy(schedule='auto') chose, from measured costs:\n" + explain(auto_plan))
     return auto_plan, config
@@ -124,7 +126,7 @@ def balance_partition(trainer: Trainer, module: LightningModule, config: Pipelin
     batch = next(iter(_compat.train_dataloader(trainer)))
     by = str(config.partition)
     chosen = balance_on_ranks(module, batch, plan, by, config.data_parallel_size, memory_budget, config.layers_attr,
-                              device)
+                              device, activations=ActivationPolicy.of(config))
     config = dataclasses.replace(config, partition=apply_plan(chosen, world_size=world_size)["partition"])
     rank_zero_info(f"PipelineStrategy(partition={by!r}) chose, from measured costs:\n" + explain(chosen))
     return chosen, config

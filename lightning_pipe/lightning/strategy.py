@@ -4,7 +4,7 @@ to the adapter's helpers (preflight, checkpointing, faults, precision)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -60,7 +60,7 @@ class PipelineStrategy(ParallelStrategy):
 
     Args (in :class:`~lightning_pipe.PipelineConfig`'s order; all but ``schedule`` are keyword-only):
         schedule, microbatches, data_parallel_size, fsdp_size, fsdp_reshard_after_forward, tensor_parallel_size,
-            partition, stages_per_rank, layers_attr, recompute, schedule_options: the layout settings, documented
+            partition, stages_per_rank, layers_attr, recompute, offload, schedule_options: the layout settings, documented
             once on :class:`~lightning_pipe.PipelineConfig` (and in docs/settings.md, generated from it, with their
             Hydra paths). ``schedule="auto"`` lets the planner choose at setup (docs/planner.md).
         rebalance_every_n_steps, rebalance_threshold: move layers between ranks mid-run when measured times
@@ -90,6 +90,7 @@ class PipelineStrategy(ParallelStrategy):
         stages_per_rank: int | None = None,
         layers_attr: str = "layers",
         recompute: str | int = "none",
+        offload: str | int | bool | Sequence[int] = "none",
         schedule_options: dict[str, Any] | None = None,
         rebalance_every_n_steps: int | None = None,
         rebalance_threshold: float = 0.05,
@@ -115,7 +116,7 @@ class PipelineStrategy(ParallelStrategy):
                                     fsdp_size=fsdp_size, fsdp_reshard_after_forward=fsdp_reshard_after_forward,
                                     tensor_parallel_size=tensor_parallel_size,
                                     rebalance_every_n_steps=rebalance_every_n_steps,
-                                    rebalance_threshold=rebalance_threshold)
+                                    rebalance_threshold=rebalance_threshold, offload=offload)
         self.pipeline_config = resolved.config
         self.rebalancer: StrategyRebalancer | None = None
         self._plan_source, self._plan_name = resolved.plan, resolved.plan_name

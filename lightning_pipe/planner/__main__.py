@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lightning_pipe.config import PipelineConfigError
+from lightning_pipe.config import PipelineConfig, PipelineConfigError
 
 
 def _factory(spec: str) -> Any:
@@ -56,6 +56,14 @@ def _profile(args: argparse.Namespace) -> None:
           + ", ".join(f"{t:.1f} ms @ {s}" for s, t in total.items()) + f" -> {args.out}")
 
 
+def _activations(args: argparse.Namespace) -> Any:
+    """--recompute / --offload, read and checked as the strategy's settings (an ActivationPolicy)."""
+    from lightning_pipe.planner.model import ActivationPolicy
+
+    offload = json.loads(args.offload) if args.offload.lstrip().startswith("[") else args.offload
+    return ActivationPolicy.of(PipelineConfig(recompute=args.recompute, offload=offload))
+
+
 def _search(args: argparse.Namespace) -> None:
     from lightning_pipe.planner.plan import explain, save_plan, to_plan
     from lightning_pipe.planner.profile import ModelProfile
@@ -65,7 +73,8 @@ def _search(args: argparse.Namespace) -> None:
     result = search(profile, args.world, args.batch_size, args.memory_budget,
                     schedules=args.schedules.split(",") if args.schedules else None,
                     speeds=[float(x) for x in args.speeds.split(",")] if args.speeds else None,
-                    action_overhead=None if args.action_overhead_ms is None else args.action_overhead_ms * 1e-3)
+                    action_overhead=None if args.action_overhead_ms is None else args.action_overhead_ms * 1e-3,
+                    activations=_activations(args))
     plan = to_plan(result, args.batch_size, args.top_k, profile=args.profile)
     save_plan(plan, args.out)
     print(explain(plan))
@@ -137,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--memory-budget", default=None, help="per device, e.g. 20GiB")
     s.add_argument("--schedules", default=None, help="comma-separated (default: all)")
     s.add_argument("--speeds", default=None, help="slowness per rank, e.g. 1,1.5")
+    s.add_argument("--recompute", default="none", help="as strategy.recompute: none, all or k (its memory and time)")
+    s.add_argument("--offload", default="none",
+                   help="as strategy.offload: none, all, k or a JSON list of layer indices such as [1,3]")
     s.add_argument("--action-overhead-ms", type=float, default=None,
                    help="runtime cost per stage call (default: the profile's measured one)")
     s.add_argument("--top-k", type=int, default=3)

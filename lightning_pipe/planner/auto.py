@@ -20,6 +20,7 @@ from torch import nn
 from lightning_pipe.config import PipelineConfigError
 from lightning_pipe.planner.balance import balance_split
 from lightning_pipe.planner.calibrate import measure_action_overhead
+from lightning_pipe.planner.model import ActivationPolicy
 from lightning_pipe.planner.plan import to_plan
 from lightning_pipe.planner.profile import ModelProfile, measure_link, profile_model, rank_speeds
 from lightning_pipe.planner.search import divisors, search
@@ -83,7 +84,8 @@ def _decide_on_ranks(module: nn.Module, batch: Any, sizes: Sequence[int], layers
 def plan_on_ranks(module: nn.Module, batch: Any, data_parallel_size: int = 1,
                   memory_budget: int | str | None = None, layers_attr: str = "layers",
                   device: torch.device | str = "cpu", schedules: Sequence[str] | None = None,
-                  max_microbatches: int = 32, repeats: int = 2, top_k: int = 3) -> dict[str, Any]:
+                  max_microbatches: int = 32, repeats: int = 2, top_k: int = 3,
+                  activations: ActivationPolicy | None = None) -> dict[str, Any]:
     """The plan (as :func:`~lightning_pipe.planner.plan.to_plan` writes it) for this world, the same on every rank.
 
     ``batch`` is one training batch of one replica (its size stays what the data loader gives); replicas stay
@@ -95,7 +97,7 @@ def plan_on_ranks(module: nn.Module, batch: Any, data_parallel_size: int = 1,
 
     def decide(base: ModelProfile, speeds: list[float]) -> dict[str, Any]:
         result = search(base, world, rows * data_parallel_size, memory_budget, schedules=schedules,
-                        pipeline_sizes=[pipeline_size], speeds=speeds)
+                        pipeline_sizes=[pipeline_size], speeds=speeds, activations=activations)
         return to_plan(result, rows * data_parallel_size, top_k, rank_speeds=speeds)
 
     return _decide_on_ranks(module, batch, sizes, layers_attr, device, repeats, decide)
@@ -103,7 +105,8 @@ def plan_on_ranks(module: nn.Module, batch: Any, data_parallel_size: int = 1,
 
 def balance_on_ranks(module: nn.Module, batch: Any, plan: SchedulePlan, by: str, data_parallel_size: int = 1,
                      memory_budget: int | str | None = None, layers_attr: str = "layers",
-                     device: torch.device | str = "cpu", repeats: int = 2) -> dict[str, Any]:
+                     device: torch.device | str = "cpu", repeats: int = 2,
+                     activations: ActivationPolicy | None = None) -> dict[str, Any]:
     """``partition="time"`` / ``"memory"``: the plan of the best split of ``plan`` (schedule, v, m and replicas
     fixed) by measured time or memory, the same on every rank; the uniform split rides along as the runner-up.
     Collective."""
@@ -111,7 +114,8 @@ def balance_on_ranks(module: nn.Module, batch: Any, plan: SchedulePlan, by: str,
     size = max(1, rows // plan.microbatches)
 
     def decide(base: ModelProfile, speeds: list[float]) -> dict[str, Any]:
-        result = balance_split(base, plan, rows, by, data_parallel_size, speeds, memory_budget)
+        result = balance_split(base, plan, rows, by, data_parallel_size, speeds, memory_budget,
+                               activations=activations)
         return to_plan(result, rows * data_parallel_size, 2, rank_speeds=speeds, partition_by=by)
 
     return _decide_on_ranks(module, batch, [size], layers_attr, device, repeats, decide)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from lightning_pipe.config import MEASURED_PARTITIONS, config_error
 from lightning_pipe.layers.partition import uniform_counts
-from lightning_pipe.planner.model import Candidate, CostModel, Prediction, predict
+from lightning_pipe.planner.model import ActivationPolicy, Candidate, CostModel, Prediction, predict
 from lightning_pipe.planner.profile import ModelProfile
 from lightning_pipe.planner.search import (
     SearchResult,
@@ -54,7 +54,7 @@ def _least_memory(model: CostModel, compiled: CompiledOrder, n: int, dp: int,
 
 def balance_split(profile: ModelProfile, plan: SchedulePlan, batch_size: int, by: str, data_parallel_size: int = 1,
                   speeds: Sequence[float] | None = None, memory_budget: int | str | None = None,
-                  exhaustive_limit: int = 2000) -> SearchResult:
+                  exhaustive_limit: int = 2000, activations: ActivationPolicy | None = None) -> SearchResult:
     """The best split of ``plan``'s stages by ``by`` (``"time"`` or ``"memory"``) for a per-replica batch of
     ``batch_size`` samples; ``speeds``: slowness per global rank (1.0 = the fastest). Raises
     :class:`~lightning_pipe.config.PipelineConfigError` when no split fits ``memory_budget`` (time only)."""
@@ -65,7 +65,8 @@ def balance_split(profile: ModelProfile, plan: SchedulePlan, batch_size: int, by
         raise config_error("Every pipeline stage needs at least one layer.", f"{plan.num_stages} stages for {n} "
                            "layers", "stages_per_rank", also=("data_parallel_size", "devices"))
     compiled = compile_order(compute_order(plan), plan.num_stages)
-    model = CostModel(profile, batch_size / plan.microbatches, slowness_per_pipeline_rank(speeds, pp, dp))
+    model = CostModel(profile, batch_size / plan.microbatches, slowness_per_pipeline_rank(speeds, pp, dp),
+                      activations=activations)
     budget = parse_bytes(memory_budget)
     if by == "time":
         counts, pred, replayed, min_peak = best_split(model, compiled, n, dp, budget, exhaustive_limit)

@@ -8,7 +8,8 @@ action order (:func:`lightning_pipe.schedules.simulate.replay`). Replicas add a 
 gradients after the step, then every rank runs its optimizer step (and ``step_overhead``, when calibrated, adds
 the trainer's own per-step cost). Memory per rank: parameters + gradients +
 optimizer state of its layers, plus the activations its schedule holds at once
-(:func:`~lightning_pipe.schedules.simulate.peak_activations`).
+(:func:`~lightning_pipe.schedules.simulate.peak_activations`), after ``recompute`` and ``offload``
+(:class:`ActivationPolicy`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from lightning_pipe.config import LayerChoice, PipelineConfig
 from lightning_pipe.layers.partition import ranges_of
 from lightning_pipe.planner.profile import LayerCost, ModelProfile
 from lightning_pipe.schedules.simulate import CompiledOrder, peak_activations, replay
@@ -53,11 +55,37 @@ class Prediction:
     """Predicted seconds for stage s's output to reach stage s + 1 (0 when both sit on one rank)."""
 
 
+@dataclass(frozen=True)
+class ActivationPolicy:
+    """Which layers are recomputed and which offloaded: what a stage keeps on its device per micro-batch.
+
+    [Note: recompute and offload in the cost model]
+    Per layer of a stage, on the device between its forward and its backward: a kept layer holds what autograd
+    saves (the profile's ``saved_bytes``); a recomputed one only its input (the previous layer's output; for a
+    stage's first layer nothing more, the stage holds its input anyway); an offloaded one nothing (recomputed and
+    offloaded: its input is on the host too). Recomputation re-runs the layer's forward in its backward (in I
+    under split backward, where its saved tensors are first needed). Not modelled: the transient of a recomputed
+    layer's activations during its own backward, and offload's host copies (on the compute stream: on a GPU about
+    2 x saved bytes / host link bandwidth per layer per micro-batch; nothing on a CPU device).
+    """
+
+    recompute: LayerChoice = field(default_factory=LayerChoice)
+    offload: LayerChoice = field(default_factory=LayerChoice)
+
+    @classmethod
+    def of(cls, config: PipelineConfig) -> ActivationPolicy:
+        return cls(config.recompute_layers, config.offload_layers)
+
+    def __bool__(self) -> bool:
+        return bool(self.recompute) or bool(self.offload)
+
+
 class CostModel:
     """Stage costs for one (profile, micro-batch size, per-pipeline-rank slowness); cheap to query per split."""
 
     def __init__(self, profile: ModelProfile, micro_batch: float, slowness: Sequence[float],
-                 action_overhead: float | None = None) -> None:
+                 action_overhead: float | None = None, activations: ActivationPolicy | None = None) -> None:
+        self.activations = activations or ActivationPolicy()
         self.layers: list[LayerCost] = profile.at(micro_batch)
         self.profile = profile
         self.slowness = list(slowness)
@@ -76,8 +104,9 @@ class CostModel:
         cost = {}
         for s, (lo, hi) in enumerate(bounds):
             slow = self.slowness[stage_rank[s]]
-            full = self._sum("B", lo, hi)
-            split = (0.0, full) if s == 0 else (self._sum("I", lo, hi), self._sum("W", lo, hi))
+            again = self._recomputed_forward(lo, hi)
+            full = self._sum("B", lo, hi) + again
+            split = (0.0, full) if s == 0 else (self._sum("I", lo, hi) + again, self._sum("W", lo, hi))
             values = (self._sum("F", lo, hi), full, *split)
             for kind, value in zip(KINDS, values):
                 cost[(s, kind)] = slow * value + self.overhead
@@ -87,9 +116,30 @@ class CostModel:
         p = self.profile
         return [p.link_latency + self.layers[hi - 1].output_bytes / p.link_bandwidth for _, hi in bounds]
 
+    def _recomputed_forward(self, lo: int, hi: int) -> float:
+        choice = self.activations.recompute
+        if not choice:
+            return 0.0
+        return sum(self.layers[i].forward for j, i in enumerate(range(lo, hi)) if choice.picks(j, i))
+
     def held(self, bounds: Sequence[tuple[int, int]]) -> list[float]:
-        """Activation bytes a stage holds per micro-batch in flight: what autograd saves, plus its output."""
-        return [self._sum("saved", lo, hi) + self.layers[hi - 1].output_bytes for lo, hi in bounds]
+        """Activation bytes a stage holds on its device per micro-batch in flight: what autograd saves (after
+        recompute and offload, [Note: recompute and offload in the cost model]), plus its output."""
+        if not self.activations:
+            return [self._sum("saved", lo, hi) + self.layers[hi - 1].output_bytes for lo, hi in bounds]
+        recompute, offload = self.activations.recompute, self.activations.offload
+        out = []
+        for lo, hi in bounds:
+            total = float(self.layers[hi - 1].output_bytes)
+            for j, i in enumerate(range(lo, hi)):
+                if offload.picks(j, i):
+                    continue
+                if recompute.picks(j, i):
+                    total += self.layers[i - 1].output_bytes if j > 0 else 0
+                else:
+                    total += self.layers[i].saved_bytes
+            out.append(total)
+        return out
 
     def static_memory(self, bounds: Sequence[tuple[int, int]], stage_rank: Sequence[int], ranks: int) -> list[float]:
         factor = 2.0 + self.profile.optimizer_state_factor  # parameters, gradients, optimizer state

@@ -19,7 +19,15 @@ from dataclasses import dataclass, field
 from lightning_pipe._compat.torch import torch_gap
 from lightning_pipe.config import PipelineConfig, PipelineConfigError, config_error
 from lightning_pipe.layers.partition import balanced_counts, uniform_counts
-from lightning_pipe.planner.model import Candidate, CostModel, Prediction, action_counts, bounds_of, predict
+from lightning_pipe.planner.model import (
+    ActivationPolicy,
+    Candidate,
+    CostModel,
+    Prediction,
+    action_counts,
+    bounds_of,
+    predict,
+)
 from lightning_pipe.planner.profile import ModelProfile
 from lightning_pipe.schedules import (
     SchedulePlan,
@@ -224,10 +232,11 @@ def search(profile: ModelProfile, world_size: int, batch_size: int, memory_budge
            schedules: Sequence[str] | None = None, stages_per_rank: Sequence[int] = (1, 2),
            microbatches: Sequence[int] | None = None, pipeline_sizes: Sequence[int] | None = None,
            speeds: Sequence[float] | None = None, action_overhead: float | None = None,
-           exhaustive_limit: int = 2000) -> SearchResult:
+           exhaustive_limit: int = 2000, activations: ActivationPolicy | None = None) -> SearchResult:
     """Every layout for ``world_size`` ranks and a global batch of ``batch_size`` samples, fastest first.
 
     ``speeds``: slowness per global rank (1.0 = the fastest, see :func:`~lightning_pipe.planner.profile.rank_speeds`).
+    ``activations``: the layers recomputed / offloaded (the strategy's ``recompute`` and ``offload``).
     Raises :class:`~lightning_pipe.config.PipelineConfigError` when no layout fits the budget or none is valid."""
     budget = parse_bytes(memory_budget)
     n = profile.num_layers
@@ -238,7 +247,8 @@ def search(profile: ModelProfile, world_size: int, batch_size: int, memory_budge
                                      pipeline_sizes):
         compiled = compile_order(compute_order(plan), plan.num_stages)
         micro_batch = batch_size / dp / plan.microbatches
-        model = CostModel(profile, micro_batch, slowness_per_pipeline_rank(speeds, pp, dp), action_overhead)
+        model = CostModel(profile, micro_batch, slowness_per_pipeline_rank(speeds, pp, dp), action_overhead,
+                          activations)
         counts, pred, k, min_peak = best_split(model, compiled, n, dp, budget, exhaustive_limit)
         replayed += k
         cand = Candidate(pp, dp, plan.spec.name, plan.stages_per_rank, plan.microbatches, counts)
@@ -254,7 +264,7 @@ def search(profile: ModelProfile, world_size: int, batch_size: int, memory_budge
                 "No pipeline layout fits the per-device memory budget.",
                 f"memory_budget={budget:,} bytes; the smallest predicted peak is {low.peak_memory:,} bytes "
                 f"({low.candidate.schedule}, pp={low.candidate.pipeline_size}, m={low.candidate.microbatches})",
-                "memory_budget", "raise it, add devices, or enable recompute")
+                "memory_budget", "raise it, add devices, or enable recompute or offload", also=("recompute", "offload"))
         raise config_error("No pipeline layout is valid for this world size, batch size and layer count.",
                            f"world_size={world_size}, batch_size={batch_size}, {n} layers, schedules={schedules}",
                            "devices", "a world of at least 2 ranks and a batch divisible by the replicas")

@@ -43,6 +43,10 @@ TRAINING = [
     # owner (the embedding, on the other rank): its shards come from there
     TrainingCase(model="meta", tied=True, schedule="1f1b", fsdp=2, acc=2, clip=0.05, check_grad_norms=False,
                  validate=False),
+    # every layer's activations offloaded while FSDP gathers the weights again for each backward: the gathered
+    # weights autograd saves are left alone ([Note: activation offload]), the activations make the round trip
+    TrainingCase(schedule="1f1b", fsdp=2, fsdp_reshard=True, offload="all", acc=2, optimizer="adamw",
+                 validate=False),
 ]
 
 

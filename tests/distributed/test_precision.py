@@ -1,4 +1,5 @@
-"""Precision under the pipeline vs the same precision on one device; activation recomputation stays exact.
+"""Precision under the pipeline vs the same precision on one device; activation recomputation and offload stay
+exact.
 
 Tolerances: fp32 paths (recomputation; fp16-mixed keeps fp32 master weights) must match to 1e-5 as everywhere.
 Reduced-precision compute rounds differently on a micro-batch than on the whole batch (matmul shapes and
@@ -32,11 +33,18 @@ CASES = [
     (TrainingCase(precision="16-true", schedule="gpipe", validate=False), FP16_TOL),
     (TrainingCase(recompute="all", schedule="1f1b", acc=2, clip=0.05, validate=False), FP32_TOL),
     (TrainingCase(recompute=2, schedule="gpipe", optimizer="adamw", validate=False), FP32_TOL),
+    # offload ([Note: activation offload]): under split backward (the W step reads the host copies after I), and
+    # with recomputation on the same layers (their inputs offloaded) and on others
+    (TrainingCase(offload="all", schedule="zbv", validate=False), FP32_TOL),
+    (TrainingCase(offload=[1, 2, 5], recompute=2, schedule="interleaved_1f1b", acc=2, clip=0.05, optimizer="adamw",
+                  validate=False), FP32_TOL),
+    (TrainingCase(model="gpt", n_layers=6, tied=True, optimizer="adamw", offload=2, recompute="all", schedule="zbv",
+                  n_data=64, check_grad_norms=False, validate=False), FP32_TOL),
 ]
 
 
 @pytest.mark.timeout(600)
-def test_precisions_and_recompute_match_single_device(tmp_path):
+def test_precisions_recompute_and_offload_match_single_device(tmp_path):
     cases = [case for case, _ in CASES]
     results = launch("training", 2, cases, tmp_path, timeout=450)
     for i, (case, tol) in enumerate(CASES):
@@ -54,5 +62,8 @@ def test_precisions_and_recompute_match_single_device(tmp_path):
             # fp16: every rank's scaler moved exactly like the single-device one (skip + backoff at the overflow)
             assert r["scales"] == ref["scales"]
             assert bool(r["scales"]) == (case.precision == "16-mixed"), "a loss scale exactly when fp16 AMP"
+        # (a rank may pack nothing: a recomputed and offloaded stage's first layer keeps only the stage's input)
+        packed = sum(rank_results[i]["offloaded_tensors"] for rank_results in results)
+        assert (packed > 0) == (case.offload != "none"), f"{case}: the offload hooks ran where asked"
     overflow = next(i for i, (c, _) in enumerate(CASES) if c.inf_grad_at_step is not None)
     assert results[0][overflow]["scales"][:2] == [2.0**16, 2.0**15]  # the overflow step backed off, once

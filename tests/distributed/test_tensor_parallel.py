@@ -53,9 +53,10 @@ TRAINING = [
     # count the strided q|k|v parts once each (counting them as replicated fails at 4e-5).
     TrainingCase(model="gpt", n_layers=6, tied=True, optimizer="sgd", schedule="1f1b", tp=2, acc=2, clip=0.5,
                  n_data=64, check_grad_norms=False),
-    # the Llama recipe (meta-built): one of the 2 key/value heads per tensor rank, SwiGLU gate/up column-wise
+    # the Llama recipe (meta-built): one of the 2 key/value heads per tensor rank, SwiGLU gate/up column-wise; every
+    # other layer offloaded (what DTensor saves stays put, the plain tensors go: [Note: activation offload])
     TrainingCase(model="llama", n_layers=6, optimizer="adamw", schedule="gpipe", tp=2, acc=2, clip=0.05, n_data=64,
-                 validate=False),    # split input/weight backward ([Note: tensor parallel stages]): DTensor's all-reduces run in the I pass (the
+                 validate=False, offload=2),    # split input/weight backward ([Note: tensor parallel stages]): DTensor's all-reduces run in the I pass (the
     # input gradient of a column-wise layer), in the same action order on both tensor ranks of a stage. V placement
     # (rank 0 holds the first and the last stage), with validation and AdamW ...
     TrainingCase(model="tp", schedule="zbv", stages_per_rank=2, tp=2, acc=2, clip=0.05, optimizer="adamw"),

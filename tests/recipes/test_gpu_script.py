@@ -67,6 +67,9 @@ def test_gpu_check_smoke_runs_every_case_on_the_cpu(tmp_path: Path) -> None:
     assert traces == sorted(f"trace_{m}-{k}.json.gz" for m in ("gpt2_124m", "llama_1b") for k in ("a3", "c"))
     assert len(list(out.iterdir())) + 1 <= 8, "the device tool brings back 8 files at most (the log is one)"
     assert "gpt2_124m: c/a2 = " in proc.stdout and "| parity-zbv-bf16 | PASS |" in proc.stdout
+    # offload: the speed row ran with it, and its parity (a host round trip on a GPU) passed
+    assert results["gpt2_124m-c_offload"]["offload"] == "all" and "c_offload/c = " in proc.stdout
+    assert results["parity-interleaved_1f1b-fp32-offload"]["offload"] == "all"
 
 
 def _sync_in_library() -> None:  # stands in for a line of lightning_pipe that makes CUDA report a sync

@@ -54,6 +54,7 @@ class TrainingCase:
     partition: str | list[int] = "uniform"
     schedule_options: dict[str, Any] | None = None
     recompute: str | int = "none"
+    offload: str | int | list[int] = "none"
     # data-parallel sync during the schedule (engine.overlap_dp_sync): on, off, or "alternate" optimizer steps
     dp_overlap: bool | str = True
     # the trainer
@@ -102,6 +103,7 @@ class TrainingResult(TypedDict):
     tp_rank: NotRequired[int]  # pipeline only
     sharded_params: NotRequired[int]  # pipeline only: parameters held as split DTensors (FSDP / tensor parallel)
     per_edge_p2p: NotRequired[bool]  # pipeline only: torch 2.15 per-edge communicators in use
+    offloaded_tensors: NotRequired[int]  # pipeline only: saved tensors this rank's offload hooks packed
 
 
 class NoLayerList(ToyRegressor):
@@ -225,11 +227,13 @@ class LossRecorder(Callback):
 
 
 class DataParallelSync(Callback):
-    """Sets the engine's overlap switch per batch (``case.dp_overlap``) and keeps its counts at the end of fit."""
+    """Sets the engine's overlap switch per batch (``case.dp_overlap``) and keeps its counts (and how many saved
+    tensors offload packed) at the end of fit."""
 
     def __init__(self, case: TrainingCase) -> None:
         self.case = case
         self.counts: dict[str, int] = {}
+        self.offloaded = 0
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         mode = self.case.dp_overlap
@@ -238,6 +242,7 @@ class DataParallelSync(Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
         self.counts = dict(trainer.strategy.engine.dp_sync_counts)  # type: ignore[attr-defined]
+        self.offloaded = sum(sm.offload_stats.tensors for sm in trainer.strategy.engine.stage_modules)  # type: ignore[attr-defined]
 
 
 def _precision(case: TrainingCase, pipeline: bool) -> dict[str, Any]:
@@ -256,7 +261,7 @@ def _trainer(case: TrainingCase, pipeline: bool, recorder: Callback, *extra: Cal
         strategy = PipelineStrategy(schedule=case.schedule, microbatches=case.microbatches,
                                     data_parallel_size=case.dp, partition=case.partition,
                                     stages_per_rank=case.stages_per_rank, schedule_options=case.schedule_options,
-                                    recompute=case.recompute, fsdp_size=case.fsdp,
+                                    recompute=case.recompute, offload=case.offload, fsdp_size=case.fsdp,
                                     fsdp_reshard_after_forward=case.fsdp_reshard, tensor_parallel_size=case.tp)
         devices = int(os.environ["TEST_WORLD_SIZE"])  # Lightning deletes WORLD_SIZE at teardown
     else:
@@ -316,6 +321,7 @@ def run_training(case: TrainingCase, pipeline: bool) -> TrainingResult:
         out["tp_rank"] = trainer.strategy.topology.tp_rank
         # torch >= 2.15: one communicator per directed edge (the flag every PipelineStage reads when it is built)
         out["per_edge_p2p"] = bool(getattr(getattr(torch.distributed, "config", None), "pipeline_per_edge_p2p", False))
+        out["offloaded_tensors"] = dp_sync.offloaded
         out["sharded_params"] = sum(isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)
                                     for p in model.parameters())
     callback = trainer.checkpoint_callback
