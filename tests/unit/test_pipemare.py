@@ -103,6 +103,7 @@ def test_bad_options_are_refused_with_the_rule(options: dict, words: list[str]) 
     ({"microbatches": 2}, ["microbatches=2, pipeline size=4", "schedule.microbatches"]),
     ({"stages_per_rank": 2}, ["stages_per_rank=2", "schedule.stages_per_rank"]),
     ({"recompute": "all"}, ["recompute='all'", "strategy.recompute", "backward time"]),
+    ({"offload": [1]}, ["offload=(1,)", "strategy.offload", "host memory"]),
 ])
 def test_pipemare_refuses_what_cannot_hold(settings: dict, names: list[str]) -> None:
     with pytest.raises(PipelineConfigError) as err:

@@ -15,7 +15,7 @@ from lightning_pipe.schedules.registry import _bubble_flush, _order_1f1b
 
 
 def resolve_pipemare(spec: ScheduleSpec, config: PipelineConfig, pipeline_size: int) -> SchedulePlan:
-    """PipeDream's rules (one stage per rank, m >= p, no recomputation; split backward is never in its order),
+    """PipeDream's rules (one stage per rank, m >= p, no recomputation or offload; split backward is never in its order),
     and the two techniques' options checked here, on every rank before any process waits."""
     rule_from_options(config.schedule_options)
     if config.recompute_every is not None:
@@ -24,6 +24,13 @@ def resolve_pipemare(spec: ScheduleSpec, config: PipelineConfig, pipeline_size: 
             "layers would re-run their forward then, on other weights than the forward's, so activation "
             "recomputation is not available with it.",
             f"recompute={config.recompute!r}", "recompute", "set it to 'none', or choose another schedule",
+            also=("schedule",))
+    if config.offload != "none":
+        raise config_error(
+            "Schedule 'pipemare' packs the tensors the forward saves to rebuild the weights at backward time; "
+            "activation offload packs the same saved tensors to move them to host memory, and the two cannot both "
+            "own them, so offload is not available with it.",
+            f"offload={config.offload!r}", "offload", "set it to 'none', or choose another schedule",
             also=("schedule",))
     return resolve_versioned(spec, config, pipeline_size)
 

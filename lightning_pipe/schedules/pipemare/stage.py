@@ -18,7 +18,8 @@ Full backward only (torch's I/W split would unpack the weights at the W step, at
 (``torch.utils.checkpoint`` re-runs the forward at backward time, on the weights then): refused by the spec. Plain
 parameters only: DTensor parameters (tensor parallelism) and FSDP's sharded ones are refused before any rank starts
 (the spec does not declare ``tensor_parallel``; ``parallel/fsdp.py`` refuses every stage class). Saved-tensor hooks
-installed inside the stage (offload, ``ActivationMeter``) do not compose: the innermost hooks win.
+installed inside the stage do not compose (the innermost hooks win): offload is refused by the spec, and
+``ActivationMeter`` sees no saved tensor here.
 """
 
 from __future__ import annotations
