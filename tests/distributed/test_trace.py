@@ -79,6 +79,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[list[dict[str, 
         TraceCase(schedule="zbv", stages_per_rank=2, microbatches=4, steps=3, partition="time"),
         TraceCase(schedule="dualpipev", stages_per_rank=2, microbatches=4, steps=2),
         TraceCase(schedule="pipedream", microbatches=4, steps=2),  # issue 11: updates inside the step, same order
+        TraceCase(schedule="v_half", stages_per_rank=2, microbatches=4, steps=2),  # issue 26: memory-capped V
+        TraceCase(schedule="v_min", stages_per_rank=2, microbatches=4, steps=2),
     ]
     if refused("split_backward"):  # restricted torch tier: refused on every rank, the launch goes on
         cases = [replace(c, expect_error=True) if c.schedule in SPLIT_BACKWARD_SCHEDULES else c for c in cases]
@@ -101,7 +103,7 @@ def test_1f1b_trace_holds_exactly_what_each_rank_ran(runs: Any) -> None:
 
 
 SEARCHED = ((0, "1f1b", None), (1, "gpipe", None), (2, "zb_h1", 2), (5, "interleaved_1f1b", 2),
-            (6, "looped_bfs", 2), (7, "zbv", 2), (8, "dualpipev", 2))
+            (6, "looped_bfs", 2), (7, "zbv", 2), (8, "dualpipev", 2), (10, "v_half", 2), (11, "v_min", 2))
 
 
 @needs("split_backward")
