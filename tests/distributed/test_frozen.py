@@ -58,6 +58,7 @@ def test_lora_llama_with_frozen_stages_matches_one_device(tmp_path) -> None:
     cases = [
         FrozenCase(),
         FrozenCase(schedule="1f1b", dp=2, partition=[1, 5], scheduler=True),
+        FrozenCase(schedule="1f1b", dp=2, partition=[4, 2]),  # a frozen last stage (norm, head) under 1F1B x dp 2
         # rank 1: decoders 1, 2, frozen (torch 2.11 / 2.12 refuse the split backward: tests/torch_tiers.py)
         *([] if refused("split_backward") else [
             FrozenCase(schedule="zbv", dp=2, stages_per_rank=2, lora_layers=(0,))]),
