@@ -32,9 +32,9 @@ pytestmark = [pytest.mark.parity, pytest.mark.distributed]
 P = 2
 
 
-def pipedream_reference(case: TrainingCase, p: int = P, stale: bool = True) -> dict[str, torch.Tensor]:
-    """Train ``case``'s model on one process with PipeDream's per-micro-batch updates (``stale=False``: every
-    micro-batch on the latest weights, i.e. plain sequential per-micro-batch training)."""
+def reference_setup(case: TrainingCase, p: int) -> tuple[Any, Any, Any, list[Any], list[range], list[list[Any]]]:
+    """The one-process references' start: ``case``'s model with run_pipedream's initial weights, its optimizer and
+    scheduler, its layers, the uniform split into ``p`` stages and each stage's parameters (a tie counted once)."""
     torch.manual_seed(1234)  # as run_pipedream: the same initial weights
     model = MODELS[case.model](case)
     configured = model.configure_optimizers()
@@ -43,6 +43,13 @@ def pipedream_reference(case: TrainingCase, p: int = P, stale: bool = True) -> d
     layers = list(model.layers)
     ranges = partition_layers(len(layers), p, "uniform")
     stage_params = [list({id(q): q for i in r for q in layers[i].parameters()}.values()) for r in ranges]
+    return model, optimizer, scheduler, layers, ranges, stage_params
+
+
+def pipedream_reference(case: TrainingCase, p: int = P, stale: bool = True) -> dict[str, torch.Tensor]:
+    """Train ``case``'s model on one process with PipeDream's per-micro-batch updates (``stale=False``: every
+    micro-batch on the latest weights, i.e. plain sequential per-micro-batch training)."""
+    model, optimizer, scheduler, layers, ranges, stage_params = reference_setup(case, p)
     holders: dict[int, int] = {}
     for ps in stage_params:
         for q in ps:

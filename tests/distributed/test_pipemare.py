@@ -22,7 +22,6 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from lightning_pipe.layers.partition import partition_layers
 from lightning_pipe.layers.stages import layer_args
 from lightning_pipe.schedules.pipemare.rule import (
     PipeMareRule,
@@ -33,9 +32,9 @@ from lightning_pipe.schedules.pipemare.rule import (
 )
 from tests.distributed.launcher import launch_runs
 from tests.distributed.scenarios import CheckpointCase, TrainingCase
-from tests.distributed.scenarios.training import DATA, MODELS
+from tests.distributed.scenarios.training import DATA
 from tests.distributed.test_checkpoint import STEP4
-from tests.distributed.test_pipedream import pipedream_reference
+from tests.distributed.test_pipedream import pipedream_reference, reference_setup
 from tests.distributed.test_seed_schedules import delayed_reference, max_difference, validation_loss
 from tests.models import reference_train_loader, regression_data
 
@@ -46,14 +45,7 @@ P = 3
 
 def pipemare_reference(case: TrainingCase, rule: PipeMareRule, p: int = P) -> dict[str, torch.Tensor]:
     """Train ``case``'s model on one process with PipeMare's rule (one replica)."""
-    torch.manual_seed(1234)  # as run_pipedream: the same initial weights
-    model = MODELS[case.model](case)
-    configured = model.configure_optimizers()
-    optimizer = configured["optimizer"] if isinstance(configured, dict) else configured
-    scheduler = configured["lr_scheduler"]["scheduler"] if isinstance(configured, dict) else None
-    layers = list(model.layers)
-    ranges = partition_layers(len(layers), p, "uniform")
-    stage_params = [list({id(q): q for i in r for q in layers[i].parameters()}.values()) for r in ranges]
+    model, optimizer, scheduler, layers, ranges, stage_params = reference_setup(case, p)
     owner: dict[int, int] = {}  # a weight tied across stages is stepped once (the copies stay equal)
     for s, params in enumerate(stage_params):
         for q in params:
