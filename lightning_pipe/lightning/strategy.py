@@ -1,5 +1,5 @@
 """PipelineStrategy: Lightning's hooks, delegating to the plain-torch core (layout, engine, grads, checkpoint) and
-to the adapter's helpers (preflight, checkpointing, faults, precision)."""
+to the adapter's helpers (setup, preflight, checkpointing, faults, precision)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,9 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
@@ -24,29 +23,19 @@ from typing_extensions import override
 
 from lightning_pipe._compat import lightning as _compat
 from lightning_pipe.checkpoint import remove as remove_checkpoint_files
-from lightning_pipe.config import MEASURED_PARTITIONS, PartitionSpec
+from lightning_pipe.config import PartitionSpec
 from lightning_pipe.lightning import world
 from lightning_pipe.lightning.checkpointing import RankGroup, ShardedCheckpointer
 from lightning_pipe.lightning.faults import DEFAULT_TIMEOUT, PipelineFaults, resolve_timeout
 from lightning_pipe.lightning.launchers import PipelineMultiProcessingLauncher
-from lightning_pipe.lightning.optimizers import check_optimizers_agree, empty_parameter_lists_allowed
-from lightning_pipe.lightning.pipedream import attach_microbatch_updates
+from lightning_pipe.lightning.optimizers import empty_parameter_lists_allowed
 from lightning_pipe.lightning.precision import PipelinePrecision, to_pipeline_precision
-from lightning_pipe.lightning.preflight import (
-    balance_partition,
-    check_module,
-    check_plan_fits,
-    log_layout,
-    plan_automatically,
-    resolve_settings,
-)
-from lightning_pipe.lightning.rebalancing import StrategyRebalancer, check_before_split
-from lightning_pipe.lightning.rebalancing import start as start_rebalancing
-from lightning_pipe.parallel.fsdp import ShardingOptions
+from lightning_pipe.lightning.preflight import resolve_settings
+from lightning_pipe.lightning.rebalancing import StrategyRebalancer
+from lightning_pipe.lightning.setup import check_rank_optimizers, setup_pipeline
 from lightning_pipe.parallel.topology import Topology
 from lightning_pipe.planner.plan import apply_plan
 from lightning_pipe.rebalance import check_rebalance
-from lightning_pipe.runtime.build import PipelineLayout, build_engine
 from lightning_pipe.runtime.engine import PipelineEngine
 from lightning_pipe.schedules import SchedulePlan, check_torch_runs, plan_schedule
 
@@ -228,36 +217,10 @@ class PipelineStrategy(ParallelStrategy):
             return
         self._precision_plugin = to_pipeline_precision(plugin)
 
-    # ------------------------------------------------------------------ setup
+    # ------------------------------------------------------------------ setup (lightning/setup.py)
     @override
     def setup(self, trainer: Trainer) -> None:
-        assert self.accelerator is not None
-        self.accelerator.setup(trainer)
-        module = self.lightning_module
-        assert module is not None
-        check_module(module)
-        check_plan_fits(self._plan_source, self._plan_name, module, self.pipeline_config.layers_attr)
-        if self._auto and self.auto_plan is None:
-            self.auto_plan, self.pipeline_config = plan_automatically(
-                trainer, module, self.pipeline_config, self._memory_budget, self.world_size, self.root_device)
-            self.plan = plan_schedule(self.pipeline_config, self._topology().pipeline_size)
-        elif self.pipeline_config.partition in MEASURED_PARTITIONS:  # "time" / "memory": measured, then counts
-            assert self.plan is not None
-            self.auto_plan, self.pipeline_config = balance_partition(
-                trainer, module, self.pipeline_config, self.plan, self._memory_budget, self.world_size,
-                self.root_device)
-        self.precision_plugin.convert_module(module)
-        check_before_split(self, trainer)  # rebalancing pickles layers: refuse one that cannot be, now
-        self.engine = self._build_engine(module)  # moves this rank's layers to the device
-        self.precision_plugin.setup(self.engine, self.root_device)
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            _compat.optimizers_to_device(self.optimizers, self.root_device)
-            if self.engine.per_microbatch_updates:  # schedule=pipedream ([Note: PipeDream in Lightning's loop])
-                attach_microbatch_updates(self, trainer)
-        self.rebalancer = start_rebalancing(self, trainer)
+        setup_pipeline(self, trainer)
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -265,30 +228,7 @@ class PipelineStrategy(ParallelStrategy):
         # ([Note: stages with nothing to train] in lightning/optimizers.py)
         with empty_parameter_lists_allowed():
             super().setup_optimizers(trainer)
-        engine = self.engine
-        if engine is not None and self.lightning_module is not None and self.lightning_module.automatic_optimization:
-            stages = zip(engine.plan.stages_of_rank(self._topology().pp_rank), engine.stage_modules)
-            where = ", ".join(f"stage {s}, layers {sm.layer_indices.start}-{sm.layer_indices.stop - 1}"
-                              for s, sm in stages)
-            check_optimizers_agree(self.optimizers, len(self.lr_scheduler_configs), engine.parameters, where)
-
-    def _build_engine(self, module: LightningModule) -> PipelineEngine:
-        assert self.plan is not None, "set_world_ranks resolves the plan before setup"
-        layout: PipelineLayout | None = getattr(module, "_pipeline_layout", None)
-        engine, layout = build_engine(module, self.pipeline_config, self.plan, self._topology(), self.root_device,
-                                      layout, sharding=self._sharding_options())
-        module._pipeline_layout = layout  # type: ignore[assignment]  # (nn.Module types attributes as tensors)
-        module._pipeline_engine = engine  # type: ignore[assignment]
-        topology = self._topology()
-        log_layout(self.plan, topology, list(layout.ranges), self.plan.stages_of_rank(topology.pp_rank),
-                   sum(p.numel() for p in engine.parameters))
-        return engine
-
-    def _sharding_options(self) -> ShardingOptions:
-        """FSDP settings (used when fsdp_size > 1): bf16-mixed gathers weights in bf16, reduces in fp32."""
-        bf16 = self.precision_plugin.precision == "bf16-mixed"
-        return ShardingOptions(reshard_after_forward=self.pipeline_config.fsdp_reshard_after_forward,
-                               param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32 if bf16 else None)
+        check_rank_optimizers(self)
 
     @contextmanager
     @override

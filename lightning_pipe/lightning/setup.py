@@ -1,0 +1,99 @@
+"""The order of ``PipelineStrategy.setup``: check the module, choose the layout (planner or measured partition),
+split it into this rank's engine, then optimizers, precision and rebalancing.
+
+Kept apart from the strategy's hooks because the order is the contract: every check that can refuse the run comes
+before the split (a refused run must not hold half-moved layers), and the optimizers are built only over the layers
+this rank keeps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.trainer.states import TrainerFn
+
+from lightning_pipe._compat import lightning as _compat
+from lightning_pipe.config import MEASURED_PARTITIONS
+from lightning_pipe.lightning.optimizers import check_optimizers_agree
+from lightning_pipe.lightning.pipedream import attach_microbatch_updates
+from lightning_pipe.lightning.preflight import (
+    balance_partition,
+    check_module,
+    check_plan_fits,
+    log_layout,
+    plan_automatically,
+)
+from lightning_pipe.lightning.rebalancing import check_before_split
+from lightning_pipe.lightning.rebalancing import start as start_rebalancing
+from lightning_pipe.parallel.fsdp import ShardingOptions
+from lightning_pipe.runtime.build import PipelineLayout, build_engine
+from lightning_pipe.runtime.engine import PipelineEngine
+from lightning_pipe.schedules import plan_schedule
+
+# ``strategy`` is the PipelineStrategy, typed ``Any`` like the adapter's other helpers: this module is imported by
+# strategy.py, and the architecture test forbids import cycles (TYPE_CHECKING imports included).
+
+
+def setup_pipeline(strategy: Any, trainer: Trainer) -> None:
+    """``PipelineStrategy.setup``: from the whole (or meta) module to this rank's engine, optimizers and precision."""
+    assert strategy.accelerator is not None
+    strategy.accelerator.setup(trainer)
+    module = strategy.lightning_module
+    assert module is not None
+    check_module(module)
+    check_plan_fits(strategy._plan_source, strategy._plan_name, module, strategy.pipeline_config.layers_attr)
+    if strategy._auto and strategy.auto_plan is None:
+        strategy.auto_plan, strategy.pipeline_config = plan_automatically(
+            trainer, module, strategy.pipeline_config, strategy._memory_budget, strategy.world_size,
+            strategy.root_device)
+        strategy.plan = plan_schedule(strategy.pipeline_config, strategy._topology().pipeline_size)
+    elif strategy.pipeline_config.partition in MEASURED_PARTITIONS:  # "time" / "memory": measured, then counts
+        assert strategy.plan is not None
+        strategy.auto_plan, strategy.pipeline_config = balance_partition(
+            trainer, module, strategy.pipeline_config, strategy.plan, strategy._memory_budget, strategy.world_size,
+            strategy.root_device)
+    strategy.precision_plugin.convert_module(module)
+    check_before_split(strategy, trainer)  # rebalancing pickles layers: refuse one that cannot be, now
+    strategy.engine = engine = _build_engine(strategy, module)  # moves this rank's layers to the device
+    strategy.precision_plugin.setup(engine, strategy.root_device)
+    if trainer.state.fn == TrainerFn.FITTING:
+        strategy.setup_optimizers(trainer)
+    strategy.setup_precision_plugin()
+    if trainer.state.fn == TrainerFn.FITTING:
+        _compat.optimizers_to_device(strategy.optimizers, strategy.root_device)
+        if engine.per_microbatch_updates:  # schedule=pipedream ([Note: PipeDream in Lightning's loop])
+            attach_microbatch_updates(strategy, trainer)
+    strategy.rebalancer = start_rebalancing(strategy, trainer)
+
+
+def check_rank_optimizers(strategy: Any) -> None:
+    """After ``configure_optimizers`` ran on this rank's layers: every rank must hold the same optimizers
+    ([Note: stages with nothing to train])."""
+    engine, module = strategy.engine, strategy.lightning_module
+    if engine is None or module is None or not module.automatic_optimization:
+        return
+    stages = zip(engine.plan.stages_of_rank(strategy._topology().pp_rank), engine.stage_modules)
+    where = ", ".join(f"stage {s}, layers {sm.layer_indices.start}-{sm.layer_indices.stop - 1}" for s, sm in stages)
+    check_optimizers_agree(strategy.optimizers, len(strategy.lr_scheduler_configs), engine.parameters, where)
+
+
+def _build_engine(strategy: Any, module: LightningModule) -> PipelineEngine:
+    assert strategy.plan is not None, "set_world_ranks resolves the plan before setup"
+    topology = strategy._topology()
+    layout: PipelineLayout | None = getattr(module, "_pipeline_layout", None)
+    engine, layout = build_engine(module, strategy.pipeline_config, strategy.plan, topology, strategy.root_device,
+                                  layout, sharding=_sharding_options(strategy))
+    module._pipeline_layout = layout  # type: ignore[assignment]  # (nn.Module types attributes as tensors)
+    module._pipeline_engine = engine  # type: ignore[assignment]
+    log_layout(strategy.plan, topology, list(layout.ranges), strategy.plan.stages_of_rank(topology.pp_rank),
+               sum(p.numel() for p in engine.parameters))
+    return engine
+
+
+def _sharding_options(strategy: Any) -> ShardingOptions:
+    """FSDP settings (used when fsdp_size > 1): bf16-mixed gathers weights in bf16, reduces in fp32."""
+    bf16 = strategy.precision_plugin.precision == "bf16-mixed"
+    return ShardingOptions(reshard_after_forward=strategy.pipeline_config.fsdp_reshard_after_forward,
+                           param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32 if bf16 else None)
