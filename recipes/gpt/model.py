@@ -4,6 +4,10 @@
 
     LongTensor[B, T] -> Embedding -> [B, T, C] -> Block ... Block -> FinalNorm -> Head -> logits [B, T, V]
 
+Packed rows (``data=packed``) add document ids ``[B, T]`` (1, 2, ... per row, 0 = padding): batches
+``(x, document_ids, y)``, and the embedding and blocks pass ``(hidden, document_ids)`` on, so positions restart per
+document and attention stays inside it ([Note: packed sequences] in ``lightning_pipe/layers/packing.py``).
+
 The head's weight *is* the token embedding's weight (the same ``nn.Parameter``, GPT-2 style); the pipeline
 strategy finds such shared parameters and keeps the copies on the first and last stage in sync.
 The same module trains unchanged on one device (``strategy=single``), which is how it is debugged and tested.
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +27,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from lightning_pipe import PipelineModule
+from lightning_pipe.lightning.module import default_split_batch
+from lightning_pipe.layers.packing import IGNORE_INDEX, block_diagonal_causal_mask, positions_from_documents
 from lightning_pipe.parallel.tensor_parallel import FusedColwiseParallel
 
 
@@ -37,12 +44,14 @@ class Embedding(nn.Module):
         self.wpe = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, idx: Tensor) -> Tensor:
+    def forward(self, idx: Tensor, document_ids: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         t = idx.size(1)
         if t > self.block_size:
             raise ValueError(f"Sequence length {t} exceeds block_size {self.block_size}; crop the input.")
-        pos = torch.arange(t, device=idx.device)
-        return self.drop(self.wte(idx) + self.wpe(pos))
+        if document_ids is None:
+            return self.drop(self.wte(idx) + self.wpe(torch.arange(t, device=idx.device)))
+        # packed rows: positions restart at 0 in every document
+        return self.drop(self.wte(idx) + self.wpe(positions_from_documents(document_ids))), document_ids
 
 
 class CausalSelfAttention(nn.Module):
@@ -56,7 +65,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.resid_drop = nn.Dropout(dropout)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, document_ids: Tensor | None = None) -> Tensor:
         b, t, c = x.shape
         head_size = c // self.n_head
         # q | k | v side by side; under tensor parallelism (GPT.parallelize_layer) only this rank's heads of each,
@@ -64,9 +73,12 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.c_attn(x).chunk(3, dim=2)
         # [B, T, heads * hs] -> [B, heads, T, hs]
         q, k, v = (z.view(b, t, -1, head_size).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        dropout = self.dropout if self.training else 0.0
+        if document_ids is None:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        else:  # packed rows: causal within each document only
+            mask = block_diagonal_causal_mask(document_ids)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
         y = y.transpose(1, 2).contiguous().view(b, t, -1)
         return self.resid_drop(self.c_proj(y))
 
@@ -84,7 +96,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x)); ``(x, document_ids)`` for packed rows."""
 
     def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool) -> None:
         super().__init__()
@@ -93,9 +105,10 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
         self.mlp = MLP(n_embd, dropout, bias)
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+    def forward(self, x: Tensor, document_ids: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        x = x + self.attn(self.ln_1(x), document_ids)
+        x = x + self.mlp(self.ln_2(x))
+        return x if document_ids is None else (x, document_ids)
 
 
 class FinalNorm(nn.Module):
@@ -105,8 +118,8 @@ class FinalNorm(nn.Module):
         super().__init__()
         self.ln_f = nn.LayerNorm(n_embd, bias=bias)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.ln_f(x)
+    def forward(self, x: Tensor, document_ids: Tensor | None = None) -> Tensor:
+        return self.ln_f(x)  # the document ids end here
 
 
 class Head(nn.Module):
@@ -118,6 +131,23 @@ class Head(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(x)
+
+
+def split_packed_batch(batch: Any) -> tuple[Any, Any]:
+    """The recipes' batches: ``(x, y)`` -> ``(x, y)``; packed ``(x, document_ids, y)`` -> ``((x, document_ids), y)``
+    (the first layer's positional arguments); anything else as :class:`PipelineModule` splits it."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 3:
+        return (batch[0], batch[1]), batch[2]
+    return default_split_batch(batch)
+
+
+def token_loss(logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+    """Token-weighted next-token loss ``(sum, count)``: targets ``-100`` (padding of dynamically padded or packed
+    rows) do not count, and the batch loss is the global sum over the global count whatever the micro-batching."""
+    flat = target.reshape(-1)
+    total = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), flat, ignore_index=IGNORE_INDEX,
+                            reduction="sum")
+    return total, (flat != IGNORE_INDEX).sum()
 
 
 def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_ratio: float = 0.1) -> float:
@@ -209,8 +239,12 @@ class GPT(PipelineModule):
                 nn.init.normal_(p, mean=0.0, std=resid_std)
 
     # ---------------------------------------------------------------- contract
-    def loss_fn(self, output: Tensor, target: Tensor) -> Tensor:
-        return F.cross_entropy(output.reshape(-1, output.size(-1)), target.reshape(-1))
+    def split_batch(self, batch: Any) -> tuple[Any, Any]:
+        """``(x, y)``, or ``(x, document_ids, y)`` for packed rows."""
+        return split_packed_batch(batch)
+
+    def loss_fn(self, output: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+        return token_loss(output, target)
 
     def configure_optimizers(self) -> dict:
         hp = self.hparams

@@ -4,6 +4,10 @@
 
     LongTensor[B, T] -> Embedding -> [B, T, C] -> Block ... Block -> FinalNorm -> Head -> logits [B, T, V]
 
+Packed rows (``data=packed``): batches ``(x, document_ids, y)``; the embedding and blocks pass
+``(hidden, document_ids)`` on, RoPE restarts at each document and attention stays inside it ([Note: packed
+sequences] in ``lightning_pipe/layers/packing.py``).
+
 Rotary embeddings are recomputed inside each block from the sequence length (cheap, and no buffer has to cross a
 stage boundary or survive the meta device). The layers are built in ``configure_model`` on the meta device under
 ``PipelineStrategy`` and initialised per layer by :meth:`Llama.reset_layer` (seeded by the layer index), so a
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +27,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from lightning_pipe import PipelineModule
-from recipes.gpt.model import adamw_with_warmup_cosine
+from lightning_pipe.layers.packing import block_diagonal_causal_mask, positions_from_documents
+from recipes.gpt.model import adamw_with_warmup_cosine, split_packed_batch, token_loss
 
 
 class RMSNorm(nn.Module):
@@ -67,7 +73,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(n_embd, n_kv_head * self.head_dim, bias=False)
         self.wo = nn.Linear(n_head * self.head_dim, n_embd, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, document_ids: Tensor | None = None) -> Tensor:
         b, t, _ = x.shape
         # Head counts from the projections' widths: under tensor parallelism (Llama.parallelize_layer) this rank
         # holds only its own query and key/value heads, in the same ratio.
@@ -75,11 +81,17 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         cos, sin = rotary(t, self.head_dim, self.rope_theta, x.device)
+        if document_ids is not None:  # packed rows: each token's angle is its position in its own document
+            positions = positions_from_documents(document_ids)
+            cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [B, 1, T, D/2]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         groups = q.size(1) // k.size(1)
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if document_ids is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=block_diagonal_causal_mask(document_ids))
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -95,7 +107,7 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x)); ``(x, document_ids)`` for packed rows."""
 
     def __init__(self, n_embd: int, n_head: int, n_kv_head: int, hidden: int, rope_theta: float, eps: float) -> None:
         super().__init__()
@@ -104,9 +116,10 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(n_embd, eps)
         self.feed_forward = SwiGLU(n_embd, hidden)
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attention(self.attention_norm(x))
-        return x + self.feed_forward(self.ffn_norm(x))
+    def forward(self, x: Tensor, document_ids: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        x = x + self.attention(self.attention_norm(x), document_ids)
+        x = x + self.feed_forward(self.ffn_norm(x))
+        return x if document_ids is None else (x, document_ids)
 
 
 class Embedding(nn.Module):
@@ -119,10 +132,11 @@ class Embedding(nn.Module):
         self.block_size = block_size
         self.tok_embeddings = nn.Embedding(vocab_size, n_embd)
 
-    def forward(self, idx: Tensor) -> Tensor:
+    def forward(self, idx: Tensor, document_ids: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         if idx.size(1) > self.block_size:
             raise ValueError(f"Sequence length {idx.size(1)} exceeds block_size {self.block_size}; crop the input.")
-        return self.tok_embeddings(idx)
+        h = self.tok_embeddings(idx)
+        return h if document_ids is None else (h, document_ids)
 
 
 class FinalNorm(nn.Module):
@@ -130,8 +144,8 @@ class FinalNorm(nn.Module):
         super().__init__()
         self.norm = RMSNorm(n_embd, eps)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.norm(x)
+    def forward(self, x: Tensor, document_ids: Tensor | None = None) -> Tensor:
+        return self.norm(x)  # the document ids end here
 
 
 class Head(nn.Module):
@@ -244,8 +258,12 @@ class Llama(PipelineModule):
             "attention.wq": column, "attention.wk": column, "attention.wv": column, "attention.wo": row,
             "feed_forward.w1": column, "feed_forward.w3": column, "feed_forward.w2": row})
 
-    def loss_fn(self, output: Tensor, target: Tensor) -> Tensor:
-        return F.cross_entropy(output.reshape(-1, output.size(-1)).float(), target.reshape(-1))
+    def split_batch(self, batch: Any) -> tuple[Any, Any]:
+        """``(x, y)``, or ``(x, document_ids, y)`` for packed rows."""
+        return split_packed_batch(batch)
+
+    def loss_fn(self, output: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+        return token_loss(output, target)
 
     def configure_optimizers(self) -> dict:
         hp = self.hparams

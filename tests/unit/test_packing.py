@@ -1,0 +1,81 @@
+"""Packed sequences: the packer, positions and the block-diagonal mask, and the recipes' GPT / Llama computing on a
+packed row exactly what each document computes alone ([Note: packed sequences])."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_pipe.layers.packing import (
+    block_diagonal_causal_mask,
+    documents_from_positions,
+    pack_documents,
+    plan_rows,
+    positions_from_documents,
+)
+
+
+def test_plan_rows_is_next_fit_and_refuses_a_document_longer_than_a_row() -> None:
+    assert plan_rows([3, 4, 2, 5, 1], 6) == [[0], [1, 2], [3, 4]]
+    with pytest.raises(ValueError, match=r"document 1 has 7 and row_length is 6.*data.max_doc_length"):
+        plan_rows([3, 7], 6)
+
+
+def test_pack_documents_lays_out_tokens_document_ids_and_padding() -> None:
+    docs = [torch.tensor([5, 6, 7]), torch.tensor([8, 9]), torch.tensor([1, 2, 3, 4])]
+    rows = plan_rows([len(d) for d in docs], 6)
+    packed, ids = pack_documents(docs, rows, 6, pad_value=0)
+    assert packed.tolist() == [[5, 6, 7, 8, 9, 0], [1, 2, 3, 4, 0, 0]]
+    assert ids.tolist() == [[1, 1, 1, 2, 2, 0], [1, 1, 1, 1, 0, 0]]
+    labels, _ = pack_documents(docs, rows, 6, pad_value=-100)  # the same plan: aligned with the inputs
+    assert labels[0, -1] == -100 and labels[1, -2:].tolist() == [-100, -100]
+    assert positions_from_documents(ids).tolist() == [[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 1]]
+    # transformers' rule on position ids gives the same documents back (numbered from 0)
+    assert documents_from_positions(positions_from_documents(ids)).tolist() == [[0, 0, 0, 1, 1, 2], [0, 0, 0, 0, 1, 1]]
+
+
+def test_block_diagonal_causal_mask() -> None:
+    mask = block_diagonal_causal_mask(torch.tensor([[1, 1, 2, 2, 2, 0]]))
+    assert mask.shape == (1, 1, 6, 6)
+    want = torch.tensor([[1, 0, 0, 0, 0, 0],
+                         [1, 1, 0, 0, 0, 0],
+                         [0, 0, 1, 0, 0, 0],
+                         [0, 0, 1, 1, 0, 0],
+                         [0, 0, 1, 1, 1, 0],
+                         [0, 0, 0, 0, 0, 1]], dtype=torch.bool)
+    assert torch.equal(mask[0, 0], want)
+    assert mask[0, 0].any(-1).all()  # every query sees at least itself (padding too): no NaN row in SDPA
+
+
+def _gpt() -> torch.nn.Module:
+    from recipes.gpt.model import GPT
+
+    return GPT(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+
+
+def _llama() -> torch.nn.Module:
+    from recipes.llama.model import Llama
+
+    model = Llama(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, multiple_of=16)
+    model.configure_model()
+    return model
+
+
+@pytest.mark.parametrize("build", [_gpt, _llama], ids=["gpt", "llama"])
+def test_a_packed_row_computes_each_document_as_if_alone(build) -> None:
+    torch.manual_seed(0)
+    model = build().eval()
+    docs = [torch.randint(0, 64, (n,)) for n in (5, 7, 3)]
+    rows = plan_rows([len(d) for d in docs], 16)
+    assert rows == [[0, 1, 2]]
+    packed, ids = pack_documents(docs, rows, 16, pad_value=0)
+    with torch.no_grad():
+        got = model((packed, ids))[0]
+        alone = torch.cat([model(d.unsqueeze(0))[0] for d in docs])
+    torch.testing.assert_close(got[:15], alone, atol=1e-6, rtol=0)
+    # the loss counts real tokens only: padding labels are -100
+    labels, _ = pack_documents([torch.roll(d, -1) for d in docs], rows, 16, pad_value=-100)
+    total, count = model.loss_fn(got.unsqueeze(0), labels)
+    assert int(count) == 15
+    inputs, target = model.split_batch((packed, ids, labels))
+    assert inputs[1] is ids and target is labels
