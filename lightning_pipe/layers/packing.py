@@ -37,20 +37,27 @@ IGNORE_INDEX = -100
 
 
 def plan_rows(lengths: Sequence[int], row_length: int) -> list[list[int]]:
-    """Greedy next-fit: documents in order, a new row whenever the next one does not fit; returns each row's document
-    indices. Order-preserving and deterministic (the same lengths give the same rows on every rank)."""
-    rows: list[list[int]] = []
-    used = row_length  # forces a first row
+    """Best-fit decreasing: documents longest first (ties in order), each into the fullest row that still has room,
+    a new row when none has; returns each row's document indices (in row order). Deterministic, so the same lengths
+    give the same rows on every rank; padding is typically a few percent where next-fit wastes a quarter of each row
+    for lengths up to the row. ``O(documents x row_length)`` in the worst case: fine for recipe-sized rows."""
     for index, n in enumerate(lengths):
         if not 0 < n <= row_length:
             raise ValueError(f"Every packed document needs 1..row_length tokens; document {index} has {n} and "
                              f"row_length is {row_length}. Cut documents to at most the row length "
                              "(the recipes: `data.max_doc_length` <= `model.block_size`).")
-        if used + n > row_length:
+    rows: list[list[int]] = []
+    by_space: list[list[int]] = [[] for _ in range(row_length + 1)]  # free space -> rows with exactly that space
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        n = lengths[index]
+        space = next((s for s in range(n, row_length + 1) if by_space[s]), None)
+        if space is None:
             rows.append([])
-            used = 0
-        rows[-1].append(index)
-        used += n
+            row, space = len(rows) - 1, row_length
+        else:
+            row = by_space[space].pop()
+        rows[row].append(index)
+        by_space[space - n].append(row)
     return rows
 
 
