@@ -12,21 +12,33 @@ Only tensors cross stage boundaries, all with the batch in dim 0. Each layer tak
 (the library's layer I/O contract: a tuple output is the next layer's positional arguments, on one device, inside a
 stage and across stages) or, for hand-written loops, as one tuple of them, and returns:
 
-=================  =================================================  =============================================
-layer              input                                              output
-=================  =================================================  =============================================
-embedding          ``input_ids`` [, ``attention_mask`` [, ``pos``]]   ``hidden`` [, ``attention_mask`` [, ``pos``]]
-decoder i          ``hidden`` [, ``attention_mask`` [, ``pos``]]      same arity, same mask / position tensors
-final norm         ``hidden`` [, ...]                                 ``hidden``
-head               ``hidden``                                         ``logits`` [B, T, vocab]
-=================  =================================================  =============================================
+=================  ===========================================================  ===================================
+layer              input                                                        output
+=================  ===========================================================  ===================================
+embedding          ``input_ids`` [, ``attention_mask`` [, ``pos`` [, ``seq``]]]  ``hidden`` [, the same tensors]
+decoder i          ``hidden`` [, ``attention_mask`` [, ``pos`` [, ``seq``]]]     same arity, same tensors
+final norm         ``hidden`` [, ...]                                           ``hidden``
+head               ``hidden``                                                   ``logits`` [B, T, vocab]
+=================  ===========================================================  ===================================
 
 ``attention_mask`` is the 2-D ``[B, T]`` padding mask (1 = token, 0 = padding) as tokenizers / collators give it;
-``pos`` are optional ``[B, T]`` position ids (default ``arange(T)``, as the model uses). No 4-D mask and no rotary
+``pos`` are optional ``[B, T]`` position ids (default ``arange(T)``, as the model uses). ``seq`` (``[B, T]``
+document index per token, transformers' ``seq_idx``) marks *packed* rows, see [Note: packed rows]. No 4-D mask and no rotary
 ``(cos, sin)`` ever crosses a stage: each decoder layer builds its causal (+ padding, + sliding-window) mask with
 transformers' own mask functions for its own attention type and attention implementation, and computes ``(cos, sin)``
 with its own copy of the model's rotary module (buffers only, no parameters). So every layer computes exactly what
 the model's forward computes, and the logits match ``model(input_ids, attention_mask=...)``.
+
+[Note: packed rows]
+transformers' own packed-sequence support: called without a 2-D attention mask and without a cache, the model
+derives documents from ``position_ids`` that restart (``masking_utils.find_packed_sequence_indices``) and every
+attention implementation keeps attention inside them (sdpa / eager: a block-diagonal causal mask; flash attention:
+variable-length kernels from the same position ids). A 2-D mask switches that off: ``model(ids, attention_mask=ones,
+position_ids=resets)`` attends across documents — and so does ``model(ids, position_ids=resets)`` with the default
+``use_cache=True`` (5.24 builds a ``DynamicCache`` in forward, and packing is detected only without a cache; pass
+``use_cache=False``). Only tensors cross stages, so "no mask" cannot travel as ``None``: a packed batch carries a
+fourth tensor, the document ids, and a decoder layer that receives it builds its mask exactly as the model's forward
+does for a packed batch — without the 2-D mask (an all-ones placeholder in its slot), from the position ids.
 
 [Note: HF names]
 Every layer records, for each of its parameters (and persistent buffers), the candidate keys under which the
@@ -247,9 +259,9 @@ class CausalLMEmbedding(HFLayer):
 
 
 class CausalLMDecoderLayer(HFLayer):
-    """``hidden [, attention_mask [, position_ids]] -> hidden [, attention_mask [, position_ids]]``.
+    """``hidden [, attention_mask [, position_ids [, seq_idx]]] -> the same arity``.
 
-    Wraps one of the model's decoder layers. Builds the 4-D mask for its attention type (full / sliding window) with
+    Wraps one of the model's decoder layers (``seq_idx``: packed rows, [Note: packed rows]). Builds the 4-D mask for its attention type (full / sliding window) with
     transformers' mask functions, and — for rotary families — ``(cos, sin)`` with its own copy of the rotary module,
     exactly as the model's forward does once for all layers.
     """
@@ -267,6 +279,8 @@ class CausalLMDecoderLayer(HFLayer):
         hidden, *rest = _unpack(args)
         attention_mask = rest[0] if rest else None
         position_ids = rest[1] if len(rest) > 1 else _default_position_ids(hidden)
+        if len(rest) > 2:  # packed rows: the mask transformers builds from position resets ([Note: packed rows])
+            attention_mask = None
         mask = _make_mask(self.attention_type, self.config, hidden, attention_mask, position_ids)
         kwargs: dict[str, Any] = {"attention_mask": mask, "position_ids": position_ids, "use_cache": False}
         if self.rotary_emb is not None:

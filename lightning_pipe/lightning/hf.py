@@ -13,7 +13,8 @@ pipeline strategy, which then allocates this rank's layers and calls :meth:`HFCa
 
 Batches are dicts as transformers' collators produce them: ``{"input_ids", "attention_mask", "labels"}``
 (``labels`` = ``input_ids`` with -100 where no loss is wanted; the shift happens inside the loss, as in
-transformers), optionally ``"position_ids"`` (needs ``"attention_mask"``). The loss is token-weighted: ``loss_fn``
+transformers), optionally ``"position_ids"``; ``"position_ids"`` without ``"attention_mask"`` are packed rows
+(:meth:`HFCausalLM.split_batch`). The loss is token-weighted: ``loss_fn``
 returns ``(sum, count)``, so padded batches give the loss (and gradients) of the model's own ``.loss`` over the
 whole batch, however the padding falls across micro-batches and replicas.
 """
@@ -32,6 +33,7 @@ from lightning_pipe.hf.layers import CausalLMDecoderLayer, causal_lm_layers, che
 from lightning_pipe.hf.loss import causal_lm_loss_sum_count
 from lightning_pipe.hf.tensor_parallel import parallelize_decoder_layer
 from lightning_pipe.hf.weights import SafetensorsCheckpoint, init_layer_, load_layer_weights_
+from lightning_pipe.layers.packing import documents_from_positions
 from lightning_pipe.lightning.module import PipelineModule
 
 
@@ -103,17 +105,22 @@ class HFCausalLM(PipelineModule):
     # ---------------------------------------------------------------- contract
     def split_batch(self, batch: Any) -> tuple[Any, Any]:
         """``{"input_ids", "attention_mask"?, "position_ids"?, "labels"?}`` -> ``((input_ids, attention_mask
-        [, position_ids]), labels)``; other batch shapes as :class:`PipelineModule` splits them."""
+        [, position_ids]), labels)``; other batch shapes as :class:`PipelineModule` splits them.
+
+        Packed rows — ``position_ids`` that restart per document and no ``attention_mask`` (optionally ``seq_idx``),
+        as ``DataCollatorWithFlattening`` gives them — become ``(input_ids, ones, position_ids, seq_idx)``: attention
+        stays inside each document, as ``model(input_ids, position_ids=..., use_cache=False)`` computes. Labels
+        ``-100`` on each document's first token keep the shifted loss from predicting across documents."""
         if isinstance(batch, Mapping) and "input_ids" in batch:
             input_ids = batch["input_ids"]
             mask, position_ids = batch.get("attention_mask"), batch.get("position_ids")
             if position_ids is not None and mask is None:
-                raise ValueError(
-                    "A batch with `position_ids` needs an `attention_mask` too (the layers carry them in the order "
-                    "(input_ids, attention_mask, position_ids)). For packed sequences without padding pass "
-                    "`attention_mask=torch.ones_like(input_ids)`; note transformers then masks causally over the "
-                    "whole row, as model(input_ids, attention_mask=..., position_ids=...) does."
-                )
+                # packed rows, as transformers' DataCollatorWithFlattening gives them ([Note: packed rows] in
+                # lightning_pipe/hf/layers.py): the 4th tensor marks them, the mask slot holds a placeholder
+                seq_idx = batch.get("seq_idx")
+                if seq_idx is None:
+                    seq_idx = documents_from_positions(position_ids)
+                return (input_ids, torch.ones_like(input_ids), position_ids, seq_idx), batch.get("labels")
             if mask is None:
                 inputs: Any = input_ids
             elif position_ids is None:

@@ -367,8 +367,39 @@ def test_module_splits_collator_batches_and_builds_from_a_directory(tmp_path):
         m.configure_model()
     for a, b in zip(seeded[0].state_dict().values(), seeded[1].state_dict().values()):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
-    with pytest.raises(ValueError, match="position_ids"):
-        module.split_batch({"input_ids": input_ids, "position_ids": mask})
+
+
+@pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("llama", "eager"), ("gpt2", "sdpa"), ("qwen2", "sdpa")])
+def test_packed_rows_match_the_model_and_each_document_alone(family, attn):
+    """[Note: packed rows]: position ids that restart and no attention mask (DataCollatorWithFlattening's rows) —
+    the layer list, split anywhere, computes what ``model(ids, position_ids=..., use_cache=False)`` computes, which is
+    each document run alone; the loss with -100 on each document's first label is the model's own."""
+    from lightning_pipe import HFCausalLM
+    from lightning_pipe.layers.packing import documents_from_positions
+
+    torch.manual_seed(0)
+    model = make_model(family, attn).eval()
+    docs = [torch.randint(3, VOCAB, (n,)) for n in (5, 7, 4)]
+    input_ids = torch.cat(docs).unsqueeze(0).repeat(2, 1)
+    position_ids = torch.cat([torch.arange(len(d)) for d in docs]).unsqueeze(0).repeat(2, 1)
+    labels = input_ids.clone()
+    labels[:, [0, 5, 12]] = -100  # each document's first token: no prediction across the boundary
+    batch = {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
+    module = HFCausalLM(model)
+    inputs, target = module.split_batch(batch)
+    assert len(inputs) == 4 and torch.equal(inputs[3], documents_from_positions(position_ids)) and target is labels
+    with torch.no_grad():
+        ref = model(**batch, use_cache=False)
+        alone = torch.cat([model(d.unsqueeze(0)).logits[0] for d in docs])
+        torch.testing.assert_close(ref.logits[0], alone, atol=1e-5, rtol=0)
+        torch.testing.assert_close(module.compute_output(batch), ref.logits, atol=1e-6, rtol=0)
+        torch.testing.assert_close(module.compute_loss(batch), ref.loss, atol=1e-6, rtol=0)
+        layers = module.layers
+        for cut in range(1, len(layers)):
+            torch.testing.assert_close(run_split(layers, inputs, cut), ref.logits, atol=1e-6, rtol=0)
+        # a 2-D mask (ones) makes transformers attend across the documents: packing really changes the result
+        crossing = model(input_ids, attention_mask=torch.ones_like(input_ids), position_ids=position_ids).logits
+        assert (crossing[0, 5:] - alone[5:]).abs().max() > 1e-4
 
 
 def test_planner_profiles_a_transformers_model_built_on_meta() -> None:
