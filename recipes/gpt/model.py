@@ -27,8 +27,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from lightning_pipe import PipelineModule
-from lightning_pipe.lightning.module import default_split_batch
 from lightning_pipe.layers.packing import IGNORE_INDEX, block_diagonal_causal_mask, positions_from_documents
+from lightning_pipe.lightning.module import default_split_batch
 from lightning_pipe.parallel.tensor_parallel import FusedColwiseParallel
 
 

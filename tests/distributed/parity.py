@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from tests.distributed.scenarios.training import TrainingCase, run_training
+from tests.distributed.scenarios.training import TOKEN_WEIGHTED, TrainingCase, run_training
 
 ATOL = 1e-5  # fp32, several optimizer steps: pipeline and one device differ only in reduction order
 
@@ -55,8 +55,13 @@ def assert_case_parity(results: Results, case_idx: int, case: TrainingCase) -> N
     for losses in by_replica.values():
         for other in losses[1:]:
             torch.testing.assert_close(other, losses[0], atol=0, rtol=0)
+    # A token-weighted loss over replicas of uneven token counts: each replica logs its own sum / count (and
+    # sync_dist averages those), one device the global sum / count; the gradients follow the global one (the
+    # parameters above compare), the logged numbers are compared where there is one replica.
+    replica_weighted = case.dp > 1 and case.model in TOKEN_WEIGHTED
     mean_loss = torch.stack([losses[0] for losses in by_replica.values()]).mean(0)
-    torch.testing.assert_close(mean_loss, torch.tensor(ref["losses"]), atol=ATOL, rtol=0)
+    if not replica_weighted:
+        torch.testing.assert_close(mean_loss, torch.tensor(ref["losses"]), atol=ATOL, rtol=0)
     for res in results:
         r = res[case_idx]
         # hooks fire as on one device: zero_grad per optimizer step, backward per batch
@@ -66,7 +71,7 @@ def assert_case_parity(results: Results, case_idx: int, case: TrainingCase) -> N
             # every optimizer step's gradients were averaged during the schedule: no all-reduce after it
             steps = ref["calls"].get("on_before_optimizer_step", r["dp_sync"]["overlapped"])
             assert r["dp_sync"] == {"overlapped": steps, "after_schedule": 0} and steps > 0, (case, r["dp_sync"])
-        if case.validate:
+        if case.validate and not replica_weighted:
             # validation during fit (every 2 batches), trainer.validate and trainer.test: forward-only pipeline
             assert len(ref["fit_val_losses"]) >= 1
             for key in ("fit_val_losses", "val_loss", "test_loss"):

@@ -1,6 +1,7 @@
 """``HFCausalLM`` (transformers GPT-2, Llama, Mistral, Qwen2) on a 2-rank pipeline vs the transformers model's own
 forward and loss on one device: every parameter after 3 SGD steps, the loss of every step and a validation loss, on
-unevenly padded batches with -100 labels (token-weighted loss). Plus local weights: each rank reads only its layers."""
+unevenly padded batches with -100 labels (token-weighted loss), and a Llama on packed rows. Plus local weights: each
+rank reads only its layers."""
 
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ def test_hf_models_match_transformers_on_one_device(tmp_path) -> None:
              for f in FAMILIES for s in schedules]
     cases.append(HFCase(family="gpt2", from_model=True))  # HFCausalLM(model): built whole, then split
     cases.append(HFCase(family="llama", sliced=True))  # ids, mask and labels as strided views (the mask crosses)
+    cases.append(HFCase(family="llama", packed=True))  # packed rows: attention inside each document (seq_idx)
     cases.append(HFCase(pretrained=str(pretrained)))  # last: the keys-read checks below
     # the padding is uneven across micro-batches (a mean of micro-batch means would not be the batch loss)
     first = next(iter(DataLoader(padded_data(32), batch_size=8, sampler=SameOrderAsDistributedSampler(32))))

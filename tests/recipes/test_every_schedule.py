@@ -2,7 +2,7 @@
 defaults — ``python recipes/gpt/train.py schedule=<name>``, as the README shows for each: gpt_tiny's 6 layers, 2 CPU
 ranks, each schedule's micro-batches, gradient clipping at 1.0 on the embedding/head weight tied across the stages.
 Only what keeps it cheap is overridden (2 steps, a narrower model, batch 8, a 60 kB corpus slice, no validation,
-logging or checkpoints). One launch runs all of them
+logging or checkpoints); and the data options (``data=dynamic_padding``, ``data=packed``). One launch runs all of them
 (the recipe's config composed with Hydra's compose API and its own ``train``, in the launched ranks)."""
 
 from __future__ import annotations
@@ -30,6 +30,10 @@ def test_every_schedule_trains_from_the_recipe_defaults(tmp_path) -> None:
     schedules = [s for s in SCHEDULES if not (s in SPLIT_BACKWARD and refused("split_backward"))]
     assert {"gpipe", "1f1b", "pipedream", "chimera", "auto", "custom"} <= set(schedules), schedules
     cases = [RecipeCase(overrides=(f"schedule={s}", *CHEAP, f"paths.output_dir={tmp_path / s}")) for s in schedules]
+    # the data options under the pipeline: dynamic padding (a new length each batch), packed rows for the Llama
+    data = {"dynamic_padding": ("data=dynamic_padding",), "packed_llama": ("data=packed", "model=llama_tiny")}
+    cases += [RecipeCase(overrides=(*options, *CHEAP, f"paths.output_dir={tmp_path / name}"))
+              for name, options in data.items()]
     # last (a failed step ends the run): byte data (ids up to 255) for a 100-token vocabulary, on the first stage of
     # each of 2 one-stage replicas; the embedding's bare IndexError names the id, the size and the setting instead
     cases.append(RecipeCase(overrides=("model.vocab_size=100", "strategy.data_parallel_size=2", *CHEAP,
@@ -40,6 +44,8 @@ def test_every_schedule_trains_from_the_recipe_defaults(tmp_path) -> None:
         assert not vocab["ok"] and "is outside the vocabulary of layer 0's embedding Embedding.wte (nn.Embedding(100" in (
             vocab["error"]), vocab["error"]
         assert "vocab_size=100" in vocab["error"] and "Hydra: model.vocab_size" in vocab["error"], vocab["error"]
+        for name, out in zip(data, rank[len(schedules):-1]):
+            assert out["ok"] and out["global_step"] == 2 and math.isfinite(out["train_loss"]), (name, out)
         for schedule, out in zip(schedules, rank):
             assert out["ok"] and out["global_step"] == 2, (schedule, out)
             assert out["gradient_clip_val"] == 1.0 and math.isfinite(out["train_loss"]), (schedule, out)

@@ -53,12 +53,14 @@ def metrics(run_dir: Path) -> list[dict[str, str]]:
 
 
 def test_single_device_multirun_then_sample(tmp_path: Path) -> None:
-    """Two single-device jobs in one Hydra multirun; each writes logs and a checkpoint that sample.py reads."""
+    """Three single-device jobs in one Hydra multirun, one per data option (fixed windows, dynamic padding, packed
+    rows); each writes logs and a checkpoint that sample.py reads."""
     sweep = tmp_path / "sweep"
-    proc = run_train(["-m", *SINGLE, *TINY, "model.lr=1e-3,3e-3", f"hydra.sweep.dir={sweep}"])
-    assert proc.stdout.count("[train] corpus 200000 bytes | val_loss") == 2
+    proc = run_train(["-m", *SINGLE, *TINY, "data=stdlib_corpus,dynamic_padding,packed", f"hydra.sweep.dir={sweep}"],
+                     180)
+    assert proc.stdout.count("[train] corpus 200000 bytes | val_loss") == 3
     assert (sweep / "multirun.yaml").is_file()
-    for job in ("0", "1"):
+    for job in ("0", "1", "2"):
         run = sweep / job
         assert (run / "checkpoints" / "last.ckpt").is_file() and (run / ".hydra" / "config.yaml").is_file()
         logged = {k for row in metrics(run) for k, v in row.items() if v}

@@ -57,6 +57,7 @@ class HFCase:
     tp: int = 1  # tensor_parallel_size: decoder layers split by transformers' base_model_tp_plan
     tied: bool = False  # tie_word_embeddings (the embedding and head: one weight on the first and the last stage)
     sliced: bool = False  # the collator trims padding by slicing: every batch tensor is a strided view
+    packed: bool = False  # packed rows (position_ids resets, no attention mask): the reference gets the same rows
     expect_error: bool = False
 
 
@@ -84,6 +85,22 @@ def padded_data(n: int, seed: int = 3) -> list[dict[str, torch.Tensor]]:
         labels[where.start:where.start + prompt] = -100
         rows.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
     return rows
+
+
+def packed_data(n: int, seed: int = 3) -> list[dict[str, torch.Tensor]]:
+    """``n`` rows of LENGTH tokens packed with documents of 2..8 tokens, as ``DataCollatorWithFlattening`` gives them:
+    ``input_ids``, ``position_ids`` restarting per document (the tail padding counts as one more), ``labels`` -100
+    on each document's first token (the shifted loss would predict it from the previous document) and on padding."""
+    from lightning_pipe.layers.packing import pack_documents, plan_rows, positions_from_documents
+
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(3, VOCAB, (int(k),), generator=g) for k in torch.randint(2, 9, (3 * n,), generator=g)]
+    rows = plan_rows([len(d) for d in docs], LENGTH)
+    rows = [rows[i] for i in torch.randperm(len(rows), generator=g)[:n]]
+    ids, doc = pack_documents(docs, rows, LENGTH, pad_value=0)
+    positions = positions_from_documents(doc)
+    labels = torch.where((positions == 0) | (doc == 0), torch.full_like(ids, -100), ids)
+    return [{"input_ids": i, "position_ids": p, "labels": y} for i, p, y in zip(ids, positions, labels)]
 
 
 def hf_params(layers: Any) -> dict[str, torch.Tensor]:
@@ -147,9 +164,13 @@ def _module(case: HFCase) -> Any:
     return HFCausalLM(config=_config(case), seed=SEED, attn_implementation="sdpa", optimizer=sgd)
 
 
+def _data(case: HFCase) -> list[dict[str, torch.Tensor]]:
+    return packed_data(case.n_data) if case.packed else padded_data(case.n_data)
+
+
 def run_pipeline(case: HFCase) -> HFResult:
     """The scenario a launched rank runs."""
-    data = padded_data(case.n_data)
+    data = _data(case)
     module = _module(case)
     recorder = _Losses()
     strategy = PipelineStrategy(schedule=case.schedule, microbatches=case.microbatches,
@@ -184,19 +205,19 @@ def run_reference(case: HFCase) -> tuple[HFResult, dict[str, torch.Tensor]]:
         missing, unexpected = model.load_state_dict(hf_state_dict(start.layers), strict=False)
         tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
         assert not unexpected and set(missing) <= tied, (missing, unexpected)
-    data = padded_data(case.n_data)
+    data = _data(case)
     loader = _loader(case, data, sampler=SameOrderAsDistributedSampler(len(data)), drop_last=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for _, batch in zip(range(case.steps), loader):
         optimizer.zero_grad()
-        loss = model(**batch).loss
+        loss = model(**batch, use_cache=False).loss  # packed rows are detected only without a cache
         loss.backward()
         optimizer.step()
         losses.append(float(loss.detach()))
     first = next(iter(_loader(case, data[:case.batch])))
     with torch.no_grad():
-        val_loss = float(model(**first).loss)
+        val_loss = float(model(**first, use_cache=False).loss)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     full = {n: t.detach().clone() for n, t in model.state_dict().items()}
     return HFResult(params=params, losses=losses, val_loss=val_loss), full

@@ -201,12 +201,29 @@ def token_data(n: int, seed: int = 1) -> TensorDataset:
     return TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
 
+def packed_token_data(n: int, seed: int = 1) -> TensorDataset:
+    """``n`` packed rows of 16 tokens ``(x, document_ids, y)``: documents of 5..16 tokens (windows of k + 1), packed
+    best-fit decreasing; the rows' tail padding has targets -100, so micro-batches hold different token counts."""
+    from lightning_pipe.layers.packing import IGNORE_INDEX, pack_documents, plan_rows
+
+    g = torch.Generator().manual_seed(seed)
+    windows = [torch.randint(0, 64, (int(k) + 1,), generator=g) for k in torch.randint(5, 17, (3 * n,), generator=g)]
+    rows = plan_rows([len(w) - 1 for w in windows], 16)
+    rows = [rows[i] for i in torch.randperm(len(rows), generator=g)[:n]]  # not only the longest-first rows
+    x, ids = pack_documents([w[:-1] for w in windows], rows, 16, pad_value=0)
+    y, _ = pack_documents([w[1:] for w in windows], rows, 16, pad_value=IGNORE_INDEX)
+    return TensorDataset(x, ids, y)
+
+
 MODELS: dict[str, Callable[[TrainingCase], L.LightningModule]] = {
     "toy": toy(ToyRegressor), "no_layers": toy(NoLayerList), "meta": toy(MetaBuiltRegressor), "gpt": tiny_gpt,
     "tp": toy(TensorParallelRegressor), "gpt_split_head": gpt_splitting_its_head, "llama": tiny_llama,
-    "tp_hook_fails": tp_hook_failing_first}
+    "tp_hook_fails": tp_hook_failing_first, "gpt_packed": tiny_gpt, "llama_packed": tiny_llama}
+TOKEN_WEIGHTED = frozenset({"gpt_packed", "llama_packed"})
+"""Models whose data has -100 targets (a token-weighted loss with uneven counts per micro-batch and replica)."""
 DATA: dict[str, Callable[[int], TensorDataset]] = {"gpt": token_data, "gpt_split_head": token_data,
-                                                   "llama": token_data}
+                                                   "llama": token_data, "gpt_packed": packed_token_data,
+                                                   "llama_packed": packed_token_data}
 
 
 class LossRecorder(Callback):
