@@ -83,3 +83,28 @@ def test_a_packed_row_computes_each_document_as_if_alone(build) -> None:
     assert int(count) == 15
     inputs, target = model.split_batch((packed, ids, labels))
     assert inputs[1] is ids and target is labels
+
+
+def test_recipe_data_options_pad_per_batch_and_pack_rows(tmp_path) -> None:
+    from recipes.gpt.data_varlen import DynamicPaddingDataModule, PackedDataModule
+
+    text = tmp_path / "corpus.txt"
+    text.write_bytes(bytes(range(32, 127)) * 300)
+    padded = DynamicPaddingDataModule(block_size=32, batch_size=4, text_path=str(text), min_doc_length=4)
+    padded.setup()
+    lengths = set()
+    for (x, y), _ in zip(padded.train_dataloader(), range(20)):
+        lengths.add(x.shape[1])
+        real = y != -100
+        assert x.shape == y.shape and x.shape[1] <= 32 and real.sum(1).max() == x.shape[1]  # the longest fills it
+        assert (real[:, :-1] | ~real[:, 1:]).all()  # right padding only
+    assert len(lengths) > 2, lengths  # every batch its own length
+
+    packed = PackedDataModule(block_size=32, batch_size=4, text_path=str(text), min_doc_length=4)
+    packed.setup()
+    x, ids, y = next(iter(packed.train_dataloader()))
+    assert x.shape == ids.shape == y.shape == (4, 32)
+    assert ((ids == 0) == (y == -100)).all() and (ids.max(1).values >= 1).all()
+    assert packed.train_dataloader().dataset.padding_fraction() < 0.05
+    with pytest.raises(ValueError, match=r"max_doc_length=40, block_size=32.*data.max_doc_length"):
+        PackedDataModule(block_size=32, text_path=str(text), max_doc_length=40)
