@@ -5,12 +5,16 @@ The corpus is :class:`~recipes.gpt.data.ByteCorpusDataModule`'s (standard librar
 (``max_doc_length`` defaults to ``block_size``): inputs ``w[:-1]``, targets ``w[1:]``. Train documents start at
 random offsets drawn once from ``seed``; validation documents tile the val split in order (the same every time).
 
-* ``data=dynamic_padding`` (:class:`DynamicPaddingDataModule`): batches ``(x, y)`` padded on the right to the
-  batch's longest document, so every batch has its own length; padding targets are ``-100`` (not counted by the
-  token-weighted loss) and causal attention never lets a real token see the padding after it.
-* ``data=packed`` (:class:`PackedDataModule`): documents packed best-fit decreasing into rows of ``block_size`` tokens, batches
-  ``(x, document_ids, y)`` of one fixed shape: positions restart per document, attention stays inside it, only the
-  rows' tail padding has targets ``-100`` ([Note: packed sequences] in ``lightning_pipe/layers/packing.py``).
+* ``data=dynamic_padding`` (:class:`DynamicPaddingDataModule`): batches ``{"input_ids", "labels"}`` padded on the
+  right to the batch's longest document, so every batch has its own length; padding labels are ``-100`` (not counted
+  by the token-weighted loss) and causal attention never lets a real token see the padding after it.
+* ``data=packed`` (:class:`PackedDataModule`): documents packed best-fit decreasing into rows of ``block_size``
+  tokens, batches ``{"input_ids", "document_ids", "labels"}`` of one fixed shape: positions restart per document,
+  attention stays inside it, only the rows' tail padding has labels ``-100`` ([Note: packed sequences] in
+  ``lightning_pipe/layers/packing.py``).
+
+Dict batches make the recipes' loss token-weighted (``recipes.gpt.model.recipe_loss``); ``(x, y)`` windows keep the
+mean.
 """
 
 from __future__ import annotations
@@ -55,19 +59,19 @@ class Documents(Dataset):
         return window[:-1], window[1:]
 
 
-def pad_collate(items: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad to the batch's longest document: inputs with 0, targets with -100."""
+def pad_collate(items: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Right-pad to the batch's longest document: ``input_ids`` with 0, ``labels`` with -100."""
     longest = max(len(x) for x, _ in items)
     x = torch.zeros(len(items), longest, dtype=torch.long)
     y = torch.full((len(items), longest), IGNORE_INDEX, dtype=torch.long)
     for row, (xi, yi) in enumerate(items):
         x[row, : len(xi)], y[row, : len(yi)] = xi, yi
-    return x, y
+    return {"input_ids": x, "labels": y}
 
 
 class PackedRows(Dataset):
-    """Rows of ``row_length`` tokens packed best-fit decreasing (:func:`plan_rows`), as ``(x, document_ids, y)``;
-    built on access, so only the plan (each row's document indices) is held."""
+    """Rows of ``row_length`` tokens packed best-fit decreasing (:func:`plan_rows`), as ``{"input_ids",
+    "document_ids", "labels"}``; built on access, so only the plan (each row's document indices) is held."""
 
     def __init__(self, documents: Documents, row_length: int) -> None:
         self.documents, self.row_length = documents, row_length
@@ -76,13 +80,13 @@ class PackedRows(Dataset):
     def __len__(self) -> int:
         return len(self.rows)
 
-    def __getitem__(self, r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def __getitem__(self, r: int) -> dict[str, torch.Tensor]:
         members = self.rows[r]
         pairs = [self.documents[i] for i in members]
         plan = [list(range(len(members)))]
         x, ids = pack_documents([p[0] for p in pairs], plan, self.row_length, pad_value=0)
         y, _ = pack_documents([p[1] for p in pairs], plan, self.row_length, pad_value=IGNORE_INDEX)
-        return x[0], ids[0], y[0]
+        return {"input_ids": x[0], "document_ids": ids[0], "labels": y[0]}
 
     def padding_fraction(self) -> float:
         """Share of the rows' tokens that are padding (each row's unfilled tail)."""
@@ -113,7 +117,7 @@ class _DocumentsDataModule(ByteCorpusDataModule):
 
 
 class DynamicPaddingDataModule(_DocumentsDataModule):
-    """``(x, y)`` batches of whole documents, right-padded to each batch's longest (``data=dynamic_padding``)."""
+    """Batches of whole documents, right-padded to each batch's longest (``data=dynamic_padding``)."""
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.documents("train"), batch_size=self.batch_size, shuffle=True, drop_last=True,
@@ -125,7 +129,7 @@ class DynamicPaddingDataModule(_DocumentsDataModule):
 
 
 class PackedDataModule(_DocumentsDataModule):
-    """``(x, document_ids, y)`` batches of packed rows of ``block_size`` tokens (``data=packed``)."""
+    """Batches of packed rows of ``block_size`` tokens with their document ids (``data=packed``)."""
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(PackedRows(self.documents("train"), self.block_size), batch_size=self.batch_size,

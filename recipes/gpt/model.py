@@ -5,7 +5,7 @@
     LongTensor[B, T] -> Embedding -> [B, T, C] -> Block ... Block -> FinalNorm -> Head -> logits [B, T, V]
 
 Packed rows (``data=packed``) add document ids ``[B, T]`` (1, 2, ... per row, 0 = padding): batches
-``(x, document_ids, y)``, and the embedding and blocks pass ``(hidden, document_ids)`` on, so positions restart per
+``{"input_ids", "document_ids", "labels"}``, and the embedding and blocks pass ``(hidden, document_ids)`` on, so positions restart per
 document and attention stays inside it ([Note: packed sequences] in ``lightning_pipe/layers/packing.py``).
 
 The head's weight *is* the token embedding's weight (the same ``nn.Parameter``, GPT-2 style); the pipeline
@@ -17,7 +17,7 @@ Under ``strategy.tensor_parallel_size > 1`` :meth:`GPT.parallelize_layer` splits
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -133,18 +133,24 @@ class Head(nn.Module):
         return self.head(x)
 
 
-def split_packed_batch(batch: Any) -> tuple[Any, Any]:
-    """The recipes' batches: ``(x, y)`` -> ``(x, y)``; packed ``(x, document_ids, y)`` -> ``((x, document_ids), y)``
-    (the first layer's positional arguments); anything else as :class:`PipelineModule` splits it."""
-    if isinstance(batch, (tuple, list)) and len(batch) == 3:
-        return (batch[0], batch[1]), batch[2]
+def split_recipe_batch(batch: Any) -> tuple[Any, Any]:
+    """The recipes' batches: ``(x, y)`` pairs (a mean loss), or the variable-length data's dicts
+    ``{"input_ids", "document_ids"?, "labels"}`` -> ``(x or (x, document_ids), {"labels": y})``: the first layer's
+    positional arguments, and a dict target that makes :func:`recipe_loss` token-weighted."""
+    if isinstance(batch, Mapping) and "input_ids" in batch:
+        x, doc = batch["input_ids"], batch.get("document_ids")
+        return (x if doc is None else (x, doc)), {"labels": batch["labels"]}
     return default_split_batch(batch)
 
 
-def token_loss(logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
-    """Token-weighted next-token loss ``(sum, count)``: targets ``-100`` (padding of dynamically padded or packed
-    rows) do not count, and the batch loss is the global sum over the global count whatever the micro-batching."""
-    flat = target.reshape(-1)
+def recipe_loss(logits: Tensor, target: Tensor | Mapping[str, Tensor]) -> Tensor | tuple[Tensor, Tensor]:
+    """A tensor target (``(x, y)`` windows, every token counted): the mean cross-entropy. A ``{"labels"}`` target
+    (dynamically padded or packed rows): token-weighted ``(sum, count)``, labels ``-100`` not counted, so the batch
+    loss is the global sum over the global count however padding falls across micro-batches and replicas. The form
+    follows the batch's structure, never its values: every micro-batch of a batch returns the same kind."""
+    if not isinstance(target, Mapping):
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), target.reshape(-1))
+    flat = target["labels"].reshape(-1)
     total = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), flat, ignore_index=IGNORE_INDEX,
                             reduction="sum")
     return total, (flat != IGNORE_INDEX).sum()
@@ -240,11 +246,12 @@ class GPT(PipelineModule):
 
     # ---------------------------------------------------------------- contract
     def split_batch(self, batch: Any) -> tuple[Any, Any]:
-        """``(x, y)``, or ``(x, document_ids, y)`` for packed rows."""
-        return split_packed_batch(batch)
+        """``(x, y)``, or ``{"input_ids", "document_ids"?, "labels"}`` (``data=dynamic_padding`` / ``packed``)."""
+        return split_recipe_batch(batch)
 
-    def loss_fn(self, output: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
-        return token_loss(output, target)
+    def loss_fn(self, output: Tensor, target: Any) -> Any:
+        """Mean cross-entropy for ``(x, y)``; token-weighted ``(sum, count)`` for dict batches (see recipe_loss)."""
+        return recipe_loss(output, target)
 
     def configure_optimizers(self) -> dict:
         hp = self.hparams

@@ -4,7 +4,7 @@
 
     LongTensor[B, T] -> Embedding -> [B, T, C] -> Block ... Block -> FinalNorm -> Head -> logits [B, T, V]
 
-Packed rows (``data=packed``): batches ``(x, document_ids, y)``; the embedding and blocks pass
+Packed rows (``data=packed``): batches ``{"input_ids", "document_ids", "labels"}``; the embedding and blocks pass
 ``(hidden, document_ids)`` on, RoPE restarts at each document and attention stays inside it ([Note: packed
 sequences] in ``lightning_pipe/layers/packing.py``).
 
@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from lightning_pipe import PipelineModule
 from lightning_pipe.layers.packing import block_diagonal_causal_mask, positions_from_documents
-from recipes.gpt.model import adamw_with_warmup_cosine, split_packed_batch, token_loss
+from recipes.gpt.model import adamw_with_warmup_cosine, recipe_loss, split_recipe_batch
 
 
 class RMSNorm(nn.Module):
@@ -259,11 +259,12 @@ class Llama(PipelineModule):
             "feed_forward.w1": column, "feed_forward.w3": column, "feed_forward.w2": row})
 
     def split_batch(self, batch: Any) -> tuple[Any, Any]:
-        """``(x, y)``, or ``(x, document_ids, y)`` for packed rows."""
-        return split_packed_batch(batch)
+        """``(x, y)``, or ``{"input_ids", "document_ids"?, "labels"}`` (``data=dynamic_padding`` / ``packed``)."""
+        return split_recipe_batch(batch)
 
-    def loss_fn(self, output: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
-        return token_loss(output, target)
+    def loss_fn(self, output: Tensor, target: Any) -> Any:
+        """Mean cross-entropy for ``(x, y)``; token-weighted ``(sum, count)`` for dict batches (see recipe_loss)."""
+        return recipe_loss(output, target)
 
     def configure_optimizers(self) -> dict:
         hp = self.hparams

@@ -79,10 +79,12 @@ def test_a_packed_row_computes_each_document_as_if_alone(build) -> None:
     torch.testing.assert_close(got[:15], alone, atol=1e-6, rtol=0)
     # the loss counts real tokens only: padding labels are -100
     labels, _ = pack_documents([torch.roll(d, -1) for d in docs], rows, 16, pad_value=-100)
-    total, count = model.loss_fn(got.unsqueeze(0), labels)
+    total, count = model.loss_fn(got.unsqueeze(0), {"labels": labels})
     assert int(count) == 15
-    inputs, target = model.split_batch((packed, ids, labels))
-    assert inputs[1] is ids and target is labels
+    inputs, target = model.split_batch({"input_ids": packed, "document_ids": ids, "labels": labels})
+    assert inputs[1] is ids and target["labels"] is labels
+    # (x, y) windows keep the mean loss
+    assert model.loss_fn(got.unsqueeze(0), packed.clamp_min(0)).dim() == 0
 
 
 def test_recipe_data_options_pad_per_batch_and_pack_rows(tmp_path) -> None:
@@ -93,7 +95,8 @@ def test_recipe_data_options_pad_per_batch_and_pack_rows(tmp_path) -> None:
     padded = DynamicPaddingDataModule(block_size=32, batch_size=4, text_path=str(text), min_doc_length=4)
     padded.setup()
     lengths = set()
-    for (x, y), _ in zip(padded.train_dataloader(), range(20)):
+    for batch, _ in zip(padded.train_dataloader(), range(20)):
+        x, y = batch["input_ids"], batch["labels"]
         lengths.add(x.shape[1])
         real = y != -100
         assert x.shape == y.shape and x.shape[1] <= 32 and real.sum(1).max() == x.shape[1]  # the longest fills it
@@ -102,7 +105,8 @@ def test_recipe_data_options_pad_per_batch_and_pack_rows(tmp_path) -> None:
 
     packed = PackedDataModule(block_size=32, batch_size=4, text_path=str(text), min_doc_length=4)
     packed.setup()
-    x, ids, y = next(iter(packed.train_dataloader()))
+    batch = next(iter(packed.train_dataloader()))
+    x, ids, y = batch["input_ids"], batch["document_ids"], batch["labels"]
     assert x.shape == ids.shape == y.shape == (4, 32)
     assert ((ids == 0) == (y == -100)).all() and (ids.max(1).values >= 1).all()
     assert packed.train_dataloader().dataset.padding_fraction() < 0.05

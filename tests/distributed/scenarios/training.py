@@ -201,9 +201,10 @@ def token_data(n: int, seed: int = 1) -> TensorDataset:
     return TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
 
-def packed_token_data(n: int, seed: int = 1) -> TensorDataset:
-    """``n`` packed rows of 16 tokens ``(x, document_ids, y)``: documents of 5..16 tokens (windows of k + 1), packed
-    best-fit decreasing; the rows' tail padding has targets -100, so micro-batches hold different token counts."""
+def packed_token_data(n: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    """``n`` packed rows of 16 tokens ``{"input_ids", "document_ids", "labels"}`` (``data=packed``'s batches):
+    documents of 5..16 tokens (windows of k + 1), packed best-fit decreasing; the rows' tail padding has labels -100,
+    so micro-batches hold different token counts (the recipes' loss is then token-weighted)."""
     from lightning_pipe.layers.packing import IGNORE_INDEX, pack_documents, plan_rows
 
     g = torch.Generator().manual_seed(seed)
@@ -212,7 +213,7 @@ def packed_token_data(n: int, seed: int = 1) -> TensorDataset:
     rows = [rows[i] for i in torch.randperm(len(rows), generator=g)[:n]]  # not only the longest-first rows
     x, ids = pack_documents([w[:-1] for w in windows], rows, 16, pad_value=0)
     y, _ = pack_documents([w[1:] for w in windows], rows, 16, pad_value=IGNORE_INDEX)
-    return TensorDataset(x, ids, y)
+    return [{"input_ids": a, "document_ids": b, "labels": c} for a, b, c in zip(x, ids, y)]
 
 
 MODELS: dict[str, Callable[[TrainingCase], L.LightningModule]] = {
@@ -221,7 +222,7 @@ MODELS: dict[str, Callable[[TrainingCase], L.LightningModule]] = {
     "tp_hook_fails": tp_hook_failing_first, "gpt_packed": tiny_gpt, "llama_packed": tiny_llama}
 TOKEN_WEIGHTED = frozenset({"gpt_packed", "llama_packed"})
 """Models whose data has -100 targets (a token-weighted loss with uneven counts per micro-batch and replica)."""
-DATA: dict[str, Callable[[int], TensorDataset]] = {"gpt": token_data, "gpt_split_head": token_data,
+DATA: dict[str, Callable[[int], Any]] = {"gpt": token_data, "gpt_split_head": token_data,
                                                    "llama": token_data, "gpt_packed": packed_token_data,
                                                    "llama_packed": packed_token_data}
 
