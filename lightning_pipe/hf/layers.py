@@ -32,8 +32,8 @@ the model's forward computes, and the logits match ``model(input_ids, attention_
 [Note: packed rows]
 transformers' own packed-sequence support: called without a 2-D attention mask and without a cache, the model
 derives documents from ``position_ids`` that restart (``masking_utils.find_packed_sequence_indices``) and every
-attention implementation keeps attention inside them (sdpa / eager: a block-diagonal causal mask; flash attention:
-variable-length kernels from the same position ids). A 2-D mask switches that off: ``model(ids, attention_mask=ones,
+attention implementation keeps attention inside them (sdpa / eager: a block-diagonal causal mask, tested; flash
+attention reads the same position ids for its variable-length kernels — not run here, no flash kernels on CPU). A 2-D mask switches that off: ``model(ids, attention_mask=ones,
 position_ids=resets)`` attends across documents — and so does ``model(ids, position_ids=resets)`` with the default
 ``use_cache=True`` (5.24 builds a ``DynamicCache`` in forward, and packing is detected only without a cache; pass
 ``use_cache=False``). Only tensors cross stages, so "no mask" cannot travel as ``None``: a packed batch carries a
