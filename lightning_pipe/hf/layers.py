@@ -23,22 +23,17 @@ head               ``hidden``                                                   
 
 ``attention_mask`` is the 2-D ``[B, T]`` padding mask (1 = token, 0 = padding) as tokenizers / collators give it;
 ``pos`` are optional ``[B, T]`` position ids (default ``arange(T)``, as the model uses). ``seq`` (``[B, T]``
-document index per token, transformers' ``seq_idx``) marks *packed* rows, see [Note: packed rows]. No 4-D mask and no rotary
-``(cos, sin)`` ever crosses a stage: each decoder layer builds its causal (+ padding, + sliding-window) mask with
-transformers' own mask functions for its own attention type and attention implementation, and computes ``(cos, sin)``
-with its own copy of the model's rotary module (buffers only, no parameters). So every layer computes exactly what
-the model's forward computes, and the logits match ``model(input_ids, attention_mask=...)``.
-
-[Note: packed rows]
+document index per token, transformers' ``seq_idx``) marks *packed* rows, see [Note: packed rows]
 transformers' own packed-sequence support: called without a 2-D attention mask and without a cache, the model
 derives documents from ``position_ids`` that restart (``masking_utils.find_packed_sequence_indices``) and every
 attention implementation keeps attention inside them (sdpa / eager: a block-diagonal causal mask, tested; flash
-attention reads the same position ids for its variable-length kernels — not run here, no flash kernels on CPU). A 2-D mask switches that off: ``model(ids, attention_mask=ones,
-position_ids=resets)`` attends across documents — and so does ``model(ids, position_ids=resets)`` with the default
-``use_cache=True`` (5.24 builds a ``DynamicCache`` in forward, and packing is detected only without a cache; pass
-``use_cache=False``). Only tensors cross stages, so "no mask" cannot travel as ``None``: a packed batch carries a
-fourth tensor, the document ids, and a decoder layer that receives it builds its mask exactly as the model's forward
-does for a packed batch — without the 2-D mask (an all-ones placeholder in its slot), from the position ids.
+attention reads the same position ids for its variable-length kernels — not run here, no flash kernels on CPU).
+A 2-D mask switches that off: ``model(ids, attention_mask=ones, position_ids=resets)`` attends across documents —
+and so does ``model(ids, position_ids=resets)`` with the default ``use_cache=True`` (5.24 builds a ``DynamicCache``
+in forward, and packing is detected only without a cache; pass ``use_cache=False``). Only tensors cross stages, so
+"no mask" cannot travel as ``None``: a packed batch carries a fourth tensor, the document ids, and a decoder layer
+that receives it builds its mask exactly as the model's forward does for a packed batch — without the 2-D mask (an
+all-ones placeholder in its slot), from the position ids.
 
 [Note: HF names]
 Every layer records, for each of its parameters (and persistent buffers), the candidate keys under which the
