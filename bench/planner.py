@@ -149,18 +149,27 @@ def _step_costs(args: argparse.Namespace, pp: int, ms: list[int], action_cost: f
                 latency: float) -> tuple[float, float]:
     """The fixed and per-micro-batch step costs ([Note: fixed and per-micro-batch step costs]): 1F1B over one
     tiny layer per stage at the grid's smallest and largest micro-batch counts, the slowest rank's fastest step."""
+    import torch
     import torch.distributed as dist
 
+    from bench._models import residual_mlp
+    from lightning_pipe.planner import profile_model
     from lightning_pipe.planner.calibrate import solve_step_costs
 
     world = dist.get_world_size()
+    counts = sorted({min(ms), max(ms)})
+    rows = {m: args.batch // (world // pp) // m for m in counts}
+    # the tiny layers' own time, so that only the step's host costs are left to solve for
+    tiny = profile_model(residual_mlp(4, 1), (torch.zeros(args.batch, 4), torch.zeros(args.batch, 4)),
+                         sorted(set(rows.values())), repeats=args.repeats)
+    layer_time = {m: {"F": tiny.layers[rows[m]][0].forward, "B": tiny.layers[rows[m]][0].backward} for m in counts}
     measured = {}
-    for m in sorted({min(ms), max(ms)}):
+    for m in counts:
         step = _measure(args, "1f1b", 1, m, tuple([1] * pp), world // pp, probe=True)[0]
         everyone: list = [None] * world
         dist.all_gather_object(everyone, step)
         measured[m] = max(everyone)
-    return solve_step_costs("1f1b", pp, 1, measured, action_cost, latency)
+    return solve_step_costs("1f1b", pp, 1, measured, action_cost, latency, layer_time)
 
 
 def worker(args: argparse.Namespace) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 # ``m x per_mb`` to the schedule (``ModelProfile.step_overhead`` / ``microbatch_overhead``). Not separated: a cost
 # per micro-batch that only some ranks pay (it is charged to the step, as if on its critical path).
 import time
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -84,12 +85,14 @@ def measure_action_overhead(microbatches: int = 8, repeats: int = 4, latency: fl
     return solve_action_cost(float(slowest), world, microbatches, latency)
 
 
-def solve_step_costs(schedule: str, pipeline_size: int, stages_per_rank: int, measured: dict[int, float],
-                     action_cost: float, latency: float) -> tuple[float, float]:
+def solve_step_costs(schedule: str, pipeline_size: int, stages_per_rank: int, measured: Mapping[int, float],
+                     action_cost: float, latency: float,
+                     layer_time: Mapping[int, Mapping[str, float]] | None = None) -> tuple[float, float]:
     """(fixed seconds per step, seconds per micro-batch) from full training steps of a near-zero-compute model
     measured at two micro-batch counts (``measured``: m -> seconds) under ``schedule``: what each step took beyond
-    the replay of its actions at ``action_cost`` each, split into a constant and a slope in m (least squares over
-    the points given; both floored at 0) ([Note: fixed and per-micro-batch step costs])."""
+    the replay of its actions at ``action_cost`` each (plus, per m, one stage's layer time per kind: ``layer_time``),
+    split into a constant and a slope in m (least squares over the points given; both floored at 0)
+    ([Note: fixed and per-micro-batch step costs])."""
     if len(measured) < 2:
         raise ValueError(f"solve_step_costs needs steps measured at two micro-batch counts or more; got {measured}")
     points = []
@@ -97,7 +100,8 @@ def solve_step_costs(schedule: str, pipeline_size: int, stages_per_rank: int, me
         plan = plan_schedule(PipelineConfig(schedule=schedule, microbatches=m, stages_per_rank=stages_per_rank),
                              pipeline_size)
         compiled = compile_order(compute_order(plan), plan.num_stages)
-        costs = {(s, k): action_cost for s in range(plan.num_stages) for k in "FBIW"}
+        layers = (layer_time or {}).get(m, {})
+        costs = {(s, k): action_cost + layers.get(k, 0.0) for s in range(plan.num_stages) for k in "FBIW"}
         points.append((float(m), step - replay(compiled, costs, [latency] * plan.num_stages).makespan))
     n = len(points)
     mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n

@@ -244,14 +244,17 @@ def test_fixed_and_per_microbatch_step_costs_are_solved_and_predicted() -> None:
 
     x, latency, fixed, per_mb = 3e-4, 5e-5, 2e-3, 1.5e-4
 
-    def step(m: int) -> float:
+    def step(m: int, layer: dict | None = None) -> float:
         pl = plan("1f1b", 2, 1, m)
-        makespan = replay(compile_order(compute_order(pl), 2), {(s, k): x for s in range(2) for k in "FBIW"},
-                          [latency, latency]).makespan
-        return fixed + makespan + m * per_mb
+        costs = {(s, k): x + (layer or {}).get(k, 0.0) for s in range(2) for k in "FBIW"}
+        return fixed + replay(compile_order(compute_order(pl), 2), costs, [latency, latency]).makespan + m * per_mb
 
     got = solve_step_costs("1f1b", 2, 1, {4: step(4), 8: step(8)}, x, latency)
     assert got == pytest.approx((fixed, per_mb), rel=1e-6)
+    # the probe's own layers (their profiled time per micro-batch size) are not a host cost
+    layers = {4: {"F": 2e-4, "B": 4e-4}, 8: {"F": 1e-4, "B": 2e-4}}
+    measured = {m: step(m, layers[m]) for m in (4, 8)}
+    assert solve_step_costs("1f1b", 2, 1, measured, x, latency, layers) == pytest.approx((fixed, per_mb), rel=1e-6)
     assert solve_step_costs("1f1b", 2, 1, {4: 1e-9, 8: 1e-9}, x, latency) == (0.0, 0.0)  # never negative
     with pytest.raises(ValueError, match="two micro-batch counts"):
         solve_step_costs("1f1b", 2, 1, {4: step(4)}, x, latency)
