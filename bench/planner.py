@@ -9,7 +9,9 @@ the planner weighs pipeline 4 x replicas 1 against pipeline 2 x replicas 2 and b
     prediction_error_max=<max |predicted - measured| / measured step over every grid>                    (goal <= 0.10)
 
 Profiling happens in the workers, all ranks at once (the machine is as busy as when training): the layer costs, the
-link's latency/bandwidth and the runtime's cost per action on the real gloo group, each rank's relative speed.
+link's latency/bandwidth and the runtime's cost per action on the real gloo group, each rank's relative speed, and
+the step's fixed and per-micro-batch costs (the strategy training one tiny layer per stage at two micro-batch
+counts: [Note: fixed and per-micro-batch step costs] in lightning_pipe/planner/calibrate.py).
 
     python bench/planner.py [--configs gpt:2,unbalanced:2,gpt:4,unbalanced:4] [--rounds 2] [--steps 4]
 """
@@ -69,19 +71,27 @@ def _splits(n_layers: int, stages: int, world: int = 2) -> list[tuple[int, ...]]
 
 
 def _measure(args: argparse.Namespace, schedule: str, v: int, m: int, counts: tuple[int, ...],
-             dp: int) -> tuple[float, float, list]:
+             dp: int, probe: bool = False) -> tuple[float, float, list]:
     """(fastest full training step, fastest schedule step) in seconds, as this rank measured them, and this rank's
     recorded timeline (StepRecord dicts). The fastest of the steps: on a shared machine contention only ever adds
     time, so the least-disturbed step is the closest to the layout's own cost (the profile is read the same way)."""
     import lightning.pytorch as L
+    import torch
     from torch.utils.data import DataLoader, TensorDataset
 
+    from bench._models import residual_mlp
     from bench._timing import StepClock
     from lightning_pipe import PipelineStrategy, PipelineTimeline
 
-    tokens = _tokens(args, args.batch * (args.steps + args.warmup))
+    rows = args.batch * (args.steps + args.warmup)
+    if probe:  # [Note: fixed and per-micro-batch step costs]: one tiny layer per stage, same trainer and callbacks
+        g = torch.Generator().manual_seed(0)
+        dataset = TensorDataset(torch.randn(rows, 4, generator=g), torch.randn(rows, 4, generator=g))
+    else:
+        tokens = _tokens(args, rows)
+        dataset = TensorDataset(tokens[:, :-1], tokens[:, 1:])
     # each replica takes batch / dp rows per step (the same rows on every replica: only the time is measured)
-    data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=args.batch // dp, drop_last=True)
+    data = DataLoader(dataset, batch_size=args.batch // dp, drop_last=True)
     clock = StepClock()
     timeline = PipelineTimeline(warmup_steps=args.warmup, log=False)
     strategy = PipelineStrategy(schedule=schedule, microbatches=m, stages_per_rank=v, data_parallel_size=dp,
@@ -90,7 +100,7 @@ def _measure(args: argparse.Namespace, schedule: str, v: int, m: int, counts: tu
                         max_steps=args.steps + args.warmup, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[clock, timeline],
                         limit_val_batches=0, use_distributed_sampler=False)
-    trainer.fit(_model(args), data)
+    trainer.fit(residual_mlp(4, sum(counts)) if probe else _model(args), data)
     return (min(clock.durations(args.warmup)), min(r.wall_ns / 1e9 for r in timeline.records),
             [r.to_dict() for r in timeline.records])
 
@@ -129,10 +139,37 @@ def _calibrate(args: argparse.Namespace, base, speeds: list[float], pp: int, ms:
         tables.append(drift_by_kind(plan_json, recs, least=True))  # least-disturbed, like the profile
         step = max(e[0] for e in everyone)
         sched = max(e[1] for e in everyone)
-        extra.append(max(step - sched - (pred.step_time - pred.schedule_time), 0.0))
+        extra.append(step - sched - (pred.step_time - pred.schedule_time))  # beyond the measured fixed cost
     rows = merge(*tables)
     calibrated = calibrate(base, rows)
-    return dataclasses.replace(calibrated, step_overhead=statistics.median(extra)), rows
+    return dataclasses.replace(calibrated, step_overhead=max(base.step_overhead + statistics.median(extra), 0.0)), rows
+
+
+def _step_costs(args: argparse.Namespace, pp: int, ms: list[int], action_cost: float,
+                latency: float) -> tuple[float, float]:
+    """The fixed and per-micro-batch step costs ([Note: fixed and per-micro-batch step costs]): 1F1B over one
+    tiny layer per stage at the grid's smallest and largest micro-batch counts, the slowest rank's fastest step."""
+    import torch
+    import torch.distributed as dist
+
+    from bench._models import residual_mlp
+    from lightning_pipe.planner import profile_model
+    from lightning_pipe.planner.calibrate import solve_step_costs
+
+    world = dist.get_world_size()
+    counts = sorted({min(ms), max(ms)})
+    rows = {m: args.batch // (world // pp) // m for m in counts}
+    # the tiny layers' own time, so that only the step's host costs are left to solve for
+    tiny = profile_model(residual_mlp(4, 1), (torch.zeros(args.batch, 4), torch.zeros(args.batch, 4)),
+                         sorted(set(rows.values())), repeats=args.repeats)
+    layer_time = {m: {"F": tiny.layers[rows[m]][0].forward, "B": tiny.layers[rows[m]][0].backward} for m in counts}
+    measured = {}
+    for m in counts:
+        step = _measure(args, "1f1b", 1, m, tuple([1] * pp), world // pp, probe=True)[0]
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, step)
+        measured[m] = max(everyone)
+    return solve_step_costs("1f1b", pp, 1, measured, action_cost, latency, layer_time)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -164,6 +201,8 @@ def worker(args: argparse.Namespace) -> None:
     base = profiles[0]
     base.link_latency, base.link_bandwidth, base.action_overhead = prof.link_latency, prof.link_bandwidth, overhead
     speeds = rank_speeds(profiles, min(sizes))
+    if not args.no_step_costs:
+        base.step_overhead, base.microbatch_overhead = _step_costs(args, max(pps), ms, overhead, prof.link_latency)
     raw = base
     rows_cal: list = []
     if not args.no_calibrate:
@@ -207,7 +246,7 @@ def worker(args: argparse.Namespace) -> None:
         Path(args.out).write_text(json.dumps({
             "rows": rows, "speeds": speeds, "profile_s": profile_s, "search_s": search_s, "overhead": overhead,
             "calibration": {r.what: [r.measured, r.predicted] for r in rows_cal},
-            "step_overhead": base.step_overhead,
+            "step_overhead": base.step_overhead, "measured_step_costs": [raw.step_overhead, raw.microbatch_overhead],
             "link": [base.link_latency, base.link_bandwidth], "replayed": result.considered,
             "pick_pred": result.best[1].step_time}))
 
@@ -220,7 +259,8 @@ def _report(args: argparse.Namespace, model: str, ranks: int,
     print(f"\n### {model}: GPT {args.layers} blocks, width {args.width}, vocab {vocab}, seq {args.seq}, batch "
           f"{args.batch}; {ranks} CPU ranks x 1 thread\nprofiled in {res['profile_s']:.1f} s (rank speeds {speeds}, "
           f"link {res['link'][0] * 1e6:.0f} us + {res['link'][1] / 1e9:.2f} GB/s, "
-          f"{res['overhead'] * 1e3:.2f} ms per action), searched in {res['search_s']:.2f} s")
+          f"{res['overhead'] * 1e3:.2f} ms per action; per step {res['measured_step_costs'][0] * 1e3:.2f} ms "
+          f"+ {res['measured_step_costs'][1] * 1e3:.2f} ms per micro-batch), searched in {res['search_s']:.2f} s")
     if res["calibration"]:
         cal = ", ".join(f"{k} x{m / p:.2f}" if k != "bubble" else f"bubble {m:.0%} vs {p:.0%}"
                         for k, (m, p) in res["calibration"].items() if p)
@@ -271,6 +311,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-overhead", action="store_true", help="the cost model without the per-action cost")
     p.add_argument("--no-calibrate", action="store_true", help="plan from the layer profile alone (no probe runs)")
+    p.add_argument("--no-step-costs", action="store_true",
+                   help="the cost model without the measured fixed and per-micro-batch step costs")
     p.add_argument("--no-rebalance", action="store_true", help="skip the rebalancing run (rebalance_speedup)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)

@@ -313,7 +313,7 @@ class DataParallelHandoff:
         """Batches averaged each way (``engine.dp_sync_counts``; tests, bench)."""
 
     def begin(self, saved: list[Tensor | None], elements: float, group: dist.ProcessGroup | None, replicas: int,
-              device: torch.device) -> tuple[DataParallelOverlap | None, float]:
+              device: torch.device) -> tuple[DataParallelOverlap | None, float | Tensor]:
         """Before the schedule: average this batch's gradients during it? (the overlap to drive, or ``None``). Also
         ``N`` of [Note: token-weighted loss]: with overlap, the replicas' mean, so that the factor applied after
         averaging is the same on every replica (padded batches hold different numbers of targets)."""
@@ -325,10 +325,11 @@ class DataParallelHandoff:
             return None, elements
         mean = torch.tensor([elements], dtype=torch.float64, device=device)
         dist.all_reduce(mean, group=group)
-        elements = float(mean) / replicas
+        # kept on the device (a 0-d float64): only ever multiplied into the loss and the gradient factor
+        elements_mean = mean[0] / replicas
         carry = not self.grads_averaged and not self.zero_grad_follows
         overlap.begin(self.microbatches_per_stage, carry=saved if carry else None)
-        return overlap, elements
+        return overlap, elements_mean
 
     def abandon(self, overlap: DataParallelOverlap) -> None:
         """The schedule failed: nothing waits on its collectives (the run stops)."""

@@ -11,7 +11,19 @@ between ranks), gives the cost of one action.
 
 from __future__ import annotations
 
+# [Note: fixed and per-micro-batch step costs]
+# A training step costs more than its schedule's actions (layers + the per-action cost above) and its optimizer: once
+# per step, the trainer's loop, data loading, the strategy's pre- and post-step work (batch checks, the loss
+# broadcast, the step-boundary agreement, the gradient hand-over); per micro-batch, host work that is not one more
+# action (torch splits the batch, the loss is recorded, the strategy's own stages add work per chunk that torch's
+# bare stages, which the per-action cost is measured on, do not). Both are measured in the real run: the strategy
+# trains a model of near-zero compute (one tiny layer per stage) at two micro-batch counts m1 < m2 under one
+# schedule; with every action costing the measured per-action cost, T(m) = fixed + makespan(m) + m x per_mb, so
+# two measured steps give both (:func:`solve_step_costs`). The cost model adds ``fixed`` to every step and
+# ``m x per_mb`` to the schedule (``ModelProfile.step_overhead`` / ``microbatch_overhead``). Not separated: a cost
+# per micro-batch that only some ranks pay (it is charged to the step, as if on its critical path).
 import time
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -71,3 +83,28 @@ def measure_action_overhead(microbatches: int = 8, repeats: int = 4, latency: fl
     slowest = torch.tensor([min(times)], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return solve_action_cost(float(slowest), world, microbatches, latency)
+
+
+def solve_step_costs(schedule: str, pipeline_size: int, stages_per_rank: int, measured: Mapping[int, float],
+                     action_cost: float, latency: float,
+                     layer_time: Mapping[int, Mapping[str, float]] | None = None) -> tuple[float, float]:
+    """(fixed seconds per step, seconds per micro-batch) from full training steps of a near-zero-compute model
+    measured at two micro-batch counts (``measured``: m -> seconds) under ``schedule``: what each step took beyond
+    the replay of its actions at ``action_cost`` each (plus, per m, one stage's layer time per kind: ``layer_time``),
+    split into a constant and a slope in m (least squares over the points given; both floored at 0)
+    ([Note: fixed and per-micro-batch step costs])."""
+    if len(measured) < 2:
+        raise ValueError(f"solve_step_costs needs steps measured at two micro-batch counts or more; got {measured}")
+    points = []
+    for m, step in sorted(measured.items()):
+        plan = plan_schedule(PipelineConfig(schedule=schedule, microbatches=m, stages_per_rank=stages_per_rank),
+                             pipeline_size)
+        compiled = compile_order(compute_order(plan), plan.num_stages)
+        layers = (layer_time or {}).get(m, {})
+        costs = {(s, k): action_cost + layers.get(k, 0.0) for s in range(plan.num_stages) for k in "FBIW"}
+        points.append((float(m), step - replay(compiled, costs, [latency] * plan.num_stages).makespan))
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    slope = max(slope, 0.0)
+    return max(my - slope * mx, 0.0), slope

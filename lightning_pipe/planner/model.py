@@ -5,8 +5,9 @@ the rank holding it, plus the runtime's measured cost per action (``ModelProfile
 no I (the runtime's W there is the whole backward). Communication: latency +
 output bytes / bandwidth for every stage boundary that crosses ranks. Both are replayed over the schedule's own
 action order (:func:`lightning_pipe.schedules.simulate.replay`). Replicas add a ring all-reduce of each rank's
-gradients after the step, then every rank runs its optimizer step (and ``step_overhead``, when calibrated, adds
-the trainer's own per-step cost). Memory per rank: parameters + gradients +
+gradients after the step, then every rank runs its optimizer step. Host costs the layers do not show
+([Note: fixed and per-micro-batch step costs] in ``calibrate.py``): ``step_overhead`` once per step, ``microbatch_overhead`` per
+micro-batch, on top of the schedule's replay. Memory per rank: parameters + gradients +
 optimizer state of its layers, plus the activations its schedule holds at once
 (:func:`~lightning_pipe.schedules.simulate.peak_activations`), after ``recompute`` and ``offload``
 (:class:`ActivationPolicy`).
@@ -202,10 +203,12 @@ def predict(model: CostModel, compiled: CompiledOrder, counts: Sequence[int], dp
     run = replay(compiled, cost, model.comm(bounds))
     static = model.static_memory(bounds, compiled.stage_rank, ranks)
     acts = peak_activations(compiled, model.held(bounds))
-    step = (run.makespan + model.allreduce(bounds, compiled.stage_rank, ranks, dp)
+    per_mb = model.profile.microbatch_overhead  # [Note: fixed and per-micro-batch step costs] in calibrate.py
+    schedule = run.makespan + (compiled.microbatches * per_mb if per_mb else 0.0)
+    step = (schedule + model.allreduce(bounds, compiled.stage_rank, ranks, dp)
             + model.optimizer(bounds, compiled.stage_rank, ranks) + model.profile.step_overhead)
     comm = model.comm(bounds)
     crossing = tuple(c if s + 1 < len(bounds) and compiled.stage_rank[s] != compiled.stage_rank[s + 1] else 0.0
                      for s, c in enumerate(comm))
-    return Prediction(step, run.bubble, tuple(int(a + b) for a, b in zip(static, acts)), run.busy, run.makespan,
+    return Prediction(step, run.bubble, tuple(int(a + b) for a, b in zip(static, acts)), run.busy, schedule,
                       cost, crossing)

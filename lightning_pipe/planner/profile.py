@@ -58,8 +58,12 @@ class ModelProfile:
     """Seconds every schedule action costs on top of its layers' compute: the runtime's Python work and P2P
     post/wait per stage call, measured on the running ranks (:func:`~lightning_pipe.planner.calibrate.measure_action_overhead`)."""
     step_overhead: float = 0.0
-    """Seconds each training step costs outside the schedule and the optimizer (the trainer's loop, the loss
-    broadcast, gradient hand-offs): 0 unless calibrated from a measured run."""
+    """Seconds each training step costs outside the schedule and the optimizer (the trainer's loop, data loading,
+    the loss broadcast, gradient hand-offs), measured with the strategy on a near-zero-compute model
+    (:func:`~lightning_pipe.planner.calibrate.solve_step_costs`) or calibrated from a measured run; 0 unless one was."""
+    microbatch_overhead: float = 0.0
+    """Seconds each micro-batch costs the step beyond its actions' per-action cost (splitting the batch, the loss
+    record, the strategy's stage work per chunk), measured with ``step_overhead``; 0 unless measured."""
 
     @property
     def num_layers(self) -> int:
@@ -84,13 +88,15 @@ class ModelProfile:
         return {"layers": {str(k): [asdict(c) for c in v] for k, v in self.layers.items()},
                 "link_latency": self.link_latency, "link_bandwidth": self.link_bandwidth,
                 "optimizer_state_factor": self.optimizer_state_factor, "meta": self.meta,
-                "action_overhead": self.action_overhead, "step_overhead": self.step_overhead}
+                "action_overhead": self.action_overhead, "step_overhead": self.step_overhead,
+                "microbatch_overhead": self.microbatch_overhead}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ModelProfile:
         layers = {int(k): [LayerCost(**c) for c in v] for k, v in data["layers"].items()}
         return cls(layers, data["link_latency"], data["link_bandwidth"], data.get("optimizer_state_factor", 2.0),
-                   data.get("meta", {}), data.get("action_overhead", 0.0), data.get("step_overhead", 0.0))
+                   data.get("meta", {}), data.get("action_overhead", 0.0), data.get("step_overhead", 0.0),
+                   data.get("microbatch_overhead", 0.0))
 
 
 def _mix(a: LayerCost, b: LayerCost, wa: float, wb: float, floor: bool = False) -> LayerCost:

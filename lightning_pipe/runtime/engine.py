@@ -78,6 +78,7 @@ from lightning_pipe.parallel.dp_overlap import DataParallelHandoff, DataParallel
 from lightning_pipe.parallel.fsdp import reshard
 from lightning_pipe.parallel.grads import GradientSync
 from lightning_pipe.parallel.topology import ProcessGroups
+from lightning_pipe.runtime.host_reads import LossKind
 from lightning_pipe.runtime.rng import StageStream
 from lightning_pipe.runtime.spec import SchedulePlan, build_torch_schedule
 from lightning_pipe.runtime.stage import PipelineStage
@@ -110,7 +111,7 @@ class PipelineEngine:
         self.batch_idx: int | None = None
         self.accumulate_grad_batches = 1
         self._loss_scale = 1.0  # of a mean loss ([Note: loss scaling])
-        self._sum_scale = 1.0  # of a (sum, count) loss ([Note: token-weighted loss] in batches.py)
+        self._sum_scale: float | Tensor = 1.0  # of a (sum, count) loss ([Note: token-weighted loss] in batches.py)
         self._signature: Signature | None = None  # what torch last inferred shapes for
         self.shape_inferences = 0  # forward shape inferences run by this rank's stages
         self._inferring = False
@@ -130,6 +131,7 @@ class PipelineEngine:
         # fp16 loss scaling, set by PipelinePrecision ([Note: fp16 loss scaling in a pipeline] in lightning/precision.py)
         self.loss_scaler: Callable[[Tensor], Tensor] | None = None
         self._records: list[LossParts] = []  # this step's micro-batch losses (last stage)
+        self._loss_kind = LossKind()  # [Note: the loss kind is read once]
         self._structured_target: Any = None  # a dict / tuple target of this step: [Note: structured targets]
         self._owner = type(module).__name__
         # Context managers entered around every training schedule step (see lightning_pipe.trace.memory / trace).
@@ -266,7 +268,7 @@ class PipelineEngine:
         target = check_target(target, self.plan.microbatches, self._owner, rows=args[0].shape[0])
         self._use_signature(signature("train", args, mb_rows, target))
         self._loss_scale = 1.0 / (self.plan.microbatches * self.accumulate_grad_batches)
-        elements = float(target_elements(target))
+        targets = float(target_elements(target))
         self._structured_target = target if is_structured(target) else None
         if self._structured_target is not None:  # torch cuts the row indices: [Note: structured targets]
             target = torch.arange(args[0].shape[0], device=self.device)
@@ -275,7 +277,8 @@ class PipelineEngine:
         for p in self.parameters:
             p.grad = None
         self._records = []
-        overlap, elements = self.dp_handoff.begin(saved, elements, self.groups.dp,
+        # N of [Note: token-weighted loss]: a device value under the overlapped DP sync (the replicas' mean)
+        overlap, elements = self.dp_handoff.begin(saved, targets, self.groups.dp,
                                                   self.groups.topology.data_parallel_size, self.device)
         self._sum_scale = 1.0 / (self.accumulate_grad_batches * elements)
         with contextlib.ExitStack() as stack:
@@ -310,6 +313,7 @@ class PipelineEngine:
                 raise TypeError(
                     f"{self._owner}.loss_fn must return the same kind of loss for every micro-batch (a mean, or a "
                     f"(sum, count) pair); got {['mean' if r.count is None else 'pair' for r in records]} for {m}.")
+            self._loss_kind.check(records, self._owner)
             if records[0].count is None:
                 packed[0], packed[1] = torch.stack([r.value.float() for r in records]).mean(), -1.0
             else:
@@ -317,7 +321,7 @@ class PipelineEngine:
                 packed[1] = torch.stack([r.count for r in records]).sum()  # type: ignore[misc]
         if self.plan.pipeline_size > 1:
             dist.broadcast(packed, group=self.groups.pp, group_src=self.last_pp_rank)
-        if packed[1] < 0:
+        if not self._loss_kind.learn(packed[1] >= 0, len(self._records)):  # no host read after the first step
             return packed[0].float(), None
         loss = LossParts(packed[0], packed[1]).reduced().float()
         count = packed[1].clone()

@@ -132,6 +132,11 @@ class CompiledOrder:
     stage_rank: tuple[int, ...]
     """Which rank runs each stage (read from the order itself)."""
 
+    @property
+    def microbatches(self) -> int:
+        """How many micro-batches the order runs (one more than the largest index)."""
+        return 1 + max((mb for queue in self.ranks for parts in queue for _, _, mb in parts), default=-1)
+
 
 def compile_order(order: dict[int, list[Any]], num_stages: int) -> CompiledOrder:
     ranks, stage_rank = [], [-1] * num_stages

@@ -235,6 +235,44 @@ def test_action_cost_is_solved_from_a_step() -> None:
     assert solve_action_cost(1e-9, 2, 8, latency) == 0.0  # faster than the links alone: no cost per action
 
 
+def test_fixed_and_per_microbatch_step_costs_are_solved_and_predicted() -> None:
+    """[Note: fixed and per-micro-batch step costs]: steps built from known costs give them back, and the cost model
+    adds them: the fixed cost once per step, the per-micro-batch cost m times, to the schedule's prediction too."""
+    import dataclasses
+
+    from lightning_pipe.planner.calibrate import solve_step_costs
+
+    x, latency, fixed, per_mb = 3e-4, 5e-5, 2e-3, 1.5e-4
+
+    def step(m: int, layer: dict | None = None) -> float:
+        pl = plan("1f1b", 2, 1, m)
+        costs = {(s, k): x + (layer or {}).get(k, 0.0) for s in range(2) for k in "FBIW"}
+        return fixed + replay(compile_order(compute_order(pl), 2), costs, [latency, latency]).makespan + m * per_mb
+
+    got = solve_step_costs("1f1b", 2, 1, {4: step(4), 8: step(8)}, x, latency)
+    assert got == pytest.approx((fixed, per_mb), rel=1e-6)
+    # the probe's own layers (their profiled time per micro-batch size) are not a host cost
+    layers = {4: {"F": 2e-4, "B": 4e-4}, 8: {"F": 1e-4, "B": 2e-4}}
+    measured = {m: step(m, layers[m]) for m in (4, 8)}
+    assert solve_step_costs("1f1b", 2, 1, measured, x, latency, layers) == pytest.approx((fixed, per_mb), rel=1e-6)
+    assert solve_step_costs("1f1b", 2, 1, {4: 1e-9, 8: 1e-9}, x, latency) == (0.0, 0.0)  # never negative
+    with pytest.raises(ValueError, match="two micro-batch counts"):
+        solve_step_costs("1f1b", 2, 1, {4: step(4)}, x, latency)
+
+    prof = synthetic(6)
+    timed = dataclasses.replace(prof, step_overhead=fixed, microbatch_overhead=per_mb)
+    assert ModelProfile.from_json(json.loads(json.dumps(timed.to_json()))) == timed
+    for name, v, m in (("1f1b", 1, 8), ("zbv", 2, 4)):
+        pl = plan(name, 2, v, m)
+        compiled = compile_order(compute_order(pl), pl.num_stages)
+        assert compiled.microbatches == m
+        counts = uniform_counts(6, pl.num_stages)
+        bare, costed = (predict(CostModel(p, 2, [1.0, 1.0]), compiled, counts, 1) for p in (prof, timed))
+        assert costed.schedule_time == pytest.approx(bare.schedule_time + m * per_mb)
+        assert costed.step_time == pytest.approx(bare.step_time + m * per_mb + fixed)
+        assert costed.costs == bare.costs and costed.bubble == bare.bubble
+
+
 def _records_like(plan_json: dict, scale: float) -> list:
     """A timeline of one step in which every action took ``scale`` times its predicted duration."""
     from lightning_pipe.trace.records import Slice, StepRecord

@@ -156,6 +156,7 @@ class ChimeraEngine(PipelineEngine):
         """This replica's batch loss from both last stages (rank p-1: down, rank 0: up), on every rank."""
         # (sum of means, number of means, sum of (sum, count) sums, their counts, number of pairs)
         packed = torch.zeros(5, dtype=torch.float64, device=self.device)
+        self._loss_kind.check(self._records, self._owner)  # [Note: the loss kind is read once]
         for r in self._records:
             if r.count is None:
                 packed[0] += r.value.double()
@@ -166,11 +167,13 @@ class ChimeraEngine(PipelineEngine):
                 packed[4] += 1
         dist.all_reduce(packed, group=self.groups.pp)
         m = self.plan.microbatches
-        if int(packed[1]) + int(packed[4]) != m or (packed[1] > 0 and packed[4] > 0):
-            raise TypeError(
-                f"{self._owner}.loss_fn must return the same kind of loss for every micro-batch (a mean, or a (sum, "
-                f"count) pair); got {int(packed[1])} means and {int(packed[4])} pairs for {m} micro-batches.")
-        if packed[1] > 0:
+        if self._loss_kind.pair is None:  # the first step: the counts over both last stages, read once
+            means, pairs = (int(v) for v in packed[[1, 4]].tolist())
+            if means + pairs != m or (means > 0 and pairs > 0):
+                raise TypeError(
+                    f"{self._owner}.loss_fn must return the same kind of loss for every micro-batch (a mean, or a "
+                    f"(sum, count) pair); got {means} means and {pairs} pairs for {m} micro-batches.")
+        if not self._loss_kind.learn(packed[4] > 0, len(self._records)):
             return (packed[0] / m).float(), None
         loss = LossParts(packed[2], packed[3]).reduced().float()
         count = packed[3].clone()

@@ -1,0 +1,58 @@
+"""No host-device sync inside the training step (issue 22.4), under every built-in schedule.
+
+Each case trains a few steps on 2 real ranks while ``Tensor.item`` / ``tolist`` / ``cpu`` / ``numpy`` /
+``__bool__`` / ``__float__`` / ``__int__`` and CUDA's synchronize / event and stream queries are counted per call
+site (tests/distributed/scenarios/syncs.py). On CPU none of them waits for anything, yet each is a stall on CUDA:
+counting them here makes a new one fail on a machine without a GPU.
+
+What the design allows per training batch, on every rank ([Note: host reads in a training step] in
+lightning_pipe/runtime/host_reads.py): exactly one read, the step-boundary agreement of the fault handling (SIGTERM,
+requeue, the epoch's last batch: ``watchdog.any_rank``), which decides on the host whether to stop. Nothing else
+of ours, and nothing of torch's or Lightning's own on this path. The first step is not counted (shape inference,
+the loss kind: [Note: the loss kind is read once]).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.launcher import launch
+from tests.distributed.scenarios.syncs import SyncCase
+
+pytestmark = [pytest.mark.distributed]
+
+V_PLACED = ("interleaved_1f1b", "looped_bfs", "zb_h1", "zbv", "dualpipev")
+SCHEDULES = ("1f1b", "gpipe", *V_PLACED, "v_half", "v_min", "pipedream", "pipedream_2bw", "chimera", "pipemare")
+# (file, function, call) -> reads per training batch
+ALLOWED = {("lightning_pipe/runtime/watchdog.py", "any_rank", "tolist"): 1}
+
+CASES = [SyncCase(schedule=s, stages_per_rank=2 if s in V_PLACED else None) for s in SCHEDULES] + [
+    # clipping (the global norm) and accumulation; a token-weighted loss over 2 replicas with the gradient sync
+    # overlapped with the schedule (pipeline size 1 here: the replicas' target counts, the gradient factor)
+    SyncCase(schedule="1f1b", acc=2, clip=0.05),
+    SyncCase(schedule="gpipe", model="lm_pair", n_layers=6, dp=2, acc=2, clip=0.05),
+]
+
+
+def _site(key: str) -> tuple[str, str, str]:
+    where, function, call = key.split(" ")
+    return where.rsplit(":", 1)[0], function, call
+
+
+@pytest.mark.timeout(300)
+def test_no_sync_inside_the_training_step(tmp_path: Path) -> None:
+    results = launch("syncs", 2, CASES, tmp_path, timeout=280)
+    for rank, per_case in enumerate(results):
+        for case, result in zip(CASES, per_case):
+            counted = result["counted_steps"]
+            assert counted >= 2, (case, counted)
+            ours: dict[tuple[str, str, str], int] = {}
+            for key, n in result["ours"].items():
+                ours[_site(key)] = ours.get(_site(key), 0) + n
+            expected = {site: per_batch * counted for site, per_batch in ALLOWED.items()}
+            assert ours == expected, (
+                f"rank {rank}, {case}: host-device syncs in a training step, per call site over {counted} batches "
+                f"(allowed: {ALLOWED} per batch): {result['ours']}")
+            assert result["others"] == {}, f"rank {rank}, {case}: torch's / Lightning's own: {result['others']}"
