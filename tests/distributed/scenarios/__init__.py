@@ -32,7 +32,7 @@ from tests.distributed.scenarios.training import TrainingCase
 
 Case = (TrainingCase | CheckpointCase | TraceCase | hardening.HardeningCase | planner.SlowRankCase | hf.HFCase
         | rebalance.RebalanceCase | fsdp.FsdpCountCase | frozen.FrozenCase | recipe.RecipeCase | rng.RngCase
-        | soak.SoakCase | moe.AuxCase)
+        | soak.SoakCase | moe.AuxCase | moe.MoECase)
 
 
 class Scenario(NamedTuple):
@@ -65,6 +65,7 @@ SCENARIOS: dict[str, Scenario] = {
     "rng": Scenario(rng.RngCase, rng.run_pipeline),  # issue 23: test_random_streams.py
     "soak": Scenario(soak.SoakCase, soak.run_soak),  # issue 23: test_soak.py
     "aux_toy": Scenario(moe.AuxCase, moe.run_toy),  # issue 25: test_aux_losses.py
+    "moe": Scenario(moe.MoECase, moe.run_moe),  # issue 25: test_aux_losses.py
 }
 
 __all__ = ["Case", "CheckpointCase", "Failure", "SCENARIOS", "Scenario", "TraceCase", "TrainingCase"]
