@@ -80,3 +80,28 @@ def test_the_token_weighted_scale_divides_out_the_engines_factor_in_advance() ->
     step.anywhere = None
     with pytest.raises(ValueError, match="gave 29 counted items.*loss_fn counted 30"):
         step.end(4, torch.tensor(30.0), torch.device("cpu"))
+
+
+def test_a_recomputed_layer_logs_its_term_once_and_its_gradient_is_exact() -> None:
+    from lightning_pipe.layers.stages import run_layers
+
+    class WithAux(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            # tanh saves its output: the recomputation runs through the attach (torch stops it early otherwise)
+            return torch.tanh(attach_aux_loss(self.fc(x), self.fc.weight.square().sum(), name="w2"))
+
+    torch.manual_seed(0)
+    layers = nn.Sequential(WithAux(), nn.Linear(3, 3))
+    x = torch.randn(4, 3)
+    grads = []
+    for every in (None, 1):
+        layers.zero_grad()
+        with aux_loss_context(AuxLossContext(0.5)) as ctx:
+            run_layers(layers, x, recompute_every=every).sum().backward()
+        grads.append(layers[0].fc.weight.grad.clone())
+        assert float(ctx.values["w2"]) == pytest.approx(float(layers[0].fc.weight.detach().square().sum()))
+    torch.testing.assert_close(grads[0], grads[1])
