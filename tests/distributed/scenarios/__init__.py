@@ -16,6 +16,7 @@ from tests.distributed.scenarios import (
     fsdp,
     hardening,
     hf,
+    moe,
     pipedream,
     planner,
     rebalance,
@@ -32,7 +33,7 @@ from tests.distributed.scenarios.training import TrainingCase
 
 Case = (TrainingCase | CheckpointCase | TraceCase | hardening.HardeningCase | planner.SlowRankCase | hf.HFCase
         | rebalance.RebalanceCase | fsdp.FsdpCountCase | frozen.FrozenCase | recipe.RecipeCase | rng.RngCase
-        | soak.SoakCase | syncs.SyncCase)
+        | soak.SoakCase | syncs.SyncCase | moe.AuxCase | moe.MoECase)
 
 
 class Scenario(NamedTuple):
@@ -65,6 +66,8 @@ SCENARIOS: dict[str, Scenario] = {
     "rng": Scenario(rng.RngCase, rng.run_pipeline),  # issue 23: test_random_streams.py
     "soak": Scenario(soak.SoakCase, soak.run_soak),  # issue 23: test_soak.py
     "syncs": Scenario(syncs.SyncCase, syncs.run_syncs),  # issue 22.4: test_sync_points.py
+    "aux_toy": Scenario(moe.AuxCase, moe.run_toy),  # issue 25: test_aux_losses.py
+    "moe": Scenario(moe.MoECase, moe.run_moe),  # issue 25: test_aux_losses.py
 }
 
 __all__ = ["Case", "CheckpointCase", "Failure", "SCENARIOS", "Scenario", "TraceCase", "TrainingCase"]
