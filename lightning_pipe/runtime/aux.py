@@ -38,7 +38,7 @@ class AuxLossStep:
         return self.context
 
     def grad_scale(self, *, per_microbatch: bool, loss_scale: float, loss_scaler: Callable[[Tensor], Tensor] | None,
-                   count: Callable[[], Any], elements: float, dp_group: dist.ProcessGroup | None, dp_degree: int,
+                   count: Callable[[], Any], elements: float | Tensor, dp_group: dist.ProcessGroup | None, dp_degree: int,
                    device: torch.device) -> float:
         """The gradient of one unit of aux loss in this step ([Note: auxiliary losses]); asked at the first term.
 
@@ -58,7 +58,8 @@ class AuxLossStep:
             dist.all_reduce(total, group=dp_group)
         self.predicted_count = total
         # the engine multiplies fresh gradients by elements * dp / count afterwards: divide it out in advance
-        return loss_scale * fp16 * float(total.clamp_min(1)) / (elements * dp_degree)
+        # (one host read per step, on the aux path only: elements is a device value under the overlapped DP sync)
+        return loss_scale * fp16 * float(total.clamp_min(1)) / float(elements * dp_degree)
 
     def end(self, microbatches: int, global_count: Tensor | None, device: torch.device) -> Tensor:
         """Reduce the step's values; return their total (a 0-dim float32 tensor, 0 without aux terms)."""
