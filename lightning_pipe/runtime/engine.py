@@ -19,9 +19,12 @@ zero_grad. Every hook fires where it fires on one device, and accumulation stays
 [Note: re-inference on a new shape]
 Torch sizes its P2P receive buffers by shape inference on the first step and again only on a train/eval switch; a
 batch of another shape would land in the old buffers (wrong outputs in evaluation, a crash in training). The engine
-keys what torch last inferred by the batch's :class:`Signature` (mode, micro-batch rows, each input's trailing shape,
-dtype and requires_grad, the training target's) and makes torch infer again when it changes; the ranks of a pipeline
-read the same batch, so they agree. Cost: about one micro-batch's forward and backward per stage (docs/module-contract.md).
+keys what torch last inferred by the batch's :class:`Signature` and makes torch infer again when it changes; the
+ranks of a pipeline read the same batch, so they agree. With a shape planner ([Note: shapes without re-inference]
+in shapes.py) the key is the signature's *structure* (mode, each tensor's rank, dtype and requires_grad): a new
+length costs no inference, only planned shapes. Without one (torch 2.11, FSDP / tensor-parallel stages, a forward
+that does not run on meta tensors) the key holds every shape, and a new shape costs about one micro-batch's forward
+and backward per stage (docs/module-contract.md).
 
 [Note: shape inference has no side effects]
 Torch's inference runs each stage for real, in the module's current mode: BatchNorm would update its running
@@ -51,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -58,6 +62,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_pipe._compat import stage_shapes as _stage_shapes
 from lightning_pipe._compat import torch as _compat
 from lightning_pipe.config import config_error
 from lightning_pipe.layers.batches import (
@@ -78,7 +83,9 @@ from lightning_pipe.parallel.dp_overlap import DataParallelHandoff, DataParallel
 from lightning_pipe.parallel.fsdp import reshard
 from lightning_pipe.parallel.grads import GradientSync
 from lightning_pipe.parallel.topology import ProcessGroups
+from lightning_pipe.runtime.microbatches import Microbatches, explicit_microbatches, microbatch_loss, target_count
 from lightning_pipe.runtime.rng import StageStream
+from lightning_pipe.runtime.shapes import PlanFailed, ShapePlanner, StageShapes, first_inputs, shapes_of
 from lightning_pipe.runtime.spec import SchedulePlan, build_torch_schedule
 from lightning_pipe.runtime.stage import PipelineStage
 from lightning_pipe.runtime.wire import named_p2p_failures
@@ -134,6 +141,14 @@ class PipelineEngine:
         self._owner = type(module).__name__
         # Context managers entered around every training schedule step (see lightning_pipe.trace.memory / trace).
         self.step_contexts: list[Callable[[], contextlib.AbstractContextManager]] = []
+        # [Note: shapes without re-inference] in shapes.py: None where the shapes cannot be planned
+        self.shape_planner: ShapePlanner | None = None
+        self._planned: dict[int, StageShapes] | None = None  # this step's shapes, applied after torch's init
+        self._mb_targets: list[Any] | None = None  # explicit micro-batches' targets (trim_microbatch)
+        self._inferred: dict[Signature, Any] = {}  # torch's inferred state of the other structures seen
+        if (groups.shard is None and groups.tensor is None and not self.per_microbatch_updates
+                and _stage_shapes.after_initialize(self.schedule, self._apply_planned_shapes)):
+            self.shape_planner = ShapePlanner(self.stages, plan.stage_to_rank, groups.pp, device, self._planning)
 
     @property
     def dp_overlap(self) -> DataParallelOverlap | None:
@@ -184,6 +199,8 @@ class PipelineEngine:
             return torch.zeros((), device=self.device)
         if self._structured_target is not None:  # target: this micro-batch's row indices ([Note: structured targets])
             target = select_rows(self._structured_target, target)
+        elif self._mb_targets is not None:  # target: this micro-batch's index ([Note: micro-batches of ...])
+            target = self._mb_targets[int(target.reshape(-1)[0])]
         parts = loss_parts(self.module.loss_fn(output, target), self._owner)
         if not self._inferring:  # torch's shape inference calls the loss too: not one of the step's micro-batches
             self._records.append(parts.detached())
@@ -230,8 +247,10 @@ class PipelineEngine:
     def output(self, module: PipelineModel, batch: Any) -> Any:
         if self.phase == "train":
             raise RuntimeError("compute_output runs forward only; in training_step use compute_loss(batch).")
-        inputs, _ = module.split_batch(batch)
-        out = self._forward_only(input_args(inputs, self._owner))
+        inputs, target = module.split_batch(batch)
+        args = input_args(inputs, self._owner)
+        out = self._forward_only(args, explicit_microbatches(module, inputs, args, target, self.plan.microbatches,
+                                                             self._owner))
         return self._broadcast_object(out)
 
     # ------------------------------------------------------------------ training
@@ -249,11 +268,70 @@ class PipelineEngine:
         """[Note: re-inference on a new shape]."""
         if sig != self._signature:
             if self._signature is not None:
-                self._reset_shapes()
+                if self.shape_planner is None:
+                    self._reset_shapes()
+                else:  # a structure seen before (train <-> eval): torch's state for it comes back
+                    self._inferred[self._signature] = _stage_shapes.inferred_state(self.schedule)
+                    known = self._inferred.pop(sig, None)
+                    if known is not None:
+                        _stage_shapes.restore_inferred_state(self.schedule, known)
+                    else:
+                        self._reset_shapes()
             self._signature = sig
 
     def _reset_shapes(self) -> None:
         _compat.reset_schedule_shapes(self.schedule)
+
+    @contextlib.contextmanager
+    def _planning(self) -> Iterator[None]:
+        """Around a meta forward: layer timers and trace hooks see an inference, not a step's forward."""
+        self._inferring = True
+        try:
+            yield
+        finally:
+            self._inferring = False
+
+    def _plan_shapes(self, sig: Signature, inputs: list[Any], explicit: bool) -> Signature:
+        """The signature torch's state is keyed by for this batch, with this step's shapes planned (or, without a
+        planner, the full signature: [Note: re-inference on a new shape])."""
+        self._planned = None
+        if self.shape_planner is not None:
+            try:
+                self._planned = self.shape_planner.plan(sig.structure(), inputs)
+                return sig.structure()
+            except PlanFailed as err:  # the same on every rank of the pipeline (shapes.py)
+                self.shape_planner = None
+                if not explicit:
+                    warnings.warn(f"lightning_pipe: shapes cannot be planned ({err}); every new batch shape now "
+                                  "re-runs torch's shape inference ([Note: shapes without re-inference]).",
+                                  stacklevel=2)
+        if explicit:
+            raise NotImplementedError(
+                f"{self._owner}.trim_microbatch gave micro-batches of different shapes, which needs the shape planner "
+                "([Note: shapes without re-inference]): torch >= 2.12, no FSDP / tensor-parallel stages, no "
+                f"per-micro-batch updates, stage forwards that run on meta tensors. Got torch {torch.__version__}"
+                f"{', fsdp' if self.groups.shard is not None else ''}"
+                f"{', tensor parallel' if self.groups.tensor is not None else ''}. Return the micro-batches "
+                "unchanged from trim_microbatch (one shape per batch), or remove the hook.")
+        return sig
+
+    def _apply_planned_shapes(self) -> None:
+        """Right after torch's stage initialisation in each step: this step's shapes into the receive descriptors."""
+        planned = self._planned
+        if planned is None:
+            return
+        for stage in self.stages:
+            shapes = planned.get(stage.stage_index)
+            if shapes is None:
+                continue
+            for mb, tensors in enumerate(shapes.inputs):
+                if not stage.is_first:
+                    _stage_shapes.set_receive_shapes(stage.args_recv_info.get(mb), [t[0] for t in tensors],
+                                                     self.device)
+            if stage.has_backward and not stage.is_last:
+                for mb, tensors in enumerate(shapes.outputs):
+                    _stage_shapes.set_receive_shapes(stage.grad_recv_info.get(mb), [t[0] for t in tensors],
+                                                     self.device)
 
     def _run_schedule(self, args: tuple[Tensor, ...], target: Tensor) -> None:
         """One training step of the schedule over this batch (inputs where a first stage is, target at a last)."""
@@ -262,14 +340,24 @@ class PipelineEngine:
     def _train_step(self, module: PipelineModel, batch: Any) -> Tensor:
         inputs, target = module.split_batch(batch)
         args = input_args(inputs, self._owner)
+        m = self.plan.microbatches
         mb_rows = self._check_rows(args[0].shape[0], "training")
-        target = check_target(target, self.plan.microbatches, self._owner, rows=args[0].shape[0])
-        self._use_signature(signature("train", args, mb_rows, target))
-        self._loss_scale = 1.0 / (self.plan.microbatches * self.accumulate_grad_batches)
-        elements = float(target_elements(target))
-        self._structured_target = target if is_structured(target) else None
+        target = check_target(target, m, self._owner, rows=args[0].shape[0])
+        mbs = explicit_microbatches(module, inputs, args, target, m, self._owner)  # [Note: micro-batches of ...]
+        if mbs is None:
+            sig = signature("train", args, mb_rows, target)
+            self._use_signature(self._plan_shapes(sig, first_inputs(args, m), False))
+        else:
+            sig = signature("train", mbs.args[0], mbs.args[0][0].shape[0], mbs.targets[0])
+            self._use_signature(self._plan_shapes(sig, shapes_of(mbs.args), True))
+        self._loss_scale = 1.0 / (m * self.accumulate_grad_batches)
+        elements = float(target_elements(target) if mbs is None else target_count(mbs.targets))
+        self._structured_target = target if is_structured(target) and mbs is None else None
+        self._mb_targets = mbs.targets if mbs is not None else None
         if self._structured_target is not None:  # torch cuts the row indices: [Note: structured targets]
             target = torch.arange(args[0].shape[0], device=self.device)
+        elif mbs is not None:  # torch cuts the micro-batch indices
+            target = torch.arange(m)
         # [Note: gradients across Lightning's zero_grad]: keep what earlier batches accumulated out of the way.
         saved = [p.grad for p in self.parameters]
         for p in self.parameters:
@@ -282,8 +370,11 @@ class PipelineEngine:
             stack.enter_context(named_p2p_failures())  # [Note: naming a failed P2P op] in wire.py
             for make_context in self.step_contexts:  # measurement (memory meter, trace recorder), off by default
                 stack.enter_context(make_context())
+            if mbs is not None:
+                stack.enter_context(_stage_shapes.SplitOverride(self.schedule, mbs.args if self.has_first else None,
+                                                                m, keep_chunks=True))
             try:
-                self._run_schedule(args, target)
+                self._run_schedule(() if mbs is not None else args, target)
             except BaseException:
                 if overlap is not None:  # nothing waits on a failed step's collectives (the run stops)
                     self.dp_handoff.abandon(overlap)
@@ -292,6 +383,7 @@ class PipelineEngine:
                 overlap.end_schedule()
             for stage in self.stages:  # PipeDream: the last backward's update ([Note: PipeDream weight stashing])
                 stage.flush_update()
+        self._mb_targets = self._planned = None
         self._pending_grads = [p.grad for p in self.parameters]
         for p, g in zip(self.parameters, saved):
             p.grad = g
@@ -362,38 +454,53 @@ class PipelineEngine:
             stage.stash_live()
 
     # ------------------------------------------------------------------ forward only
-    def _forward_only(self, args: tuple[Tensor, ...]) -> Any:
+    def _forward_only(self, args: tuple[Tensor, ...], mbs: Microbatches | None = None) -> Any:
+        """The last stage's outputs for ``args`` (a list of the micro-batches' outputs for explicit ``mbs``)."""
         m, rows = self.plan.microbatches, args[0].shape[0]
-        sig = signature("eval", args, math.ceil(rows / m))
-        known = self._signature
-        if known is not None and known.rows > sig.rows and known == sig.with_rows(known.rows):
-            sig = known  # a short last batch: pad to the shape torch already knows
-        self._use_signature(sig)
-        padded = sig.rows * m
+        if mbs is not None:
+            sig = signature("eval", mbs.args[0], mbs.args[0][0].shape[0])
+            self._use_signature(self._plan_shapes(sig, shapes_of(mbs.args), True))
+            padded = m
+        else:
+            sig = signature("eval", args, math.ceil(rows / m))
+            known = self._signature
+            if (self.shape_planner is None and known is not None and known.rows > sig.rows
+                    and known == sig.with_rows(known.rows)):
+                sig = known  # a short last batch: pad to the shape torch already knows
+            padded = sig.rows * m
+            self._use_signature(self._plan_shapes(sig, first_inputs(pad_rows(args, padded), m), False))
         # Torch's shape inference for an FSDP stage clears its .grad (stage.py, _post_metadata_inference_cleanup):
         # validation in the middle of gradient accumulation must not lose the accumulated gradients.
         kept = [p.grad for p in self.parameters]
         # Lightning evaluates under inference_mode; torch's P2P buffers must stay ordinary tensors so that the
         # next training step can reuse them, so run under no_grad instead.
         with torch.inference_mode(False), torch.no_grad(), _compat.forward_only_actions(self.schedule), \
-                named_p2p_failures():
-            step_args = pad_rows(args, padded) if self.has_first else ()
+                named_p2p_failures(), (_stage_shapes.SplitOverride(self.schedule, mbs.args if self.has_first else None,
+                                                                    m, keep_chunks=True)
+                                       if mbs is not None else contextlib.nullcontext()):
+            step_args = pad_rows(args, padded) if self.has_first and mbs is None else ()
             dummy_target = torch.zeros(padded, device=self.device) if self.has_last else None
             out = self.schedule.eval(*step_args, target=dummy_target)
+        self._planned = None
         # FSDP: gathered weights would be stale after the next step ([Note: FSDP under the pipeline schedule])
         reshard(self.stage_modules)
         for p, grad in zip(self.parameters, kept):
             p.grad = grad
-        return trim_rows(out, rows) if self.has_last else None
+        if not self.has_last:
+            return None
+        return out if mbs is not None else trim_rows(out, rows)
 
     def _eval_loss(self, module: PipelineModel, batch: Any) -> Tensor:
         inputs, target = module.split_batch(batch)
         if target is None:
             raise ValueError(f"compute_loss needs a target, but {self._owner}.split_batch returned None for it.")
-        out = self._forward_only(input_args(inputs, self._owner))
+        args = input_args(inputs, self._owner)
+        mbs = explicit_microbatches(module, inputs, args, target, self.plan.microbatches, self._owner)
+        out = self._forward_only(args, mbs)
         if self.has_last:
             with torch.inference_mode(False), torch.no_grad():
-                loss = loss_parts(module.loss_fn(out, target), self._owner).reduced().detach().float()
+                loss = (microbatch_loss(module.loss_fn, out, mbs, self._owner) if mbs is not None else
+                        loss_parts(module.loss_fn(out, target), self._owner).reduced()).detach().float()
         else:
             loss = torch.zeros((), device=self.device)
         return self._broadcast_loss(loss)
