@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -62,12 +61,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_pipe._compat import stage_shapes as _stage_shapes
 from lightning_pipe._compat import torch as _compat
+from lightning_pipe._compat.stage_shapes import SplitOverride
 from lightning_pipe.config import config_error
 from lightning_pipe.layers.batches import (
     LossParts,
-    Signature,
     check_target,
     input_args,
     is_structured,
@@ -85,7 +83,8 @@ from lightning_pipe.parallel.grads import GradientSync
 from lightning_pipe.parallel.topology import ProcessGroups
 from lightning_pipe.runtime.microbatches import Microbatches, explicit_microbatches, microbatch_loss, target_count
 from lightning_pipe.runtime.rng import StageStream
-from lightning_pipe.runtime.shapes import PlanFailed, ShapePlanner, StageShapes, first_inputs, shapes_of
+from lightning_pipe.runtime.shape_book import ShapeBook
+from lightning_pipe.runtime.shapes import first_inputs, shapes_of
 from lightning_pipe.runtime.spec import SchedulePlan, build_torch_schedule
 from lightning_pipe.runtime.stage import PipelineStage
 from lightning_pipe.runtime.wire import named_p2p_failures
@@ -118,7 +117,6 @@ class PipelineEngine:
         self.accumulate_grad_batches = 1
         self._loss_scale = 1.0  # of a mean loss ([Note: loss scaling])
         self._sum_scale = 1.0  # of a (sum, count) loss ([Note: token-weighted loss] in batches.py)
-        self._signature: Signature | None = None  # what torch last inferred shapes for
         self.shape_inferences = 0  # forward shape inferences run by this rank's stages
         self._inferring = False
         self._pending_grads: list[Tensor | None] | None = None
@@ -141,14 +139,11 @@ class PipelineEngine:
         self._owner = type(module).__name__
         # Context managers entered around every training schedule step (see lightning_pipe.trace.memory / trace).
         self.step_contexts: list[Callable[[], contextlib.AbstractContextManager]] = []
-        # [Note: shapes without re-inference] in shapes.py: None where the shapes cannot be planned
-        self.shape_planner: ShapePlanner | None = None
-        self._planned: dict[int, StageShapes] | None = None  # this step's shapes, applied after torch's init
+        # [Note: re-inference on a new shape]; [Note: shapes without re-inference] in shapes.py
+        self.shapes = ShapeBook(self.stages, self.schedule, plan.stage_to_rank, groups.pp, device, self._reset_shapes,
+                                self._planning, self._owner, plannable=groups.shard is None and groups.tensor is None
+                                and not self.per_microbatch_updates)
         self._mb_targets: list[Any] | None = None  # explicit micro-batches' targets (trim_microbatch)
-        self._inferred: dict[Signature, Any] = {}  # torch's inferred state of the other structures seen
-        if (groups.shard is None and groups.tensor is None and not self.per_microbatch_updates
-                and _stage_shapes.after_initialize(self.schedule, self._apply_planned_shapes)):
-            self.shape_planner = ShapePlanner(self.stages, plan.stage_to_rank, groups.pp, device, self._planning)
 
     @property
     def dp_overlap(self) -> DataParallelOverlap | None:
@@ -264,74 +259,17 @@ class PipelineEngine:
                 f"the batch size to a multiple of {m}", also=("microbatches",))
         return rows // m
 
-    def _use_signature(self, sig: Signature) -> None:
-        """[Note: re-inference on a new shape]."""
-        if sig != self._signature:
-            if self._signature is not None:
-                if self.shape_planner is None:
-                    self._reset_shapes()
-                else:  # a structure seen before (train <-> eval): torch's state for it comes back
-                    self._inferred[self._signature] = _stage_shapes.inferred_state(self.schedule)
-                    known = self._inferred.pop(sig, None)
-                    if known is not None:
-                        _stage_shapes.restore_inferred_state(self.schedule, known)
-                    else:
-                        self._reset_shapes()
-            self._signature = sig
-
     def _reset_shapes(self) -> None:
         _compat.reset_schedule_shapes(self.schedule)
 
     @contextlib.contextmanager
     def _planning(self) -> Iterator[None]:
-        """Around a meta forward: layer timers and trace hooks see an inference, not a step's forward."""
+        """Around a meta forward (shapes.py): layer timers and trace hooks see an inference, not a step's forward."""
         self._inferring = True
         try:
             yield
         finally:
             self._inferring = False
-
-    def _plan_shapes(self, sig: Signature, inputs: list[Any], explicit: bool) -> Signature:
-        """The signature torch's state is keyed by for this batch, with this step's shapes planned (or, without a
-        planner, the full signature: [Note: re-inference on a new shape])."""
-        self._planned = None
-        if self.shape_planner is not None:
-            try:
-                self._planned = self.shape_planner.plan(sig.structure(), inputs)
-                return sig.structure()
-            except PlanFailed as err:  # the same on every rank of the pipeline (shapes.py)
-                self.shape_planner = None
-                if not explicit:
-                    warnings.warn(f"lightning_pipe: shapes cannot be planned ({err}); every new batch shape now "
-                                  "re-runs torch's shape inference ([Note: shapes without re-inference]).",
-                                  stacklevel=2)
-        if explicit:
-            raise NotImplementedError(
-                f"{self._owner}.trim_microbatch gave micro-batches of different shapes, which needs the shape planner "
-                "([Note: shapes without re-inference]): torch >= 2.12, no FSDP / tensor-parallel stages, no "
-                f"per-micro-batch updates, stage forwards that run on meta tensors. Got torch {torch.__version__}"
-                f"{', fsdp' if self.groups.shard is not None else ''}"
-                f"{', tensor parallel' if self.groups.tensor is not None else ''}. Return the micro-batches "
-                "unchanged from trim_microbatch (one shape per batch), or remove the hook.")
-        return sig
-
-    def _apply_planned_shapes(self) -> None:
-        """Right after torch's stage initialisation in each step: this step's shapes into the receive descriptors."""
-        planned = self._planned
-        if planned is None:
-            return
-        for stage in self.stages:
-            shapes = planned.get(stage.stage_index)
-            if shapes is None:
-                continue
-            for mb, tensors in enumerate(shapes.inputs):
-                if not stage.is_first:
-                    _stage_shapes.set_receive_shapes(stage.args_recv_info.get(mb), [t[0] for t in tensors],
-                                                     self.device)
-            if stage.has_backward and not stage.is_last:
-                for mb, tensors in enumerate(shapes.outputs):
-                    _stage_shapes.set_receive_shapes(stage.grad_recv_info.get(mb), [t[0] for t in tensors],
-                                                     self.device)
 
     def _run_schedule(self, args: tuple[Tensor, ...], target: Tensor) -> None:
         """One training step of the schedule over this batch (inputs where a first stage is, target at a last)."""
@@ -346,10 +284,10 @@ class PipelineEngine:
         mbs = explicit_microbatches(module, inputs, args, target, m, self._owner)  # [Note: micro-batches of ...]
         if mbs is None:
             sig = signature("train", args, mb_rows, target)
-            self._use_signature(self._plan_shapes(sig, first_inputs(args, m), False))
+            self.shapes.use(sig, first_inputs(args, m), explicit=False)
         else:
             sig = signature("train", mbs.args[0], mbs.args[0][0].shape[0], mbs.targets[0])
-            self._use_signature(self._plan_shapes(sig, shapes_of(mbs.args), True))
+            self.shapes.use(sig, shapes_of(mbs.args), explicit=True)
         self._loss_scale = 1.0 / (m * self.accumulate_grad_batches)
         elements = float(target_elements(target) if mbs is None else target_count(mbs.targets))
         self._structured_target = target if is_structured(target) and mbs is None else None
@@ -371,7 +309,7 @@ class PipelineEngine:
             for make_context in self.step_contexts:  # measurement (memory meter, trace recorder), off by default
                 stack.enter_context(make_context())
             if mbs is not None:
-                stack.enter_context(_stage_shapes.SplitOverride(self.schedule, mbs.args if self.has_first else None,
+                stack.enter_context(SplitOverride(self.schedule, mbs.args if self.has_first else None,
                                                                 m, keep_chunks=True))
             try:
                 self._run_schedule(() if mbs is not None else args, target)
@@ -383,7 +321,7 @@ class PipelineEngine:
                 overlap.end_schedule()
             for stage in self.stages:  # PipeDream: the last backward's update ([Note: PipeDream weight stashing])
                 stage.flush_update()
-        self._mb_targets = self._planned = None
+        self._mb_targets = self.shapes.planned = None
         self._pending_grads = [p.grad for p in self.parameters]
         for p, g in zip(self.parameters, saved):
             p.grad = g
@@ -459,29 +397,29 @@ class PipelineEngine:
         m, rows = self.plan.microbatches, args[0].shape[0]
         if mbs is not None:
             sig = signature("eval", mbs.args[0], mbs.args[0][0].shape[0])
-            self._use_signature(self._plan_shapes(sig, shapes_of(mbs.args), True))
+            self.shapes.use(sig, shapes_of(mbs.args), explicit=True)
             padded = m
         else:
             sig = signature("eval", args, math.ceil(rows / m))
-            known = self._signature
-            if (self.shape_planner is None and known is not None and known.rows > sig.rows
+            known = self.shapes.signature
+            if (self.shapes.planner is None and known is not None and known.rows > sig.rows
                     and known == sig.with_rows(known.rows)):
                 sig = known  # a short last batch: pad to the shape torch already knows
             padded = sig.rows * m
-            self._use_signature(self._plan_shapes(sig, first_inputs(pad_rows(args, padded), m), False))
+            self.shapes.use(sig, first_inputs(pad_rows(args, padded), m), explicit=False)
         # Torch's shape inference for an FSDP stage clears its .grad (stage.py, _post_metadata_inference_cleanup):
         # validation in the middle of gradient accumulation must not lose the accumulated gradients.
         kept = [p.grad for p in self.parameters]
         # Lightning evaluates under inference_mode; torch's P2P buffers must stay ordinary tensors so that the
         # next training step can reuse them, so run under no_grad instead.
         with torch.inference_mode(False), torch.no_grad(), _compat.forward_only_actions(self.schedule), \
-                named_p2p_failures(), (_stage_shapes.SplitOverride(self.schedule, mbs.args if self.has_first else None,
+                named_p2p_failures(), (SplitOverride(self.schedule, mbs.args if self.has_first else None,
                                                                     m, keep_chunks=True)
                                        if mbs is not None else contextlib.nullcontext()):
             step_args = pad_rows(args, padded) if self.has_first and mbs is None else ()
             dummy_target = torch.zeros(padded, device=self.device) if self.has_last else None
             out = self.schedule.eval(*step_args, target=dummy_target)
-        self._planned = None
+        self.shapes.planned = None
         # FSDP: gathered weights would be stale after the next step ([Note: FSDP under the pipeline schedule])
         reshard(self.stage_modules)
         for p, grad in zip(self.parameters, kept):
