@@ -4,13 +4,14 @@ tokens per step on average, a token-weighted (sum, count) loss. One run, the cas
 loaded machine's drift falls on every case alike):
 
 (a) fixed length 96;
-(b) a new length every batch (uniform in 64..128: dynamic padding);
+(b) a new length every batch (64..128 in steps of 8, mean 96: dynamic padding to a multiple of 8);
 (c) a different length per micro-batch (each batch padded to 128, sorted by length; each micro-batch trimmed to its
     own length by the module's ``trim_microbatch``);
 (d) packed: fixed shape 96, documents back to back (for the runtime a fixed shape, like (a)).
 
-Printed per case: median step time per processed token relative to (a), torch's shape inferences after the first
-batch, the planner's boundary-message exchanges and meta forwards.
+The run first sees every length once (what a first epoch pays: one meta forward per stage and new length), then
+times the cases. Printed per case: median step time per processed token relative to (a), torch's shape inferences,
+the planner's boundary-message exchanges and meta forwards, and the first sight's cost.
 
     python bench/varlen.py [--rounds 12]
 
@@ -34,37 +35,43 @@ sys.path.insert(0, str(REPO))
 from bench._ranks import run_ranks  # noqa: E402
 
 CASES = ("a", "b", "c", "d")
-ROWS, MICROBATCHES, LENGTH, LOW, HIGH = 8, 4, 96, 64, 128
+ROWS, MICROBATCHES, LENGTH = 8, 4, 96
+LENGTHS = tuple(range(64, 129, 8))  # dynamic padding to a multiple of 8 (as transformers' pad_to_multiple_of)
+WARMUP = 1 + len(LENGTHS) + 2  # the first sight of every length (not in the ratios)
 
 
-def _batches(rounds: int) -> list[tuple[str, object, object, int]]:
-    """(case, tokens, labels, processed tokens) per batch, the cases interleaved."""
+def _batch(case: str, rng: random.Random, g: Any, length: int | None = None) -> tuple[str, Any, Any, int]:
+    """(case, tokens, labels, processed tokens) of one batch."""
     import torch
 
-    rng = random.Random(0)
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(rounds):
-        for case in CASES:
-            if case in "ad":
-                tokens = torch.randint(0, 256, (ROWS, LENGTH + 1), generator=g)
-                x, y, processed = tokens[:, :-1], tokens[:, 1:].clone(), ROWS * LENGTH
-            elif case == "b":
-                length = rng.randint(LOW, HIGH)
-                tokens = torch.randint(0, 256, (ROWS, length + 1), generator=g)
-                x, y, processed = tokens[:, :-1], tokens[:, 1:].clone(), ROWS * length
-            else:  # rows sorted by length, each micro-batch's two rows of one length, padded to HIGH
-                per_mb = sorted(rng.randint(LOW, HIGH) for _ in range(MICROBATCHES))
-                x = torch.zeros(ROWS, HIGH, dtype=torch.long)
-                y = torch.full((ROWS, HIGH), -100, dtype=torch.long)
-                rows_per_mb = ROWS // MICROBATCHES
-                for mb, length in enumerate(per_mb):
-                    tokens = torch.randint(0, 256, (rows_per_mb, length + 1), generator=g)
-                    rows = slice(mb * rows_per_mb, (mb + 1) * rows_per_mb)
-                    x[rows, :length], y[rows, :length] = tokens[:, :-1], tokens[:, 1:]
-                processed = rows_per_mb * sum(per_mb)
-            out.append((case, x.contiguous(), y.contiguous(), processed))
-    return out
+    if case in "ad":
+        tokens = torch.randint(0, 256, (ROWS, LENGTH + 1), generator=g)
+        return case, tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), ROWS * LENGTH
+    if case == "b":
+        length = length or rng.choice(LENGTHS)
+        tokens = torch.randint(0, 256, (ROWS, length + 1), generator=g)
+        return case, tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), ROWS * length
+    # (c): rows sorted by length, each micro-batch's rows of one length, the batch padded to the longest length
+    per_mb = sorted(rng.choice(LENGTHS) for _ in range(MICROBATCHES))
+    x = torch.zeros(ROWS, LENGTHS[-1], dtype=torch.long)
+    y = torch.full((ROWS, LENGTHS[-1]), -100, dtype=torch.long)
+    rows_per_mb = ROWS // MICROBATCHES
+    for mb, mb_length in enumerate(per_mb):
+        tokens = torch.randint(0, 256, (rows_per_mb, mb_length + 1), generator=g)
+        rows = slice(mb * rows_per_mb, (mb + 1) * rows_per_mb)
+        x[rows, :mb_length], y[rows, :mb_length] = tokens[:, :-1], tokens[:, 1:]
+    return case, x, y, rows_per_mb * sum(per_mb)
+
+
+def _batches(rounds: int) -> list[tuple[str, Any, Any, int]]:
+    """A first sight of every length ((b) once per length, then (c) and (d)), then ``rounds`` rounds of the four
+    cases interleaved."""
+    import torch
+
+    rng, g = random.Random(0), torch.Generator().manual_seed(0)
+    first = [_batch("a", rng, g)] + [_batch("b", rng, g, length) for length in LENGTHS] + [
+        _batch("c", rng, g), _batch("d", rng, g)]
+    return first + [_batch(case, rng, g) for _ in range(rounds) for case in CASES]
 
 
 def _fit(rounds: int) -> dict[str, object]:
@@ -105,7 +112,7 @@ def _fit(rounds: int) -> dict[str, object]:
             self.planner = engine.shapes.planner  # the engine is gone after fit
 
     torch.manual_seed(0)
-    model = VarlenGPT(vocab_size=256, block_size=HIGH, n_layer=4, n_head=4, n_embd=128)
+    model = VarlenGPT(vocab_size=256, block_size=LENGTHS[-1], n_layer=4, n_head=4, n_embd=128)
     clock = Clock()
     trainer = L.Trainer(strategy=PipelineStrategy(schedule="1f1b", microbatches=MICROBATCHES), accelerator="cpu",
                         devices=2, max_steps=len(batches), logger=False, enable_checkpointing=False,
@@ -139,16 +146,20 @@ def main() -> None:
     per_token: dict[str, float] = {}
     reinferences: dict[str, int] = {}
     inferences = [0, *run["inferences"]]
+    times, cases = run["times"], run["cases"]
     for case in CASES:
-        steps = [i for i, c in enumerate(run["cases"]) if c == case and i >= len(CASES)]  # round 1: warm-up
-        per_token[case] = statistics.median(run["times"][i] / run["tokens"][i] for i in steps)
-        reinferences[case] = sum(inferences[i + 1] - inferences[i] for i, c in enumerate(run["cases"])
-                                 if c == case and i > 0)
+        steps = [i for i, c in enumerate(cases) if c == case and i >= WARMUP]
+        per_token[case] = statistics.median(times[i] / run["tokens"][i] for i in steps)
+        reinferences[case] = sum(inferences[i + 1] - inferences[i] for i in steps)
     for case in CASES:
         print(f"({case}) {per_token[case] * 1e6:7.2f} us/token  ratio {per_token[case] / per_token['a']:.3f}  "
-              f"shape inferences after the first batch: {reinferences[case]}")
+              f"shape inferences after the first sight: {reinferences[case]}")
+    seen = statistics.median(times[i] / run["tokens"][i] for i in range(WARMUP, len(cases)) if cases[i] == "b")
+    first = statistics.median(times[i] / run["tokens"][i] for i in range(2, 1 + len(LENGTHS)))
+    print(f"first sight of a length (b, meta forwards): {first / seen:.2f}x a step of a known one; torch's shape "
+          f"inferences in the whole run: {run['inferences'][-1]} (the first batch's)")
     print(f"planner: {run['exchanges']} boundary exchanges, {run['meta_forwards']} meta forwards "
-          f"over {len(run['cases'])} batches (rank 0)")
+          f"over {len(cases)} batches (rank 0)")
     ratios = {c: per_token[c] / per_token["a"] for c in "bcd"}
     print(f"ratio_b={ratios['b']:.3f} ratio_c={ratios['c']:.3f} ratio_d={ratios['d']:.3f} "
           f"reinferences_after_first={sum(reinferences.values())}")

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_pipe._compat import stage_shapes
 from tests.distributed.launcher import RanksFailed, launch
 from tests.distributed.scenarios.hardening import HardeningCase, run_reference
 from tests.torch_tiers import SPLIT_BACKWARD_SCHEDULES, refused
@@ -67,6 +68,9 @@ def replica(results: Sequence[Sequence[dict[str, Any]]], i: int, dp_rank: int, k
 def assert_no_reinference(inferences: list[int], validate: bool) -> None:
     """Torch's shape inferences after each training batch (issue 24): none after the first batch's for a new
     length; with validation after batch 2, one more for the eval structure, none on the way back to training."""
+    if not stage_shapes.SUPPORTED:  # torch 2.11: every new shape re-infers, as before issue 24
+        assert inferences[-1] >= 2, inferences
+        return
     assert inferences[0] > 0 and inferences[1] == inferences[0], inferences
     assert len(set(inferences[2:] if validate else inferences)) == 1, inferences
 
@@ -132,13 +136,15 @@ def test_pp2_dp2_token_weighted_loss_with_uneven_padding(tmp_path) -> None:
     # each replica pads its batch to its own longest sequence: different shapes and token counts per replica
     # and (issue 24) each micro-batch trimmed to its own length, with validation
     cases = [HardeningCase(**MASKED, schedule="1f1b", dp=2, acc=2),
-             HardeningCase(**{**MASKED, "model": "lm_trim"}, schedule="1f1b", dp=2, steps=4, validate=True)]
+             *([HardeningCase(**{**MASKED, "model": "lm_trim"}, schedule="1f1b", dp=2, steps=4, validate=True)]
+               if stage_shapes.SUPPORTED else [])]
     results = launch("hardening", 4, cases, tmp_path, timeout=600)
     for i, case in enumerate(cases):
         assert_parity(results, i, case)
         # averaged during the schedule at every optimizer step (with the accumulated batch carried), none after it
         assert all(rank[i]["dp_sync"] == {"overlapped": case.steps, "after_schedule": 0} for rank in results), results
-    assert all(assert_no_reinference(rank[1]["inferences"], True) is None for rank in results)
+    for rank in results if len(cases) > 1 else []:
+        assert_no_reinference(rank[1]["inferences"], True)
 
 
 @pytest.mark.timeout(300)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from lightning_pipe._compat import stage_shapes
 from tests.distributed.launcher import launch
 from tests.distributed.scenarios.hardening import HardeningCase
 from tests.distributed.test_hardening import assert_no_reinference, assert_parity
@@ -24,6 +25,8 @@ CASES = [
 ]
 if refused("split_backward"):  # restricted torch tier (tests/unit/test_compat.py)
     CASES = [case for case in CASES if case.schedule not in SPLIT_BACKWARD_SCHEDULES]
+if not stage_shapes.SUPPORTED:  # torch 2.11: shapes are not planned (a new one re-infers), nothing to trim with
+    CASES = [case for case in CASES if case.model != "lm_trim"]
 
 
 @pytest.mark.compact  # make test-torch: on every supported torch

@@ -77,7 +77,7 @@ def test_the_structure_ignores_lengths_only() -> None:
 
 @pytest.mark.skipif(not stage_shapes.SUPPORTED, reason="torch 2.11 keeps shapes elsewhere (re-infers)")
 def test_receive_descriptors_get_the_planned_shapes() -> None:
-    meta = _TensorMeta((2, 5, 16))
+    meta = _tensor_meta((2, 5, 16))
     info = stage_shapes._RecvInfo("x", 0, buffer=None, tensor_meta=meta) if not stage_shapes._PERSISTENT_BUFFERS \
         else stage_shapes._RecvInfo("x", 0, torch.zeros(2, 5, 16).requires_grad_(True), tensor_meta=meta)
     stage_shapes.set_receive_shapes((info,), [(2, 9, 16)], torch.device("cpu"))
@@ -89,7 +89,7 @@ def test_receive_descriptors_get_the_planned_shapes() -> None:
         stage_shapes.set_receive_shapes((info,), [(1,), (2,)], torch.device("cpu"))
 
 
-def _TensorMeta(shape: tuple[int, ...]):  # noqa: N802  # torch's private class, built like torch builds it
+def _tensor_meta(shape: tuple[int, ...]) -> object:  # torch's private class, built as torch builds it
     from torch.distributed.pipelining._utils import _TensorMeta as meta_class
     return meta_class.from_tensor(torch.zeros(shape).requires_grad_(True))
 
