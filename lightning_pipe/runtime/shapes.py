@@ -108,8 +108,8 @@ class ShapePlanner:
             s = stage.stage_index
             if stage.is_first:
                 inputs: list[TensorsAt] | None = list(first_inputs)
-            elif s - 1 in plan:  # V placement: the previous stage is on this rank
-                inputs = list(plan[s - 1].outputs) if not failed else None
+            elif self.stage_to_rank(s - 1) == self.rank:  # V placement: the previous stage is on this rank
+                inputs = list(plan[s - 1].outputs) if s - 1 in plan else None
             else:
                 inputs = self._receive(self.stage_to_rank(s - 1), m)
             outputs: list[TensorsAt] | None = None

@@ -54,6 +54,17 @@ def test_a_forward_that_reads_values_cannot_be_planned() -> None:
         _planner(ReadsValues()).plan("key", [(((4, 3), torch.float32),)])
 
 
+def test_a_failed_stage_fails_the_plan_of_the_next_one_on_the_same_rank() -> None:
+    class ReadsValues(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * x.sum().item()
+
+    planner = _planner(ReadsValues(), nn.Linear(3, 3))  # both stages on this rank: nothing to receive
+    with pytest.raises(PlanFailed, match="meta tensors"):
+        planner.plan("key", [(((4, 3), torch.float32),)])
+    assert planner.meta_forwards == 1
+
+
 def test_boundary_messages_round_trip() -> None:
     tensors = (((2, 9, 16), torch.float32), ((2, 9), torch.int64), ((), torch.bool))
     assert _decode(_encode(tensors)) == tensors
@@ -78,7 +89,7 @@ def test_the_structure_ignores_lengths_only() -> None:
 @pytest.mark.skipif(not stage_shapes.SUPPORTED, reason="torch 2.11 keeps shapes elsewhere (re-infers)")
 def test_receive_descriptors_get_the_planned_shapes() -> None:
     meta = _tensor_meta((2, 5, 16))
-    info = stage_shapes._RecvInfo("x", 0, buffer=None, tensor_meta=meta) if not stage_shapes._PERSISTENT_BUFFERS \
+    info = stage_shapes._RecvInfo("x", 0, tensor_meta=meta) if not stage_shapes._PERSISTENT_BUFFERS \
         else stage_shapes._RecvInfo("x", 0, torch.zeros(2, 5, 16).requires_grad_(True), tensor_meta=meta)
     stage_shapes.set_receive_shapes((info,), [(2, 9, 16)], torch.device("cpu"))
     assert tuple(info.tensor_meta.shape) == (2, 9, 16) and info.tensor_meta.stride == (144, 16, 1)
