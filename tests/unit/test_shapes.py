@@ -156,3 +156,20 @@ def test_stage_modules_plan_like_the_layers_run() -> None:
     plan = planner.plan("k", [(((3, 4), torch.int64),)])
     assert plan[0].outputs == ((((3, 4, 32), torch.float32),),)
     assert stage(torch.zeros(3, 4, dtype=torch.long)).shape == (3, 4, 32)
+
+
+@pytest.mark.skipif(not stage_shapes.SUPPORTED, reason="torch 2.11: nothing rewritten")
+def test_the_private_torch_names_rewritten_exist() -> None:
+    from torch.distributed.pipelining import schedules, stage
+
+    owners = {"PipelineScheduleSingle": schedules.PipelineScheduleSingle,
+              "PipelineScheduleMulti": schedules.PipelineScheduleMulti,
+              "_PipelineSchedule": schedules._PipelineSchedule, "PipelineStage": stage.PipelineStage}
+    for name in stage_shapes.PRIVATE_NAMES:
+        owner, _, attr = name.partition(".")
+        if owner in owners and attr in ("_initialize_stage", "_initialize_stages", "_split_inputs",
+                                        "_merge_outputs", "_get_grad_send_meta"):
+            assert callable(getattr(owners[owner], attr, None)), name
+    assert {"buffer", "tensor_meta", "is_root_arg"} <= set(vars(stage_shapes._RecvInfo("x", 0, tensor_meta=None))
+                                                          if not stage_shapes._PERSISTENT_BUFFERS else
+                                                          vars(stage_shapes._RecvInfo("x", 0, None, None)))
