@@ -369,6 +369,18 @@ class TinyLM(ToyRegressor):
         return F.cross_entropy(flat_logits, flat_labels)
 
 
+class TrimmedLM(TinyLM):
+    """TinyLM whose micro-batches drop the padding columns none of their sequences needs (labels -100 to the end):
+    exact against the untrimmed batch on one device, since the model is causal and padding is on the right."""
+
+    def trim_microbatch(self, tokens: torch.Tensor, labels: torch.Tensor | None) -> Any:
+        if labels is None:  # predict: nothing tells padding apart
+            return tokens, labels
+        used = (labels != -100).any(0).nonzero()
+        length = int(used.max()) + 1 if used.numel() else 1
+        return tokens[:, :length], labels[:, :length]
+
+
 def varlen_tokens(n: int, vocab: int = 32, seed: int = 1, min_len: int = 3, max_len: int = 12,
                   mask_prob: float = 0.0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``n`` (tokens, labels) sequences of random lengths; ``mask_prob`` of the labels set to -100 (masked LM)."""

@@ -41,6 +41,13 @@ class Signature:
     def with_rows(self, rows: int) -> Signature:
         return replace(self, rows=rows)
 
+    def structure(self) -> Signature:
+        """What torch's inferred state depends on once shapes are planned (runtime/shapes.py): the mode and each
+        tensor's rank, dtype and requires_grad — no rows, no lengths."""
+        def ranks(specs: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
+            return tuple(((len(shape),), dtype, grad) for shape, dtype, grad in specs)
+        return Signature(self.mode, 0, ranks(self.inputs), ranks(self.target))
+
 
 def _spec(t: Tensor) -> TensorSpec:
     return tuple(t.shape[1:]), t.dtype, t.requires_grad

@@ -71,8 +71,10 @@ class PipelineModule(pl.LightningModule):
     ``val_loss`` and ``test_loss``; override them freely, as long as they take the loss from
     :meth:`compute_loss` (and predictions from :meth:`compute_output`).
 
-    Optional hooks the strategy calls when present: ``reset_layer(index, layer)`` (initialise a layer built on the
-    meta device) and ``parallelize_layer(index, layer, tp_mesh)`` (required with ``tensor_parallel_size > 1``):
+    Optional hooks the strategy calls when present: ``trim_microbatch(inputs, target) -> (inputs, target)`` (each
+    micro-batch, cut from the batch as torch cuts it, may be trimmed to its own length, e.g. its padding columns
+    dropped: [Note: micro-batches of their own length] in lightning_pipe/runtime/microbatches.py),
+    ``reset_layer(index, layer)`` (initialise a layer built on the meta device) and ``parallelize_layer(index, layer, tp_mesh)`` (required with ``tensor_parallel_size > 1``):
     split layer ``index`` of the layer list in place over the 1-D ``tp_mesh`` (DTensor ``parallelize_module`` with
     ``ColwiseParallel`` / ``RowwiseParallel``); the layer's inputs and outputs must stay plain whole tensors
     (``use_local_output=True``), so the pipeline's P2P is unchanged (lightning_pipe/parallel/tensor_parallel.py).

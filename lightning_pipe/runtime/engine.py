@@ -19,9 +19,12 @@ zero_grad. Every hook fires where it fires on one device, and accumulation stays
 [Note: re-inference on a new shape]
 Torch sizes its P2P receive buffers by shape inference on the first step and again only on a train/eval switch; a
 batch of another shape would land in the old buffers (wrong outputs in evaluation, a crash in training). The engine
-keys what torch last inferred by the batch's :class:`Signature` (mode, micro-batch rows, each input's trailing shape,
-dtype and requires_grad, the training target's) and makes torch infer again when it changes; the ranks of a pipeline
-read the same batch, so they agree. Cost: about one micro-batch's forward and backward per stage (docs/module-contract.md).
+keys what torch last inferred by the batch's :class:`Signature` and makes torch infer again when it changes; the
+ranks of a pipeline read the same batch, so they agree. With a shape planner ([Note: shapes without re-inference]
+in shapes.py) the key is the signature's *structure* (mode, each tensor's rank, dtype and requires_grad): a new
+length costs no inference, only planned shapes. Without one (torch 2.11, FSDP / tensor-parallel stages, a forward
+that does not run on meta tensors) the key holds every shape, and a new shape costs about one micro-batch's forward
+and backward per stage (docs/module-contract.md).
 
 [Note: shape inference has no side effects]
 Torch's inference runs each stage for real, in the module's current mode: BatchNorm would update its running
@@ -59,11 +62,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_pipe._compat import torch as _compat
+from lightning_pipe._compat.stage_shapes import SplitOverride
 from lightning_pipe.config import config_error
 from lightning_pipe.layers.aux import aux_loss_context
 from lightning_pipe.layers.batches import (
     LossParts,
-    Signature,
     check_target,
     input_args,
     is_structured,
@@ -81,7 +84,10 @@ from lightning_pipe.parallel.grads import GradientSync
 from lightning_pipe.parallel.topology import ProcessGroups
 from lightning_pipe.runtime.aux import AuxLossStep
 from lightning_pipe.runtime.host_reads import LossKind
+from lightning_pipe.runtime.microbatches import Microbatches, explicit_microbatches, microbatch_loss, target_count
 from lightning_pipe.runtime.rng import StageStream
+from lightning_pipe.runtime.shape_book import ShapeBook
+from lightning_pipe.runtime.shapes import first_inputs, shapes_of
 from lightning_pipe.runtime.spec import SchedulePlan, build_torch_schedule
 from lightning_pipe.runtime.stage import PipelineStage
 from lightning_pipe.runtime.wire import named_p2p_failures
@@ -114,7 +120,6 @@ class PipelineEngine:
         self.accumulate_grad_batches = 1
         self._loss_scale = 1.0  # of a mean loss ([Note: loss scaling])
         self._sum_scale: float | Tensor = 1.0  # of a (sum, count) loss ([Note: token-weighted loss] in batches.py)
-        self._signature: Signature | None = None  # what torch last inferred shapes for
         self.shape_inferences = 0  # forward shape inferences run by this rank's stages
         self._inferring = False
         self._pending_grads: list[Tensor | None] | None = None
@@ -139,6 +144,11 @@ class PipelineEngine:
         self.aux = AuxLossStep(groups.pp, plan.pipeline_size, self._owner)  # [Note: auxiliary losses] in layers/aux.py
         # Context managers entered around every training schedule step (see lightning_pipe.trace.memory / trace).
         self.step_contexts: list[Callable[[], contextlib.AbstractContextManager]] = []
+        # [Note: re-inference on a new shape]; [Note: shapes without re-inference] in shapes.py
+        self.shapes = ShapeBook(self.stages, self.schedule, plan.stage_to_rank, groups.pp, device, self._reset_shapes,
+                                self._planning, self._owner, plannable=groups.shard is None and groups.tensor is None
+                                and not self.per_microbatch_updates)
+        self._mb_targets: list[Any] | None = None  # explicit micro-batches' targets (trim_microbatch)
 
     @property
     def dp_overlap(self) -> DataParallelOverlap | None:
@@ -189,6 +199,8 @@ class PipelineEngine:
             return torch.zeros((), device=self.device)
         if self._structured_target is not None:  # target: this micro-batch's row indices ([Note: structured targets])
             target = select_rows(self._structured_target, target)
+        elif self._mb_targets is not None:  # target: this micro-batch's index ([Note: micro-batches of ...])
+            target = self._mb_targets[int(target.reshape(-1)[0])]
         parts = loss_parts(self.module.loss_fn(output, target), self._owner)
         if not self._inferring:  # torch's shape inference calls the loss too: not one of the step's micro-batches
             self._records.append(parts.detached())
@@ -240,8 +252,10 @@ class PipelineEngine:
     def output(self, module: PipelineModel, batch: Any) -> Any:
         if self.phase == "train":
             raise RuntimeError("compute_output runs forward only; in training_step use compute_loss(batch).")
-        inputs, _ = module.split_batch(batch)
-        out = self._forward_only(input_args(inputs, self._owner))
+        inputs, target = module.split_batch(batch)
+        args = input_args(inputs, self._owner)
+        out = self._forward_only(args, explicit_microbatches(module, inputs, args, target, self.plan.microbatches,
+                                                             self._owner))
         return self._broadcast_object(out)
 
     # ------------------------------------------------------------------ training
@@ -255,15 +269,17 @@ class PipelineEngine:
                 f"the batch size to a multiple of {m}", also=("microbatches",))
         return rows // m
 
-    def _use_signature(self, sig: Signature) -> None:
-        """[Note: re-inference on a new shape]."""
-        if sig != self._signature:
-            if self._signature is not None:
-                self._reset_shapes()
-            self._signature = sig
-
     def _reset_shapes(self) -> None:
         _compat.reset_schedule_shapes(self.schedule)
+
+    @contextlib.contextmanager
+    def _planning(self) -> Iterator[None]:
+        """Around a meta forward (shapes.py): layer timers and trace hooks see an inference, not a step's forward."""
+        self._inferring = True
+        try:
+            yield
+        finally:
+            self._inferring = False
 
     def _run_schedule(self, args: tuple[Tensor, ...], target: Tensor) -> None:
         """One training step of the schedule over this batch (inputs where a first stage is, target at a last)."""
@@ -272,14 +288,24 @@ class PipelineEngine:
     def _train_step(self, module: PipelineModel, batch: Any) -> Tensor:
         inputs, target = module.split_batch(batch)
         args = input_args(inputs, self._owner)
+        m = self.plan.microbatches
         mb_rows = self._check_rows(args[0].shape[0], "training")
-        target = check_target(target, self.plan.microbatches, self._owner, rows=args[0].shape[0])
-        self._use_signature(signature("train", args, mb_rows, target))
-        self._loss_scale = 1.0 / (self.plan.microbatches * self.accumulate_grad_batches)
-        targets = float(target_elements(target))
-        self._structured_target = target if is_structured(target) else None
+        target = check_target(target, m, self._owner, rows=args[0].shape[0])
+        mbs = explicit_microbatches(module, inputs, args, target, m, self._owner)  # [Note: micro-batches of ...]
+        if mbs is None:
+            sig = signature("train", args, mb_rows, target)
+            self.shapes.use(sig, first_inputs(args, m), explicit=False)
+        else:
+            sig = signature("train", mbs.args[0], mbs.args[0][0].shape[0], mbs.targets[0])
+            self.shapes.use(sig, shapes_of(mbs.args), explicit=True)
+        self._loss_scale = 1.0 / (m * self.accumulate_grad_batches)
+        targets = float(target_elements(target) if mbs is None else target_count(mbs.targets))
+        self._structured_target = target if is_structured(target) and mbs is None else None
+        self._mb_targets = mbs.targets if mbs is not None else None
         if self._structured_target is not None:  # torch cuts the row indices: [Note: structured targets]
             target = torch.arange(args[0].shape[0], device=self.device)
+        elif mbs is not None:  # torch cuts the micro-batch indices
+            target = torch.arange(m)
         # [Note: gradients across Lightning's zero_grad]: keep what earlier batches accumulated out of the way.
         saved = [p.grad for p in self.parameters]
         for p in self.parameters:
@@ -289,19 +315,24 @@ class PipelineEngine:
         overlap, elements = self.dp_handoff.begin(saved, targets, self.groups.dp,
                                                   self.groups.topology.data_parallel_size, self.device)
         self._sum_scale = 1.0 / (self.accumulate_grad_batches * elements)
-        count_target = self._structured_target if self._structured_target is not None else target
+        count_targets = ([self._structured_target if self._structured_target is not None else target]
+                         if mbs is None else mbs.targets)
         loss_count = getattr(module, "loss_count", None)
         aux_context = self.aux.begin(lambda: self.aux.grad_scale(
             per_microbatch=self.per_microbatch_updates, loss_scale=self._loss_scale, loss_scaler=self.loss_scaler,
-            count=lambda: loss_count(count_target) if loss_count is not None else None, elements=elements,
+            count=lambda: sum(loss_count(t) for t in count_targets) if loss_count is not None else None,
+            elements=elements,
             dp_group=self.groups.dp, dp_degree=self.groups.topology.dp_degree, device=self.device))
         with contextlib.ExitStack() as stack:
             stack.enter_context(named_p2p_failures())  # [Note: naming a failed P2P op] in wire.py
             stack.enter_context(aux_loss_context(aux_context))
             for make_context in self.step_contexts:  # measurement (memory meter, trace recorder), off by default
                 stack.enter_context(make_context())
+            if mbs is not None:
+                stack.enter_context(SplitOverride(self.schedule, mbs.args if self.has_first else None,
+                                                                m, keep_chunks=True))
             try:
-                self._run_schedule(args, target)
+                self._run_schedule(() if mbs is not None else args, target)
             except BaseException:
                 if overlap is not None:  # nothing waits on a failed step's collectives (the run stops)
                     self.dp_handoff.abandon(overlap)
@@ -310,6 +341,7 @@ class PipelineEngine:
                 overlap.end_schedule()
             for stage in self.stages:  # PipeDream: the last backward's update ([Note: PipeDream weight stashing])
                 stage.flush_update()
+        self._mb_targets = self.shapes.planned = None
         self._pending_grads = [p.grad for p in self.parameters]
         for p, g in zip(self.parameters, saved):
             p.grad = g
@@ -381,38 +413,53 @@ class PipelineEngine:
             stage.stash_live()
 
     # ------------------------------------------------------------------ forward only
-    def _forward_only(self, args: tuple[Tensor, ...]) -> Any:
+    def _forward_only(self, args: tuple[Tensor, ...], mbs: Microbatches | None = None) -> Any:
+        """The last stage's outputs for ``args`` (a list of the micro-batches' outputs for explicit ``mbs``)."""
         m, rows = self.plan.microbatches, args[0].shape[0]
-        sig = signature("eval", args, math.ceil(rows / m))
-        known = self._signature
-        if known is not None and known.rows > sig.rows and known == sig.with_rows(known.rows):
-            sig = known  # a short last batch: pad to the shape torch already knows
-        self._use_signature(sig)
-        padded = sig.rows * m
+        if mbs is not None:
+            sig = signature("eval", mbs.args[0], mbs.args[0][0].shape[0])
+            self.shapes.use(sig, shapes_of(mbs.args), explicit=True)
+            padded = m
+        else:
+            sig = signature("eval", args, math.ceil(rows / m))
+            known = self.shapes.signature
+            if (self.shapes.planner is None and known is not None and known.rows > sig.rows
+                    and known == sig.with_rows(known.rows)):
+                sig = known  # a short last batch: pad to the shape torch already knows
+            padded = sig.rows * m
+            self.shapes.use(sig, first_inputs(pad_rows(args, padded), m), explicit=False)
         # Torch's shape inference for an FSDP stage clears its .grad (stage.py, _post_metadata_inference_cleanup):
         # validation in the middle of gradient accumulation must not lose the accumulated gradients.
         kept = [p.grad for p in self.parameters]
         # Lightning evaluates under inference_mode; torch's P2P buffers must stay ordinary tensors so that the
         # next training step can reuse them, so run under no_grad instead.
         with torch.inference_mode(False), torch.no_grad(), _compat.forward_only_actions(self.schedule), \
-                named_p2p_failures():
-            step_args = pad_rows(args, padded) if self.has_first else ()
+                named_p2p_failures(), (SplitOverride(self.schedule, mbs.args if self.has_first else None,
+                                                                    m, keep_chunks=True)
+                                       if mbs is not None else contextlib.nullcontext()):
+            step_args = pad_rows(args, padded) if self.has_first and mbs is None else ()
             dummy_target = torch.zeros(padded, device=self.device) if self.has_last else None
             out = self.schedule.eval(*step_args, target=dummy_target)
+        self.shapes.planned = None
         # FSDP: gathered weights would be stale after the next step ([Note: FSDP under the pipeline schedule])
         reshard(self.stage_modules)
         for p, grad in zip(self.parameters, kept):
             p.grad = grad
-        return trim_rows(out, rows) if self.has_last else None
+        if not self.has_last:
+            return None
+        return out if mbs is not None else trim_rows(out, rows)
 
     def _eval_loss(self, module: PipelineModel, batch: Any) -> Tensor:
         inputs, target = module.split_batch(batch)
         if target is None:
             raise ValueError(f"compute_loss needs a target, but {self._owner}.split_batch returned None for it.")
-        out = self._forward_only(input_args(inputs, self._owner))
+        args = input_args(inputs, self._owner)
+        mbs = explicit_microbatches(module, inputs, args, target, self.plan.microbatches, self._owner)
+        out = self._forward_only(args, mbs)
         if self.has_last:
             with torch.inference_mode(False), torch.no_grad():
-                loss = loss_parts(module.loss_fn(out, target), self._owner).reduced().detach().float()
+                loss = (microbatch_loss(module.loss_fn, out, mbs, self._owner) if mbs is not None else
+                        loss_parts(module.loss_fn(out, target), self._owner).reduced()).detach().float()
         else:
             loss = torch.zeros((), device=self.device)
         return self._broadcast_loss(loss)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_pipe._compat import torch as _compat
+from lightning_pipe._compat.stage_shapes import ChunkShapes
 from lightning_pipe.runtime.rng import StageStream
 from lightning_pipe.runtime.wire import own_outputs, tag_receives, tag_sends
 
@@ -78,7 +79,7 @@ class _Hooked:
             delattr(self.owner, self.name)
 
 
-class PipelineStage(CallHooks, _compat.GuardedPipelineStage):
+class PipelineStage(CallHooks, ChunkShapes, _compat.GuardedPipelineStage):
     """One stage of one pipeline on this rank (same constructor as ``_compat.GuardedPipelineStage``)."""
 
     updates_per_microbatch = False

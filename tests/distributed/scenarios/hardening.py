@@ -30,6 +30,7 @@ from tests.models import (
     SameOrderAsDistributedSampler,
     SkipRegressor,
     TinyLM,
+    TrimmedLM,
     ViewsRegressor,
     pad_collate,
     regression_data,
@@ -69,11 +70,13 @@ MODELS: dict[str, Callable[[HardeningCase], L.LightningModule]] = {
     "dict_target": lambda c: DictTargetRegressor(optimizer=c.optimizer),
     "views": lambda c: ViewsRegressor(optimizer=c.optimizer),
     "lm": lambda c: TinyLM(loss=c.loss, optimizer=c.optimizer, lr=0.1 if c.optimizer == "sgd" else 0.02),
+    # issue 24: each micro-batch trimmed to its own length (trim_microbatch)
+    "lm_trim": lambda c: TrimmedLM(loss=c.loss, optimizer=c.optimizer, lr=0.1 if c.optimizer == "sgd" else 0.02),
 }
 
 
 def _is_lm(case: HardeningCase) -> bool:
-    return case.model == "lm"
+    return case.model in ("lm", "lm_trim")
 
 
 def _data(case: HardeningCase, n: int, seed: int = 1) -> Any:

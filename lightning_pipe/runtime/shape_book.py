@@ -1,0 +1,100 @@
+"""What this rank's torch stages are shaped for, and how a batch of another shape gets there: the signature torch
+inferred, the inferred states of the other structures seen (train / eval), and this step's planned shapes.
+
+The engine's one entry is :meth:`ShapeBook.use` before each schedule call ([Note: re-inference on a new shape] in
+engine.py, [Note: shapes without re-inference] in shapes.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lightning_pipe._compat import stage_shapes as _stage_shapes
+from lightning_pipe.layers.batches import Signature
+from lightning_pipe.runtime.shapes import PlanFailed, ShapePlanner, StageShapes, TensorsAt
+
+_MAX_STATES = 8  # inferred states kept for other structures (train and eval of a few input layouts)
+
+
+class ShapeBook:
+    """Keys torch's inferred state by signature and plans each step's shapes where it can."""
+
+    def __init__(self, stages: list[Any], schedule: Any, stage_to_rank: Callable[[int], int], group: Any,
+                 device: torch.device, reset: Callable[[], None],
+                 guard: Callable[[], contextlib.AbstractContextManager], owner: str, plannable: bool) -> None:
+        self.stages, self.schedule, self.device, self._reset, self._owner = stages, schedule, device, reset, owner
+        self.signature: Signature | None = None  # what torch last inferred shapes for
+        self.planner: ShapePlanner | None = None  # None: every new shape re-infers
+        self.planned: dict[int, StageShapes] | None = None  # this step's shapes, applied after torch's init
+        self._states: dict[Signature, Any] = {}
+        self.why_not = "" if plannable else "FSDP / tensor-parallel stages or per-micro-batch updates"
+        if plannable and _stage_shapes.after_initialize(schedule, self.apply):
+            self.planner = ShapePlanner(stages, stage_to_rank, group, device, guard)
+        elif plannable:
+            self.why_not = f"torch {torch.__version__}'s stages or this schedule's runtime"
+
+    def use(self, sig: Signature, inputs: list[TensorsAt], explicit: bool) -> None:
+        """Before a schedule call: plan this batch's shapes (``inputs``: each micro-batch's first-stage inputs) and
+        key torch's state by the structure, or, without a planner, by the whole signature. ``explicit``: the
+        micro-batches differ in shape (trim_microbatch), which only a planner can run."""
+        self.planned = None
+        key = sig
+        if self.planner is not None:
+            try:
+                self.planned = self.planner.plan(sig.structure(), inputs)
+                key = sig.structure()
+            except PlanFailed as err:  # the same on every rank of the pipeline (shapes.py)
+                self.planner, self.why_not = None, str(err)
+                if not explicit:
+                    warnings.warn(f"lightning_pipe: shapes cannot be planned ({err}); from now on every new batch "
+                                  "shape re-runs torch's shape inference ([Note: shapes without re-inference]).",
+                                  stacklevel=3)
+        if explicit and self.planner is None:
+            raise NotImplementedError(
+                f"{self._owner}.trim_microbatch gave micro-batches of different shapes, which needs planned shapes "
+                "([Note: shapes without re-inference]): torch >= 2.12, no FSDP / tensor-parallel stages, no "
+                "per-micro-batch updates, and stage forwards that run on meta tensors. Not here: "
+                f"{self.why_not}. Return the micro-batches unchanged from trim_microbatch (one shape per batch), "
+                "or remove the hook.")
+        self._switch(key)
+
+    def _switch(self, key: Signature) -> None:
+        """[Note: re-inference on a new shape]: torch infers again when the key changes, unless the planner kept
+        torch's state for this key (a train <-> eval switch)."""
+        if key == self.signature:
+            return
+        if self.signature is not None:
+            if self.planner is None:
+                self._reset()
+            else:
+                if len(self._states) < _MAX_STATES:
+                    self._states[self.signature] = _stage_shapes.inferred_state(self.schedule)
+                known = self._states.pop(key, None)
+                if known is not None:
+                    _stage_shapes.restore_inferred_state(self.schedule, known)
+                else:
+                    self._reset()
+        self.signature = key
+
+    def apply(self) -> None:
+        """Right after torch's stage initialisation in each step: this step's shapes into the receive descriptors."""
+        planned = self.planned
+        if planned is None:
+            return
+        for stage in self.stages:
+            shapes = planned.get(stage.stage_index)
+            if shapes is None:
+                continue
+            if not stage.is_first:
+                for mb, tensors in enumerate(shapes.inputs):
+                    _stage_shapes.set_receive_shapes(stage.args_recv_info.get(mb), [t[0] for t in tensors],
+                                                     self.device)
+            if stage.has_backward and not stage.is_last:  # gradients have their activations' shapes
+                for mb, tensors in enumerate(shapes.outputs):
+                    _stage_shapes.set_receive_shapes(stage.grad_recv_info.get(mb), [t[0] for t in tensors],
+                                                     self.device)
