@@ -23,11 +23,15 @@ layers stay placeholders (they are never called).
   recomputation runs the compiled forward again); offload's saved-tensor hooks sit outside the compiled call and see
   what the compiled graph saves. Both measured exact against eager (tests/distributed/test_compile.py).
 - **Split backward is refused** (``zb_h1``, ``zbv``, ``dualpipev``, ``v_half``, ``v_min``, custom lists with I/W).
-  torch runs a stage's input gradient (I) and weight gradient (W) as two ``autograd.grad`` calls over one graph; a
-  compiled layer's backward is one fused node computing both, and AOTAutograd's donated buffers free its saved
-  tensors after the first call ("This backward function was compiled with non-empty donated buffers which requires
-  ... retain_graph=False", torch 2.11 to 2.15). Without donated buffers the W call recomputes the whole fused
-  backward: each compiled layer's backward then runs twice, which is what a zero-bubble schedule exists to avoid.
+  torch runs a stage's input gradient (I) and weight gradient (W) as two ``autograd.grad`` calls over one graph
+  (``stage_backward_input`` / ``stage_backward_weight``); a compiled layer's backward is one fused autograd node
+  computing both, so the W call runs each compiled layer's whole backward a second time -- what a zero-bubble
+  schedule exists to avoid. Measured on a two-block stage (2026-12-02, CPU, inductor): torch 2.13 raises in the I
+  call ("This backward function was compiled with non-empty donated buffers which requires create_graph=False and
+  retain_graph=False"); with ``torch._functorch.config.donated_buffer=False`` (2.13), or by default on 2.15, both
+  calls run and the gradients match eager (1.2e-7). Exact there, but twice the backward compute: refused on every
+  torch until that is worth having (torch itself refuses an ``OptimizedModule`` in these schedules' stages since
+  2.11, ``_check_torch_compile_compatibility``; ours are outside the module tree, so the refusal is ours).
 - **Not with FSDP or tensor parallelism yet**: their hooks and DTensor parameters under Dynamo are untested here.
 - **Not with rebalancing yet**: its per-layer timing hooks would run inside the compiled region.
 """

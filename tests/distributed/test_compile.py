@@ -26,7 +26,7 @@ CASES = [
     TrainingCase(schedule="1f1b", acc=2, clip=0.05, predict=True, **TINY),
     TrainingCase(schedule="interleaved_1f1b", stages_per_rank=2, acc=2, clip=0.05, validate=False, **TINY),
     # recompute every layer, offload layer 1's saved tensors: both wrap the compiled call
-    TrainingCase(schedule="1f1b", recompute="all", offload=[1], validate=False, **{**TINY, "compile": {"fullgraph": True}}),
+    TrainingCase(schedule="1f1b", recompute="all", offload=[1], validate=False, **TINY),
 ]
 REFUSED = TrainingCase(schedule="zbv", stages_per_rank=2, expect_error=True, **TINY)
 
