@@ -142,8 +142,8 @@ class PipelineConfig:
     compile: bool | dict[str, Any] = False
     """``torch.compile`` each layer of this rank's stages (regional compilation, parameter names unchanged):
     ``false``, ``true``, or a dict of ``torch.compile`` options such as ``{"mode": "max-autotune"}``. Layers the user
-    compiled are kept as they are. Not with split-backward schedules, FSDP, tensor parallelism or rebalancing
-    (docs/parallelism.md: "Compiled layers")."""
+    compiled are kept as they are. With gpipe, 1f1b, interleaved_1f1b, looped_bfs and custom F/B lists; not with
+    split-backward schedules, FSDP, tensor parallelism or rebalancing (docs/parallelism.md: "Compiled layers")."""
     schedule_options: dict[str, Any] = field(default_factory=dict)
     """Options of the chosen schedule (e.g. the ``custom`` schedule's ``actions`` or ``csv``); an entry set to
     ``None`` counts as absent. A schedule refuses any option it does not take."""

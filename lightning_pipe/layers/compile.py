@@ -32,6 +32,9 @@ layers stay placeholders (they are never called).
   calls run and the gradients match eager (1.2e-7). Exact there, but twice the backward compute: refused on every
   torch until that is worth having (torch itself refuses an ``OptimizedModule`` in these schedules' stages since
   2.11, ``_check_torch_compile_compatibility``; ours are outside the module tree, so the refusal is ours).
+- **Only the standard stage and engine** (gpipe, 1f1b, interleaved_1f1b, looped_bfs, custom F/B lists): schedules
+  with their own stage class or engine (PipeDream's weight versions, PipeMare, Chimera's two pipelines) are refused
+  until verified.
 - **Not with FSDP or tensor parallelism yet**: their hooks and DTensor parameters under Dynamo are untested here.
 - **Not with rebalancing yet**: its per-layer timing hooks would run inside the compiled region.
 """

@@ -89,7 +89,8 @@ def resolve_settings(schedule: str, microbatches: int | None, data_parallel_size
 
 def check_compiled_plan(config: PipelineConfig, plan: SchedulePlan) -> None:
     """Refuse compiled layers under a split input/weight backward ([Note: compiled layers]): built-in, custom and
-    extension schedules alike, by their actions. Every rank, before any communication."""
+    extension schedules alike, by their actions; and under a schedule with its own stage class or engine (not
+    verified). Every rank, before any communication."""
     if config.compile is False:
         return
     split = sorted({str(part) for actions in compute_order(plan).values() for a in actions if a is not None
@@ -100,8 +101,16 @@ def check_compiled_plan(config: PipelineConfig, plan: SchedulePlan) -> None:
             "Compiled layers cannot run a split input/weight backward: a compiled layer's backward is one fused "
             "node, which torch's separate input- and weight-gradient passes would either fail on (donated buffers) "
             "or run twice.", f"compile={config.compile!r} with schedule={plan.spec.name!r}{actions}", "compile",
-            "or choose a schedule with a full backward (gpipe, 1f1b, interleaved_1f1b, looped_bfs, pipedream, "
-            "pipedream_2bw, chimera, custom lists of F/B actions)", also=("schedule",))
+            "or choose a schedule with a full backward (gpipe, 1f1b, interleaved_1f1b, looped_bfs, custom lists of "
+            "F/B actions)", also=("schedule",))
+    own = plan.spec.stage_class or plan.spec.engine
+    if own is not None:
+        raise config_error(
+            "Compiled layers are verified with the standard pipeline stage and engine (gpipe, 1f1b, interleaved_1f1b, "
+            "looped_bfs, custom lists); a schedule with its own stage class or engine (weight versions, two "
+            "pipelines) is not verified with them yet.",
+            f"compile={config.compile!r} with schedule={plan.spec.name!r} ({own.__name__})", "compile",
+            "or choose one of those schedules", also=("schedule",))
 
 
 def check_plan_fits(plan: dict[str, Any] | None, name: str | None, module: LightningModule, layers_attr: str) -> None:

@@ -52,6 +52,14 @@ def test_split_backward_schedules_refuse_compile(schedule: str) -> None:
         check_compiled_plan(config, plan_schedule(config, 2))
 
 
+@pytest.mark.parametrize("schedule,cls", [("pipedream", "StashingPipelineStage"), ("pipemare", "PipeMareStage"),
+                                          ("chimera", "ChimeraEngine")])
+def test_schedules_with_their_own_stage_or_engine_refuse_compile(schedule: str, cls: str) -> None:
+    config = PipelineConfig(schedule=schedule, compile=True, microbatches=4)
+    with pytest.raises(PipelineConfigError, match=f"schedule='{schedule}' \\({cls}\\).*strategy.compile"):
+        check_compiled_plan(config, plan_schedule(config, 2))
+
+
 def test_custom_lists_with_weight_actions_refuse_compile() -> None:
     split = [["0F0", "0I0", "0W0"], ["1F0", "1I0", "1W0"]]
     config = PipelineConfig(schedule="custom", compile=True, schedule_options={"actions": split})
@@ -60,7 +68,7 @@ def test_custom_lists_with_weight_actions_refuse_compile() -> None:
     full = [["0F0", "0B0"], ["1F0", "1B0"]]
     config = PipelineConfig(schedule="custom", compile=True, schedule_options={"actions": full})
     check_compiled_plan(config, plan_schedule(config, 2))  # F/B only: runs
-    for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
+    for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs"):
         config = PipelineConfig(schedule=schedule, compile=True)
         check_compiled_plan(config, plan_schedule(config, 2))
 
