@@ -26,8 +26,9 @@ layers stay placeholders (they are never called).
   torch runs a stage's input gradient (I) and weight gradient (W) as two ``autograd.grad`` calls over one graph
   (``stage_backward_input`` / ``stage_backward_weight``); a compiled layer's backward is one fused autograd node
   computing both, so the W call runs each compiled layer's whole backward a second time -- what a zero-bubble
-  schedule exists to avoid. Measured on a two-block stage (2026-12-02, CPU, inductor): torch 2.13 raises in the I
-  call ("This backward function was compiled with non-empty donated buffers which requires create_graph=False and
+  schedule exists to avoid. Measured on a two-block stage (2026-12-02, CPU, inductor): torch 2.11 raises in the W
+  call ("Attribute '_input_metadata' is invalid for this instance of _C._FunctionBase"), 2.13 in the I call ("This
+  backward function was compiled with non-empty donated buffers which requires create_graph=False and
   retain_graph=False"); with ``torch._functorch.config.donated_buffer=False`` (2.13), or by default on 2.15, both
   calls run and the gradients match eager (1.2e-7). Exact there, but twice the backward compute: refused on every
   torch until that is worth having (torch itself refuses an ``OptimizedModule`` in these schedules' stages since
