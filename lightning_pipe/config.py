@@ -57,6 +57,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     _strategy("layers_attr", "strategy.layers_attr"),
     _strategy("recompute", "strategy.recompute"),
     _strategy("offload", "strategy.offload"),
+    _strategy("compile", "strategy.compile"),
     _strategy("start_method", "strategy.start_method",
               "``popen`` (default) re-runs the script per rank (like ``ddp``); ``spawn`` for notebooks "
               "(``strategy=\"pipeline_spawn\"``)."),
@@ -138,6 +139,11 @@ class PipelineConfig:
     the backward: ``"none"``, ``"all"`` / ``true``, ``k`` (every k-th layer of each stage, as ``recompute``) or a
     list of layer indices such as ``[1, 3]``. With ``recompute`` on the same layer, its kept inputs go to the host.
     On a CPU device nothing moves (docs/parallelism.md: "Recompute or offload")."""
+    compile: bool | dict[str, Any] = False
+    """``torch.compile`` each layer of this rank's stages (regional compilation, parameter names unchanged):
+    ``false``, ``true``, or a dict of ``torch.compile`` options such as ``{"mode": "max-autotune"}``. Layers the user
+    compiled are kept as they are. With gpipe, 1f1b, interleaved_1f1b, looped_bfs and custom F/B lists; not with
+    split-backward schedules, FSDP, tensor parallelism or rebalancing (docs/parallelism.md: "Compiled layers")."""
     schedule_options: dict[str, Any] = field(default_factory=dict)
     """Options of the chosen schedule (e.g. the ``custom`` schedule's ``actions`` or ``csv``); an entry set to
     ``None`` counts as absent. A schedule refuses any option it does not take."""
@@ -153,6 +159,7 @@ class PipelineConfig:
         object.__setattr__(self, "partition", check_partition(self.partition))
         object.__setattr__(self, "schedule_options", _options(self.schedule_options))
         object.__setattr__(self, "offload", _offload(self.offload))
+        object.__setattr__(self, "compile", _compile(self.compile))
         self._validate_plain()
 
     def _validate_plain(self) -> None:
@@ -183,6 +190,17 @@ class PipelineConfig:
                 or not 0 <= self.rebalance_threshold < 1):
             raise config_error("rebalance_threshold is the predicted relative gain a rebalance needs, in [0, 1).",
                                f"rebalance_threshold={self.rebalance_threshold!r}", "rebalance_threshold")
+        if self.compile is not False:
+            others = {"fsdp_size": self.fsdp_size, "tensor_parallel_size": self.tensor_parallel_size,
+                      "rebalance_every_n_steps": self.rebalance_every_n_steps}
+            clash = [k for k, v in others.items() if v not in (1, None)]
+            if clash:
+                raise config_error(
+                    "Compiled layers run with data and pipeline parallelism only for now: FSDP's and tensor "
+                    "parallelism's hooks and DTensor parameters, and rebalancing's per-layer timing hooks, are "
+                    "untested inside compiled regions.",
+                    f"compile={self.compile!r} with " + ", ".join(f"{k}={others[k]!r}" for k in clash), "compile",
+                    also=tuple(clash))
         if self.recompute_every is None and str(self.recompute).lower() != "none":
             raise config_error("recompute is 'none', 'all', or a positive k (every k-th layer of each stage).",
                                f"recompute={self.recompute!r}", "recompute")
@@ -196,6 +214,11 @@ class PipelineConfig:
         if isinstance(value, int) and not isinstance(value, bool):
             return LayerChoice(every=value)
         return LayerChoice(every=1) if value == "all" else LayerChoice()
+
+    @property
+    def compile_options(self) -> dict[str, Any] | None:
+        """The ``torch.compile`` keyword arguments for each layer, or ``None`` when nothing is compiled."""
+        return None if self.compile is False else dict(self.compile) if isinstance(self.compile, Mapping) else {}
 
     @property
     def recompute_layers(self) -> LayerChoice:
@@ -256,6 +279,26 @@ def _offload(value: Any) -> str | int | tuple[int, ...]:
     if bad:
         raise config_error(rule, f"offload={list(value)!r} (not a layer index: {bad!r})", "offload")
     return tuple(sorted({int(i) for i in value})) or "none"
+
+
+COMPILE_KEYS = ("fullgraph", "dynamic", "backend", "mode", "options", "disable")
+"""The ``torch.compile`` keyword arguments ``compile={...}`` may set."""
+
+
+def _compile(value: Any) -> bool | dict[str, Any]:
+    """``False`` / ``True`` / a plain dict of ``torch.compile`` keyword arguments; anything else is refused."""
+    rule = f"compile is false, true, or a dict of torch.compile options with keys from {list(COMPILE_KEYS)}."
+    if value is None or value is False or (isinstance(value, str) and value.strip().lower() in ("false", "none")):
+        return False
+    if value is True or (isinstance(value, str) and value.strip().lower() == "true"):
+        return True
+    if not isinstance(value, Mapping):
+        raise config_error(rule, f"compile={value!r}", "compile")
+    options = {str(k): dict(v) if isinstance(v, Mapping) else v for k, v in value.items()}  # Hydra: DictConfig
+    unknown = sorted(set(options) - set(COMPILE_KEYS))
+    if unknown:
+        raise config_error(rule, f"compile={options!r} (unknown: {unknown})", "compile")
+    return options
 
 
 def _is_int(value: Any) -> bool:

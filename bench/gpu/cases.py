@@ -8,6 +8,8 @@ schedule — in every case; ``m`` micro-batches of ``microbatch_size`` sequences
     a3  torch.distributed.pipelining by hand: 2 PipelineStages on this rank, ScheduleInterleaved1F1B, m micro-batches
     c   PipelineStrategy via a Lightning Trainer: 1 rank x 2 stages, interleaved_1f1b, m micro-batches
     c_offload  c with offload="all": every layer's saved activations in pinned host memory (peak memory, step time)
+    c_compile  c with compile=True: each layer through torch.compile (GPT only; compiling happens in the warm-up,
+               whose first step is reported as first_step_s)
 
 After the timed steps, each case runs one more step counting host-device syncs, and a3 / c one more under
 ``torch.profiler`` (the trace goes next to the results).
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -198,10 +201,10 @@ def _trainer(ctx: Ctx, strategy: Any, precision: str, max_steps: int, callbacks:
                      enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks)
 
 
-def _pipeline(schedule: str, m: int, offload: str = "none") -> Any:
+def _pipeline(schedule: str, m: int, offload: str = "none", compile: bool = False) -> Any:
     from lightning_pipe import PipelineStrategy
 
-    return PipelineStrategy(schedule=schedule, microbatches=m, stages_per_rank=2, offload=offload)
+    return PipelineStrategy(schedule=schedule, microbatches=m, stages_per_rank=2, offload=offload, compile=compile)
 
 
 def _hooks(ctx: Ctx, window: Window, counter: SyncCounter, profiler: StepProfiler | None) -> Any:
@@ -217,11 +220,14 @@ def _hooks(ctx: Ctx, window: Window, counter: SyncCounter, profiler: StepProfile
             self.profile: dict[str, Any] | None = None
             self._counting: Any = None
             self.host_bytes = 0
+            self.first_step_s: float | None = None  # the first step, warm-up included (compile=True: compiling)
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:  # what offload held in host memory, at most
             self.host_bytes = sum(sm.offload_stats.peak_bytes for sm in trainer.strategy.engine.stage_modules)
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx == 0:
+                self.first_step_s = -time.perf_counter()
             if batch_idx == counted:
                 self._counting = counter.counting()
                 self._counting.__enter__()
@@ -229,6 +235,10 @@ def _hooks(ctx: Ctx, window: Window, counter: SyncCounter, profiler: StepProfile
                 profiler.start()
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx == 0 and self.first_step_s is not None:
+                if ctx.dev.type == "cuda":
+                    torch.cuda.synchronize(ctx.dev)  # first step only, outside the timed window
+                self.first_step_s += time.perf_counter()
             if batch_idx == counted:
                 self._counting.__exit__(None, None, None)
             elif batch_idx == profiled and profiler is not None:
@@ -241,18 +251,19 @@ def _hooks(ctx: Ctx, window: Window, counter: SyncCounter, profiler: StepProfile
     return Hooks()
 
 
-def run_lightning_pipeline(ctx: Ctx, offload: str = "none") -> dict[str, Any]:
+def run_lightning_pipeline(ctx: Ctx, offload: str = "none", compile: bool = False) -> dict[str, Any]:
     window, counter = Window(ctx.dev, ctx.warmup, ctx.steps), SyncCounter(ctx.dev)
-    hooks = _hooks(ctx, window, counter, StepProfiler(ctx.dev, ctx.trace) if offload == "none" else None)
+    plain = offload == "none" and not compile
+    hooks = _hooks(ctx, window, counter, StepProfiler(ctx.dev, ctx.trace) if plain else None)
     model = build_model(ctx.spec, ctx.total)
-    strategy = _pipeline("interleaved_1f1b", ctx.spec.microbatches, offload)
+    strategy = _pipeline("interleaved_1f1b", ctx.spec.microbatches, offload, compile)
     trainer = _trainer(ctx, strategy, "bf16-mixed", ctx.total, [hooks])
     trainer.fit(model, train_dataloaders=loader(ctx.spec, ctx.total))
     if trainer.global_step != ctx.total:
         raise RuntimeError(f"ran {trainer.global_step} optimizer steps, expected {ctx.total}")
     out = {"backend": strategy.process_group_backend, "microbatches_per_step": ctx.spec.microbatches,
            "precision": str(trainer.precision_plugin.precision), "profile": hooks.profile, "offload": offload,
-           "offload_host_peak_gib": hooks.host_bytes / 2**30}
+           "offload_host_peak_gib": hooks.host_bytes / 2**30, "compile": compile, "first_step_s": hooks.first_step_s}
     plan = getattr(strategy, "plan", None)
     if plan is not None:
         out["plan"] = {"schedule": plan.spec.name, "p": plan.pipeline_size, "v": plan.stages_per_rank,

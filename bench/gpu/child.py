@@ -84,6 +84,8 @@ def run_child(args: argparse.Namespace) -> int:
             out.update(cases.run_lightning_pipeline(ctx))
         elif kind == "c_offload":
             out.update(cases.run_lightning_pipeline(ctx, offload="all"))
+        elif kind == "c_compile":
+            out.update(cases.run_lightning_pipeline(ctx, compile=True))
         else:
             raise ValueError(f"unknown case kind {kind!r}")
         out["status"] = "ok"

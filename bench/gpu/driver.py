@@ -19,7 +19,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 SPEED = {"a": "plain loop, whole batch", "a2": "plain loop, grad accumulation over m",
          "a3": "torch pipelining by hand, 2 stages, interleaved 1F1B", "c": "PipelineStrategy 1 rank x 2 stages",
-         "c_offload": "c, offload='all' (activations in pinned host memory)"}
+         "c_offload": "c, offload='all' (activations in pinned host memory)",
+         "c_compile": "c, compile=True (each layer torch.compile'd; compile in the warm-up)"}
 # name: (kind, model, what, GPU timeout s); run in this order (the ratios that matter first)
 CASES: dict[str, tuple[str, str, str, float]] = {}
 for _model, _timeout in (("gpt2_124m", 100.0),):
@@ -34,7 +35,8 @@ for _schedule in ("interleaved_1f1b", "zbv"):
 CASES["parity-interleaved_1f1b-fp32-offload"] = ("parity:interleaved_1f1b:32-true:all", "gpt2_124m_parity",
                                                  "interleaved_1f1b 1x2 vs one device, 32-true, offload='all'", 100.0)
 for _kind, _what in SPEED.items():
-    CASES[f"llama_1b-{_kind}"] = (_kind, "llama_1b", _what, 150.0)
+    if _kind != "c_compile":  # compiled layers: measured on the GPT only (compiling the 1B costs the budget)
+        CASES[f"llama_1b-{_kind}"] = (_kind, "llama_1b", _what, 150.0)
 ENV_TIMEOUT = 60.0
 # --smoke runs each code path once (a process costs seconds of imports on a CPU): both parity schedules and both
 # precisions, every speed anchor on the GPT, the Llama through torch's schedule and ours; --cases all runs all
@@ -84,6 +86,8 @@ def speed_table(results: dict[str, dict[str, Any]], peak: float | None) -> list[
     for model in ("gpt2_124m", "llama_1b"):
         got = {k: results.get(f"{model}-{k}", {}) for k in SPEED}
         for kind, r in got.items():
+            if kind == "c_compile" and f"{model}-{kind}" not in results:
+                continue  # an optional row
             if r.get("status") != "ok":
                 rows.append(f"| {model} | {kind} | {SPEED[kind]} | {r.get('status', 'not run').upper()}: "
                             f"{str(r.get('error', ''))[:150]} | | | | | | |")
@@ -104,6 +108,10 @@ def speed_table(results: dict[str, dict[str, Any]], peak: float | None) -> list[
             peaks = (off.get("peak_mem_gib"), got["c"].get("peak_mem_gib"))
             parts.append(f"c_offload/c = {off['tokens_per_s'] / c:.3f} (tokens/s), "
                          f"{_fmt(peaks[0] / peaks[1] if peaks[0] and peaks[1] else None, '.3f')} (peak GiB)")
+        comp = got["c_compile"] if got["c_compile"].get("status") == "ok" else {}
+        if comp and c:  # compiled layers against eager ones, compile time excluded (the first step reported apart)
+            parts.append(f"c_compile/c = {comp['tokens_per_s'] / c:.3f} (tokens/s; first step "
+                         f"{_fmt(comp.get('first_step_s'), '.1f')} s vs {_fmt(got['c'].get('first_step_s'), '.1f')} s)")
         ratios.append(f"{model}: " + ", ".join(parts))
     return rows + [""] + ratios
 

@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from lightning_pipe._compat import torch as _compat
 from lightning_pipe.config import LayerChoice, config_error
 from lightning_pipe.layers.aux import records_once
+from lightning_pipe.layers.compile import CompiledLayers
 from lightning_pipe.layers.offload import HostOffload, OffloadStats
 from lightning_pipe.layers.vocab import TokenIdError, explain_index_error
 
@@ -80,14 +81,16 @@ def _describe(value: Any) -> str:
 
 def run_layers(layers: nn.Module, inputs: Any, indices: Sequence[int] | None = None,
                recompute_every: int | None = None, offload: LayerChoice | None = None,
-               offload_stats: OffloadStats | None = None) -> Any:
+               offload_stats: OffloadStats | None = None, calls: Sequence[Callable[..., Any]] | None = None) -> Any:
     """Run layers as a chain ([Note: the layer I/O contract]); ``indices`` are their places in the full list.
 
     With ``recompute_every=k`` (and grad enabled) every k-th layer is checkpointed: non-reentrant, so only its
     inputs are kept and its RNG is replayed on recomputation. The layers ``offload`` picks keep what autograd saves
     (for a recomputed one: its inputs) in host memory ([Note: activation offload]), counted in ``offload_stats``.
+    ``calls`` runs in place of each layer (its compiled wrapper: [Note: compiled layers]).
     """
     chain: list[nn.Module] = list(layers)  # type: ignore[call-overload]  # nn.Sequential / nn.ModuleList
+    run: Sequence[Callable[..., Any]] = chain if calls is None else calls
     indices = range(len(chain)) if indices is None else indices
     check_layer_io(inputs, f"The inputs of layer {indices[0]} (split_batch's inputs, or the previous stage's outputs) are")
     hidden = inputs
@@ -101,9 +104,9 @@ def run_layers(layers: nn.Module, inputs: Any, indices: Sequence[int] | None = N
         with hooks:
             try:
                 if recompute and j % recompute_every == 0:  # type: ignore[operator]
-                    hidden = checkpoint(records_once(layer), *args, use_reentrant=False)
+                    hidden = checkpoint(records_once(run[j]), *args, use_reentrant=False)
                 else:
-                    hidden = layer(*args)
+                    hidden = run[j](*args)
             except IndexError as err:  # an embedding given a token id out of range: [Note: token ids out of range]
                 explained = explain_index_error(layer, index, args) if not isinstance(err, TokenIdError) else None
                 if explained is None:
@@ -139,7 +142,7 @@ class StageModule(nn.Module):
     """
 
     def __init__(self, layers: Sequence[nn.Module], layer_indices: range, recompute_every: int | None = None,
-                 offload: LayerChoice | None = None) -> None:
+                 offload: LayerChoice | None = None, compile_options: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
         self.layer_indices = layer_indices
@@ -147,10 +150,12 @@ class StageModule(nn.Module):
         self.offload = offload or LayerChoice()
         self.offload_stats = OffloadStats()
         """Host bytes this stage's offloaded layers hold (bench/memory.py reads them)."""
+        self.compiled = CompiledLayers(compile_options)
+        """What runs for each layer under ``compile=`` ([Note: compiled layers]); kept outside the module tree."""
 
     def forward(self, *args: Any) -> Any:
         return run_layers(self.layers, args[0] if len(args) == 1 else args, self.layer_indices, self.recompute_every,
-                          self.offload, self.offload_stats)
+                          self.offload, self.offload_stats, self.compiled.calls(list(self.layers)))
 
 
 LayerList = nn.Sequential | nn.ModuleList
@@ -215,7 +220,8 @@ def check_no_stray_parameters(module: nn.Module, attr: str) -> None:
 
 def localize_layers(module: nn.Module, attr: str, ranges: Sequence[range], local_stages: Sequence[int],
                     stage_to_rank: Any, recompute_every: int | None = None,
-                    offload: LayerChoice | None = None) -> list[StageModule]:
+                    offload: LayerChoice | None = None,
+                    compile_options: dict[str, Any] | None = None) -> list[StageModule]:
     """Swap other ranks' layers for placeholders; return this rank's stage modules in stage order."""
     layers = find_layers(module, attr)
     owner = {}
@@ -231,7 +237,7 @@ def localize_layers(module: nn.Module, attr: str, ranges: Sequence[range], local
         if owner[i] not in local:
             # Writing _modules directly keeps the original indices ("7") as names; del/insert would renumber.
             layers._modules[key] = RemoteLayer(i, owner[i], stage_to_rank(owner[i]))
-    return [StageModule([layers[i] for i in ranges[s]], ranges[s], recompute_every, offload)
+    return [StageModule([layers[i] for i in ranges[s]], ranges[s], recompute_every, offload, compile_options)
             for s in local_stages]
 
 

@@ -21,7 +21,7 @@ from lightning_pipe.parallel.topology import Topology
 from lightning_pipe.planner.auto import balance_on_ranks, plan_on_ranks
 from lightning_pipe.planner.model import ActivationPolicy
 from lightning_pipe.planner.plan import apply_plan, explain, load_plan, plan_name
-from lightning_pipe.schedules import SchedulePlan, check_schedule_settings, check_split_backward
+from lightning_pipe.schedules import SchedulePlan, check_schedule_settings, check_split_backward, compute_order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,11 +76,41 @@ def resolve_settings(schedule: str, microbatches: int | None, data_parallel_size
                            "partition='time' / 'memory' and rebalancing take tensor_parallel_size=1.",
                            f"tensor_parallel_size={config.tensor_parallel_size} with {used}", "tensor_parallel_size",
                            also=("schedule", "plan", "partition", "rebalance_every_n_steps"))
+    if config.compile is not False and auto:
+        raise config_error("schedule='auto' plans from eager layer timings and may pick a split-backward schedule, "
+                           "which compiled layers cannot run ([Note: compiled layers]).",
+                           f"compile={config.compile!r} with schedule='auto'", "compile", also=("schedule",))
     # Unknown schedule names and options the schedule does not take fail here, not on the ranks after launch; so
     # does a schedule whose split backward this torch computes wrongly (custom lists: at set_world_ranks).
     if check_schedule_settings(config).split_backward:
         check_split_backward(f"schedule={config.schedule!r}")
     return ResolvedSettings(config, auto, budget, plan_data, name)
+
+
+def check_compiled_plan(config: PipelineConfig, plan: SchedulePlan) -> None:
+    """Refuse compiled layers under a split input/weight backward ([Note: compiled layers]): built-in, custom and
+    extension schedules alike, by their actions; and under a schedule with its own stage class or engine (not
+    verified). Every rank, before any communication."""
+    if config.compile is False:
+        return
+    split = sorted({str(part) for actions in compute_order(plan).values() for a in actions if a is not None
+                    for part in (a.sub_actions or (a,)) if part.computation_type.value in ("I", "W")})
+    if plan.spec.split_backward or split:
+        actions = f", whose actions include {', '.join(split[:4])}, ..." if split else ""
+        raise config_error(
+            "Compiled layers cannot run a split input/weight backward: a compiled layer's backward is one fused "
+            "node, which torch's separate input- and weight-gradient passes would either fail on (donated buffers) "
+            "or run twice.", f"compile={config.compile!r} with schedule={plan.spec.name!r}{actions}", "compile",
+            "or choose a schedule with a full backward (gpipe, 1f1b, interleaved_1f1b, looped_bfs, custom lists of "
+            "F/B actions)", also=("schedule",))
+    own = plan.spec.stage_class or plan.spec.engine
+    if own is not None:
+        raise config_error(
+            "Compiled layers are verified with the standard pipeline stage and engine (gpipe, 1f1b, interleaved_1f1b, "
+            "looped_bfs, custom lists); a schedule with its own stage class or engine (weight versions, two "
+            "pipelines) is not verified with them yet.",
+            f"compile={config.compile!r} with schedule={plan.spec.name!r} ({own.__name__})", "compile",
+            "or choose one of those schedules", also=("schedule",))
 
 
 def check_plan_fits(plan: dict[str, Any] | None, name: str | None, module: LightningModule, layers_attr: str) -> None:

@@ -30,7 +30,7 @@ from lightning_pipe.lightning.faults import DEFAULT_TIMEOUT, PipelineFaults, res
 from lightning_pipe.lightning.launchers import PipelineMultiProcessingLauncher
 from lightning_pipe.lightning.optimizers import empty_parameter_lists_allowed
 from lightning_pipe.lightning.precision import PipelinePrecision, to_pipeline_precision
-from lightning_pipe.lightning.preflight import resolve_settings
+from lightning_pipe.lightning.preflight import check_compiled_plan, resolve_settings
 from lightning_pipe.lightning.rebalancing import StrategyRebalancer
 from lightning_pipe.lightning.setup import check_rank_optimizers, setup_pipeline
 from lightning_pipe.parallel.topology import Topology
@@ -80,6 +80,7 @@ class PipelineStrategy(ParallelStrategy):
         layers_attr: str = "layers",
         recompute: str | int = "none",
         offload: str | int | bool | Sequence[int] = "none",
+        compile: bool | dict[str, Any] = False,
         schedule_options: dict[str, Any] | None = None,
         rebalance_every_n_steps: int | None = None,
         rebalance_threshold: float = 0.05,
@@ -105,7 +106,8 @@ class PipelineStrategy(ParallelStrategy):
                                     fsdp_size=fsdp_size, fsdp_reshard_after_forward=fsdp_reshard_after_forward,
                                     tensor_parallel_size=tensor_parallel_size,
                                     rebalance_every_n_steps=rebalance_every_n_steps,
-                                    rebalance_threshold=rebalance_threshold, offload=offload)
+                                    rebalance_threshold=rebalance_threshold, offload=offload,
+                                    compile=compile)
         self.pipeline_config = resolved.config
         self.rebalancer: StrategyRebalancer | None = None
         self._plan_source, self._plan_name = resolved.plan, resolved.plan_name
@@ -191,6 +193,7 @@ class PipelineStrategy(ParallelStrategy):
         # World-shape rules are checked here, before any process waits on another; the plan is resolved once.
         self.plan = plan_schedule(self.pipeline_config, self._topology().pipeline_size)
         check_torch_runs(self.plan)  # what this torch would compute wrongly ([Note: torch versions])
+        check_compiled_plan(self.pipeline_config, self.plan)  # [Note: compiled layers]: no split backward
         check_rebalance(self.pipeline_config, self.plan)  # before any rank waits on another
 
     @override

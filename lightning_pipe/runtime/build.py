@@ -94,7 +94,7 @@ def build_engine(module: PipelineModel, config: PipelineConfig, plan: SchedulePl
             if topology.fsdp_size > 1 or topology.tensor_parallel_size > 1 else None)
     groups = ProcessGroups(topology, layout.tied, layout.ranges, plan.ranks_of_stage, mesh=mesh)
     stage_modules = localize_layers(module, config.layers_attr, layout.ranges, local_ids, plan.stage_to_rank,
-                                    config.recompute_every, config.offload_layers)
+                                    config.recompute_every, config.offload_layers, config.compile_options)
     split: Callable[[int, torch.nn.Module], None] | None = None
     tensor_parallel = topology.tensor_parallel_size > 1
     if tensor_parallel:

@@ -184,6 +184,7 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "strategy.layers_attr": (["strategy.layers_attr=blocks"], "blocks"),
     "strategy.recompute": (["strategy.recompute=all"], "all"),
     "strategy.offload": (["strategy.offload=[1,3]"], (1, 3)),
+    "strategy.compile": (["strategy.compile={mode: max-autotune}"], {"mode": "max-autotune"}),
     "strategy.start_method": (["strategy.start_method=spawn"], "spawn"),
     "strategy.timeout": (["strategy.timeout=30"], 30),
     "strategy.plan": (["strategy.plan=my_plan.json"], "my_plan.json"),

@@ -49,6 +49,7 @@ class CheckpointCase:
     crash_rank: int | None = None  # ckpt_crash: the rank that dies in the second save
     expect_error: bool = False
     schedule_options: dict[str, Any] | None = None
+    compile: bool = False  # torch.compile each layer (test_compile.py: saved compiled, loaded eager and back)
 
 
 class CheckpointRun(TypedDict):
@@ -117,7 +118,7 @@ def _run(case: CheckpointCase, ckpt_path: str | Path | None = None,
     strategy = PipelineStrategy(schedule=case.schedule, microbatches=case.microbatches,
                                 data_parallel_size=case.dp, stages_per_rank=case.stages_per_rank,
                                 fsdp_size=case.fsdp, tensor_parallel_size=case.tp,
-                                schedule_options=case.schedule_options)
+                                schedule_options=case.schedule_options, compile=case.compile)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=int(os.environ["TEST_WORLD_SIZE"]),
                         max_steps=case.steps, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,

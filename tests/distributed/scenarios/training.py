@@ -55,6 +55,7 @@ class TrainingCase:
     schedule_options: dict[str, Any] | None = None
     recompute: str | int = "none"
     offload: str | int | list[int] = "none"
+    compile: bool | dict[str, Any] = False  # torch.compile each layer (test_compile.py); the reference stays eager
     # data-parallel sync during the schedule (engine.overlap_dp_sync): on, off, or "alternate" optimizer steps
     dp_overlap: bool | str = True
     # the trainer
@@ -104,6 +105,7 @@ class TrainingResult(TypedDict):
     sharded_params: NotRequired[int]  # pipeline only: parameters held as split DTensors (FSDP / tensor parallel)
     per_edge_p2p: NotRequired[bool]  # pipeline only: torch 2.15 per-edge communicators in use
     offloaded_tensors: NotRequired[int]  # pipeline only: saved tensors this rank's offload hooks packed
+    compiled_graphs: NotRequired[int]  # pipeline only: graphs Dynamo compiled in this process so far
 
 
 class NoLayerList(ToyRegressor):
@@ -280,7 +282,8 @@ def _trainer(case: TrainingCase, pipeline: bool, recorder: Callback, *extra: Cal
                                     data_parallel_size=case.dp, partition=case.partition,
                                     stages_per_rank=case.stages_per_rank, schedule_options=case.schedule_options,
                                     recompute=case.recompute, offload=case.offload, fsdp_size=case.fsdp,
-                                    fsdp_reshard_after_forward=case.fsdp_reshard, tensor_parallel_size=case.tp)
+                                    fsdp_reshard_after_forward=case.fsdp_reshard, tensor_parallel_size=case.tp,
+                                    compile=case.compile)
         devices = int(os.environ["TEST_WORLD_SIZE"])  # Lightning deletes WORLD_SIZE at teardown
     else:
         strategy, devices = "auto", 1
@@ -340,6 +343,7 @@ def run_training(case: TrainingCase, pipeline: bool) -> TrainingResult:
         # torch >= 2.15: one communicator per directed edge (the flag every PipelineStage reads when it is built)
         out["per_edge_p2p"] = bool(getattr(getattr(torch.distributed, "config", None), "pipeline_per_edge_p2p", False))
         out["offloaded_tensors"] = dp_sync.offloaded
+        out["compiled_graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         out["sharded_params"] = sum(isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)
                                     for p in model.parameters())
     callback = trainer.checkpoint_callback
