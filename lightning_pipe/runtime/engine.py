@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -78,6 +78,7 @@ from lightning_pipe.parallel.dp_overlap import DataParallelHandoff, DataParallel
 from lightning_pipe.parallel.fsdp import reshard
 from lightning_pipe.parallel.grads import GradientSync
 from lightning_pipe.parallel.topology import ProcessGroups
+from lightning_pipe.runtime.agreement import agree_step
 from lightning_pipe.runtime.rng import StageStream
 from lightning_pipe.runtime.spec import SchedulePlan, build_torch_schedule
 from lightning_pipe.runtime.stage import PipelineStage
@@ -134,6 +135,10 @@ class PipelineEngine:
         self._owner = type(module).__name__
         # Context managers entered around every training schedule step (see lightning_pipe.trace.memory / trace).
         self.step_contexts: list[Callable[[], contextlib.AbstractContextManager]] = []
+        # The adapter's flags, agreed over the world with the step's loss ([Note: one collective at the step's end]
+        # in agreement.py); read once per step with take_agreed_flags.
+        self.step_flags: Callable[[], Sequence[bool]] | None = None
+        self._agreed: Tensor | None = None
 
     @property
     def dp_overlap(self) -> DataParallelOverlap | None:
@@ -275,6 +280,7 @@ class PipelineEngine:
         for p in self.parameters:
             p.grad = None
         self._records = []
+        self._agreed = None
         overlap, elements = self.dp_handoff.begin(saved, elements, self.groups.dp,
                                                   self.groups.topology.data_parallel_size, self.device)
         self._sum_scale = 1.0 / (self.accumulate_grad_batches * elements)
@@ -315,15 +321,25 @@ class PipelineEngine:
             else:
                 packed[0] = torch.stack([r.value.double() for r in records]).sum()
                 packed[1] = torch.stack([r.count for r in records]).sum()  # type: ignore[misc]
-        if self.plan.pipeline_size > 1:
+        count: Tensor | None = None
+        if self.step_flags is not None and self.groups.topology.world_size > 1:
+            packed, count, self._agreed = agree_step(packed, self.has_last, self.step_flags(), self.groups.topology)
+        elif self.plan.pipeline_size > 1:
             dist.broadcast(packed, group=self.groups.pp, group_src=self.last_pp_rank)
         if packed[1] < 0:
             return packed[0].float(), None
         loss = LossParts(packed[0], packed[1]).reduced().float()
-        count = packed[1].clone()
-        if self.groups.dp is not None:
-            dist.all_reduce(count, group=self.groups.dp)
+        if count is None:
+            count = packed[1].clone()
+            if self.groups.dp is not None:
+                dist.all_reduce(count, group=self.groups.dp)
         return loss, count
+
+    def take_agreed_flags(self) -> list[bool] | None:
+        """The step flags agreed with this training step's loss (``None`` if none were: the adapter agrees them
+        itself); each agreement is read once."""
+        agreed, self._agreed = self._agreed, None
+        return None if agreed is None else [bool(v) for v in agreed.tolist()]
 
     def apply_pending_grads(self) -> None:
         """Lightning's backward, in pipeline terms: add this batch's gradients to what survived zero_grad."""
