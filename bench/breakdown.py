@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections import defaultdict
@@ -148,11 +147,7 @@ def worker(args: argparse.Namespace) -> None:
     for side, run in (("hand", hand_written), ("strategy", through_lightning)):
         steps: list[tuple[dict[str, float], dict[str, int]]] = []
         probe.take()
-
-        def on_step(n: int) -> None:
-            steps.append(probe.take())
-
-        times = run(args, on_step)
+        times = run(args, lambda n, steps=steps: steps.append(probe.take()))
         timed = steps[-len(times):]  # the steps whose durations were kept (after warm-up)
         ms: dict[str, float] = defaultdict(float)
         calls: dict[str, float] = defaultdict(float)
