@@ -12,7 +12,9 @@ host work: Python, autograd bookkeeping, the schedule's and our per-micro-batch 
   schedule underneath, plus Lightning's loop and our per-step and per-micro-batch work.
 
 A least-squares line through t(m) gives the per-micro-batch slope and the fixed per-step cost (Lightning's loop is in
-the strategy's fixed cost). Last lines: ``slope_ratio=<strategy / torch-pp>`` and ``fixed_ratio``.
+the strategy's fixed cost). The same line through the number of function calls per step (``sys.setprofile``; a count,
+so the same on a busy machine) shows host work where timings are noise. Last lines: ``slope_ratio=<strategy /
+torch-pp>``, ``fixed_ratio`` and ``calls_slope_ratio``.
 
     python bench/hostcost.py [--steps 60] [--microbatches 1 4 16]
 """
@@ -128,6 +130,27 @@ def strategy(m: int, steps: int) -> float:
     return _median_gap(clock.ends)
 
 
+def calls_per_step(run: Any, m: int, steps: int = 10) -> float:
+    """Python and C function calls per step (a count, not a time: the same on a busy machine): the calls of a run of
+    ``2 * steps`` minus those of a run of ``steps``, over ``steps`` (setup and teardown cancel out)."""
+    counted = [0]
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        if event in ("call", "c_call"):
+            counted[0] += 1
+
+    totals = []
+    for n in (steps, 2 * steps):
+        counted[0] = 0
+        sys.setprofile(count)
+        try:
+            run(m, n)
+        finally:
+            sys.setprofile(None)
+        totals.append(counted[0])
+    return (totals[1] - totals[0]) / steps
+
+
 def fit_line(ms: list[int], ts: list[float]) -> tuple[float, float]:
     """(slope, intercept) of the least-squares line through (m, t)."""
     mean_m, mean_t = statistics.fmean(ms), statistics.fmean(ts)
@@ -161,15 +184,20 @@ def main() -> None:
         for name, run in ways.items():
             times[name].append(run(m, args.steps))
     fits = {name: fit_line(args.microbatches, ts) for name, ts in times.items()}
+    # (m = 4 and 16, the lower of two counts: a first run in a process can count one-off work)
+    calls = {name: fit_line([4, 16], [min(calls_per_step(run, m) for _ in range(2)) for m in (4, 16)])
+             for name, run in ways.items()}
     cols = " | ".join(f"m={m} (ms)" for m in args.microbatches)
-    print(f"| way | {cols} | per micro-batch (us) | fixed per step (ms) |")
-    print("|---" * (len(args.microbatches) + 3) + "|")
+    print(f"| way | {cols} | per micro-batch (us) | fixed per step (ms) | calls per micro-batch | calls per step |")
+    print("|---" * (len(args.microbatches) + 5) + "|")
     for name, ts in times.items():
-        slope, fixed = fits[name]
-        print(f"| {name} | " + " | ".join(f"{t * 1e3:.2f}" for t in ts) + f" | {slope * 1e6:.0f} | {fixed * 1e3:.2f} |")
+        (slope, fixed), (call_slope, call_fixed) = fits[name], calls[name]
+        print(f"| {name} | " + " | ".join(f"{t * 1e3:.2f}" for t in ts)
+              + f" | {slope * 1e6:.0f} | {fixed * 1e3:.2f} | {call_slope:.0f} | {call_fixed:.0f} |")
     print(f"layers={LAYERS} width={WIDTH} batch={BATCH} steps={args.steps} (median step time, {args.clock} clock)")
     print(f"slope_ratio={fits['strategy'][0] / fits['torch-pp'][0]:.3f}")
     print(f"fixed_ratio={fits['strategy'][1] / fits['torch-pp'][1]:.3f}")
+    print(f"calls_slope_ratio={calls['strategy'][0] / calls['torch-pp'][0]:.3f}")
 
 
 if __name__ == "__main__":

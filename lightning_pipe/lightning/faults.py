@@ -12,7 +12,9 @@ Lightning 2.6's SIGTERM handler runs ``dist.broadcast`` *inside the signal handl
 lands mid-schedule: rank 0 enters the broadcast while rank 1 is blocked on rank 0's next activation, and both wait
 until the process-group timeout. Our handler only records the signal (and forwards it to the ranks this process
 launched, as Lightning does); no collective, no I/O. After every step each rank joins a MAX all-reduce of "SIGTERM
-seen here" over the world (:func:`~lightning_pipe.runtime.watchdog.any_rank`), so all ranks learn it at the same step and
+seen here" over the world (:func:`~lightning_pipe.runtime.watchdog.any_rank`; in training it rides the step's loss
+all-reduce instead: [Note: one collective at the step's end] in runtime/agreement.py, and Lightning's own per-step
+SIGTERM broadcast, redundant then, is skipped), so all ranks learn it at the same step and
 then stop the way Lightning stops on SIGTERM (``SIGTERMException``, exit code 0, the callbacks' ``on_exception``):
 in training after the optimizer step that closes the current accumulation window, in evaluation and prediction
 after the current batch. Because every rank is at the same point, checkpoint saves (collective here) work:
