@@ -16,6 +16,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,8 +44,9 @@ def _data(n: int, batch: int):
                       drop_last=True)
 
 
-def hand_written(args: argparse.Namespace) -> list[float]:
-    """What a user would write with torch alone: split, stage, schedule, tied-grad all-reduce, optimizer."""
+def hand_written(args: argparse.Namespace, on_step: Callable[[int], None] | None = None) -> list[float]:
+    """What a user would write with torch alone: split, stage, schedule, tied-grad all-reduce, optimizer.
+    ``on_step(n)`` runs after the n-th step (bench/breakdown.py reads its probes there)."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -85,16 +87,18 @@ def hand_written(args: argparse.Namespace) -> list[float]:
         if last is not None:
             times.append(now - last)
         last = now
+        if on_step is not None:
+            on_step(len(times) + 1)
     return times[args.warmup - 1:]
 
 
-def through_lightning(args: argparse.Namespace) -> list[float]:
+def through_lightning(args: argparse.Namespace, on_step: Callable[[int], None] | None = None) -> list[float]:
     import lightning.pytorch as L
 
     from bench._timing import StepClock
     from lightning_pipe import PipelineStrategy
 
-    clock = StepClock()
+    clock = StepClock(on_step)
     trainer = L.Trainer(strategy=PipelineStrategy(schedule=args.schedule, microbatches=args.microbatches),
                         accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]),
                         max_steps=args.steps + args.warmup, logger=False, enable_checkpointing=False,

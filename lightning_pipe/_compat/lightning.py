@@ -7,6 +7,7 @@ lightning_pipe`` with a message naming it (see the package docstring for the pol
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 import lightning
@@ -91,6 +92,21 @@ def signal_connector(trainer: Any) -> Any:
 
 def set_signal_connector(trainer: Any, connector: Any) -> None:
     trainer._signal_connector = connector
+
+
+def skip_sigterm_broadcast(trainer: Any) -> Callable[[], None]:
+    """Turn off the training loop's per-step SIGTERM broadcast (``_broadcast_sigterm_tensor``, Lightning >= 2.5): a
+    collective and a host read every batch that lightning/faults.py makes redundant (its agreement sets
+    ``received_sigterm`` on every rank alike, and the loop raises on it after that batch). Returns the undo."""
+    loop = trainer.fit_loop.epoch_loop
+    if not callable(getattr(type(loop), "_broadcast_sigterm_tensor", None)):
+        return lambda: None  # a Lightning without it: nothing to skip
+    loop._broadcast_sigterm_tensor = lambda: None
+
+    def undo() -> None:
+        vars(loop).pop("_broadcast_sigterm_tensor", None)
+
+    return undo
 
 
 def last_checkpoint_step(callback: Any) -> int:

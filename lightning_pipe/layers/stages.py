@@ -8,7 +8,6 @@ user's ``configure_optimizers`` all see the usual names, only fewer of them.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -92,28 +91,36 @@ def run_layers(layers: nn.Module, inputs: Any, indices: Sequence[int] | None = N
     chain: list[nn.Module] = list(layers)  # type: ignore[call-overload]  # nn.Sequential / nn.ModuleList
     run: Sequence[Callable[..., Any]] = chain if calls is None else calls
     indices = range(len(chain)) if indices is None else indices
-    check_layer_io(inputs, f"The inputs of layer {indices[0]} (split_batch's inputs, or the previous stage's outputs) are")
+    # A plain tensor (exactly torch.Tensor: no DTensor, no other subclass) always passes the check: the common case
+    # costs one type() per layer, and the message is only formatted for the values that need the full check.
+    if type(inputs) is not torch.Tensor:
+        check_layer_io(inputs, f"The inputs of layer {indices[0]} (split_batch's inputs, or the previous stage's "
+                               "outputs) are")
     hidden = inputs
     recompute = recompute_every is not None and torch.is_grad_enabled()
     offloading = bool(offload) and torch.is_grad_enabled()
     for j, (index, layer) in enumerate(zip(indices, chain)):
-        args = layer_args(hidden)
-        # outside the checkpoint: its inputs are saved under these hooks, its recomputation under its own
-        hooks = (HostOffload(layer, offload_stats) if offloading and offload.picks(j, index)  # type: ignore[union-attr]
-                 else contextlib.nullcontext())
-        with hooks:
-            try:
-                if recompute and j % recompute_every == 0:  # type: ignore[operator]
-                    hidden = checkpoint(records_once(run[j]), *args, use_reentrant=False)
-                else:
-                    hidden = run[j](*args)
-            except IndexError as err:  # an embedding given a token id out of range: [Note: token ids out of range]
-                explained = explain_index_error(layer, index, args) if not isinstance(err, TokenIdError) else None
-                if explained is None:
-                    raise
-                raise explained from None
-        check_layer_io(hidden, f"Layer {index} ({type(layer).__name__}) returned")
+        args = (hidden,) if type(hidden) is torch.Tensor else layer_args(hidden)
+        checkpointed = recompute and j % recompute_every == 0  # type: ignore[operator]
+        try:
+            if offloading and offload.picks(j, index):  # type: ignore[union-attr]
+                # outside the checkpoint: its inputs are saved under these hooks, its recomputation under its own
+                with HostOffload(layer, offload_stats):
+                    hidden = (checkpoint(records_once(run[j]), *args, use_reentrant=False) if checkpointed
+                              else run[j](*args))
+            elif checkpointed:
+                hidden = checkpoint(records_once(run[j]), *args, use_reentrant=False)
+            else:  # the common case: no context, no extra call (run per layer per micro-batch)
+                hidden = run[j](*args)
+        except IndexError as err:  # an embedding given a token id out of range: [Note: token ids out of range]
+            explained = explain_index_error(layer, index, args) if not isinstance(err, TokenIdError) else None
+            if explained is None:
+                raise
+            raise explained from None
+        if type(hidden) is not torch.Tensor:
+            check_layer_io(hidden, f"Layer {index} ({type(layer).__name__}) returned")
     return hidden
+
 
 
 class RemoteLayer(nn.Module):

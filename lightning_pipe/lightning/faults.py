@@ -12,7 +12,9 @@ Lightning 2.6's SIGTERM handler runs ``dist.broadcast`` *inside the signal handl
 lands mid-schedule: rank 0 enters the broadcast while rank 1 is blocked on rank 0's next activation, and both wait
 until the process-group timeout. Our handler only records the signal (and forwards it to the ranks this process
 launched, as Lightning does); no collective, no I/O. After every step each rank joins a MAX all-reduce of "SIGTERM
-seen here" over the world (:func:`~lightning_pipe.runtime.watchdog.any_rank`), so all ranks learn it at the same step and
+seen here" over the world (:func:`~lightning_pipe.runtime.watchdog.any_rank`; in training it rides the step's loss
+all-reduce instead: [Note: one collective at the step's end] in runtime/agreement.py, and Lightning's own per-step
+SIGTERM broadcast, redundant then, is skipped), so all ranks learn it at the same step and
 then stop the way Lightning stops on SIGTERM (``SIGTERMException``, exit code 0, the callbacks' ``on_exception``):
 in training after the optimizer step that closes the current accumulation window, in evaluation and prediction
 after the current batch. Because every rank is at the same point, checkpoint saves (collective here) work:
@@ -131,6 +133,7 @@ class PipelineFaults:
         self._requeued = False
         self.failed = False
         self._reporter = _FailureReporter(self)
+        self._undo_skip: Any = None
 
     @classmethod
     def start(cls, strategy: Any) -> PipelineFaults | None:
@@ -150,6 +153,9 @@ class PipelineFaults:
         else:
             _compat.set_signal_connector(trainer, PipelineSignalConnector(trainer, faults))
         trainer.callbacks.insert(0, faults._reporter)
+        # Lightning's own per-step SIGTERM broadcast: redundant under this agreement ([Note: SIGTERM at a step
+        # boundary]); one collective less per step.
+        faults._undo_skip = _compat.skip_sigterm_broadcast(trainer)
         watch.start()
         return faults
 
@@ -185,14 +191,25 @@ class PipelineFaults:
             "the ranks did not reach a step boundary together (a rank is stuck outside a step); exiting now, "
             "without a checkpoint, with code 143.", 143)
 
+    def train_flags(self) -> list[bool]:
+        """What :meth:`after_step` agrees on after a training step; the engine reads them during the step and
+        agrees them with the step's loss ([Note: one collective at the step's end] in runtime/agreement.py)."""
+        return self._flags("train")
+
+    def _flags(self, phase: str) -> list[bool]:
+        last = _compat.is_last_batch(self.trainer, phase)
+        return [self.sigterm_pending, self.requeue_pending and not self._requeued, last, not last]
+
     def after_step(self, phase: str, batch_idx: int | None) -> None:
         """Every rank, after every step: agree on SIGTERM ([Note: SIGTERM at a step boundary]) and on where the
-        epoch ends ([Note: the same last batch]), in one all-reduce."""
+        epoch ends ([Note: the same last batch]), in one all-reduce (in training: the one of the step's loss)."""
+        engine = getattr(self.strategy, "engine", None)
+        agreed = engine.take_agreed_flags() if phase == "train" and engine is not None else None
         if not self.stopping:
             last = _compat.is_last_batch(self.trainer, phase)
-            sigterm, requeue, last_somewhere, more_somewhere = any_rank(
-                [self.sigterm_pending, self.requeue_pending and not self._requeued, last, not last],
-                self.strategy.root_device)
+            if agreed is None:
+                agreed = any_rank(self._flags(phase), self.strategy.root_device)
+            sigterm, requeue, last_somewhere, more_somewhere = agreed
             if last_somewhere and more_somewhere:
                 raise uneven_batches_error(phase, batch_idx, last, self.strategy.global_rank)
             if requeue:
@@ -222,6 +239,8 @@ class PipelineFaults:
         the store lives in rank 0's process, and a peer still polling it would log a failed connection."""
         if self._reporter in self.trainer.callbacks:
             self.trainer.callbacks.remove(self._reporter)
+        if self._undo_skip is not None:
+            self._undo_skip()
         if not self.failed:
             self.strategy.barrier("lightning_pipe.faults.stop")
         else:

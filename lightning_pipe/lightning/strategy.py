@@ -277,6 +277,7 @@ class PipelineStrategy(ParallelStrategy):
             self.engine.dp_handoff.optimizer_step_follows = not _compat.should_accumulate(trainer)
             self.engine.dp_handoff.zero_grad_follows = (batch_idx is None
                                                         or batch_idx % trainer.accumulate_grad_batches == 0)
+            self.engine.step_flags = self._faults.train_flags if self._faults is not None else None
         try:
             with self.engine.running(phase, batch_idx):
                 result = parent(*args, **kwargs)

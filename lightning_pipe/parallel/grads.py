@@ -63,11 +63,12 @@ class GradientSync:
     def sync(self, replicas: bool = True) -> None:
         """Average over data-parallel replicas (unless ``replicas=False``: the engine averaged them during the
         schedule), then sum the copies of tied parameters held by several stages."""
-        # (tensor parallel: each rank's local part, averaged with the same tensor rank of the other replicas)
-        grads = [local_part(p.grad) for p in self.params if p.grad is not None]
         # With FSDP the data-parallel average was FSDP's reduce ([Note: FSDP under the pipeline schedule]).
-        if replicas and self.groups.dp is not None and self.groups.shard is None and grads:
-            all_reduce_coalesced(grads, self.groups.dp, average=True)
+        if replicas and self.groups.dp is not None and self.groups.shard is None:
+            # (tensor parallel: each rank's local part, averaged with the same tensor rank of the other replicas)
+            grads = [local_part(p.grad) for p in self.params if p.grad is not None]
+            if grads:
+                all_reduce_coalesced(grads, self.groups.dp, average=True)
         for param, tie_group in self.ties:
             if param.grad is not None:  # sharded copies: the same shard of each copy, summed
                 dist.all_reduce(local_part(param.grad), group=tie_group.group)

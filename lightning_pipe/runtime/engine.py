@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -82,6 +82,7 @@ from lightning_pipe.parallel.dp_overlap import DataParallelHandoff, DataParallel
 from lightning_pipe.parallel.fsdp import reshard
 from lightning_pipe.parallel.grads import GradientSync
 from lightning_pipe.parallel.topology import ProcessGroups
+from lightning_pipe.runtime.agreement import agree_step
 from lightning_pipe.runtime.aux import AuxLossStep
 from lightning_pipe.runtime.host_reads import LossKind
 from lightning_pipe.runtime.microbatches import Microbatches, explicit_microbatches, microbatch_loss, target_count
@@ -149,6 +150,10 @@ class PipelineEngine:
                                 self._planning, self._owner, plannable=groups.shard is None and groups.tensor is None
                                 and not self.per_microbatch_updates)
         self._mb_targets: list[Any] | None = None  # explicit micro-batches' targets (trim_microbatch)
+        # The adapter's flags, agreed over the world with the step's loss ([Note: one collective at the step's end]
+        # in agreement.py); read once per step with take_agreed_flags.
+        self.step_flags: Callable[[], Sequence[bool]] | None = None
+        self._agreed: Tensor | None = None
 
     @property
     def dp_overlap(self) -> DataParallelOverlap | None:
@@ -311,6 +316,7 @@ class PipelineEngine:
         for p in self.parameters:
             p.grad = None
         self._records = []
+        self._agreed = None
         # N of [Note: token-weighted loss]: a device value under the overlapped DP sync (the replicas' mean)
         overlap, elements = self.dp_handoff.begin(saved, targets, self.groups.dp,
                                                   self.groups.topology.data_parallel_size, self.device)
@@ -366,15 +372,25 @@ class PipelineEngine:
             else:
                 packed[0] = torch.stack([r.value.double() for r in records]).sum()
                 packed[1] = torch.stack([r.count for r in records]).sum()  # type: ignore[misc]
-        if self.plan.pipeline_size > 1:
+        count: Tensor | None = None
+        if self.step_flags is not None and self.groups.topology.world_size > 1:
+            packed, count, self._agreed = agree_step(packed, self.has_last, self.step_flags(), self.groups.topology)
+        elif self.plan.pipeline_size > 1:
             dist.broadcast(packed, group=self.groups.pp, group_src=self.last_pp_rank)
         if not self._loss_kind.learn(packed[1] >= 0, len(self._records)):  # no host read after the first step
             return packed[0].float(), None
         loss = LossParts(packed[0], packed[1]).reduced().float()
-        count = packed[1].clone()
-        if self.groups.dp is not None:
-            dist.all_reduce(count, group=self.groups.dp)
+        if count is None:
+            count = packed[1].clone()
+            if self.groups.dp is not None:
+                dist.all_reduce(count, group=self.groups.dp)
         return loss, count
+
+    def take_agreed_flags(self) -> list[bool] | None:
+        """The step flags agreed with this training step's loss (``None`` if none were: the adapter agrees them
+        itself); each agreement is read once."""
+        agreed, self._agreed = self._agreed, None
+        return None if agreed is None else [bool(v) for v in agreed.tolist()]
 
     def apply_pending_grads(self) -> None:
         """Lightning's backward, in pipeline terms: add this batch's gradients to what survived zero_grad."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -56,22 +57,49 @@ class StageStream:
             self.cuda_state = torch.cuda.get_rng_state(self.cuda)
             torch.cuda.set_rng_state(base, self.cuda)
 
+    def enter(self) -> torch.Tensor:
+        """Make this stream torch's CPU generator (and the stage's CUDA one); returns what :meth:`leave` restores.
+        The per-micro-batch form of :meth:`active` (two calls, no context-manager object)."""
+        if self.cuda is not None:
+            return self._enter_cuda()
+        generator = torch.default_generator
+        base = generator.get_state()
+        generator.set_state(self.cpu_state)
+        return base
+
+    def leave(self, base: Any) -> None:
+        """Save this stream's advanced state and put back ``base`` (from :meth:`enter`)."""
+        if self.cuda is not None:
+            return self._leave_cuda(base)
+        generator = torch.default_generator
+        self.cpu_state = generator.get_state()
+        generator.set_state(base)
+
+    def _enter_cuda(self) -> Any:
+        activation = self.active()
+        activation.__enter__()
+        return activation
+
+    def _leave_cuda(self, activation: Any) -> None:
+        activation.__exit__(None, None, None)
+
     @contextlib.contextmanager
     def active(self, advance: bool = True) -> Iterator[None]:
         """Torch's default generator(s) draw from this stream inside the context; the base is restored after.
         ``advance=False``: the stream is left as it was (what was drawn inside will be drawn again)."""
         cuda = self.cuda
-        base_cpu = torch.get_rng_state()
+        generator = torch.default_generator  # torch.{get,set}_rng_state without their wrappers (per micro-batch)
+        base_cpu = generator.get_state()
         base_cuda = torch.cuda.get_rng_state(cuda) if cuda is not None else None
-        torch.set_rng_state(self.cpu_state)
+        generator.set_state(self.cpu_state)
         if cuda is not None and self.cuda_state is not None:
             torch.cuda.set_rng_state(self.cuda_state, cuda)
         try:
             yield
         finally:
             if advance:
-                self.cpu_state = torch.get_rng_state()
-            torch.set_rng_state(base_cpu)
+                self.cpu_state = generator.get_state()
+            generator.set_state(base_cpu)
             if cuda is not None and base_cuda is not None:
                 if advance:
                     self.cuda_state = torch.cuda.get_rng_state(cuda)

@@ -8,7 +8,6 @@ calls them on every stage, without asking what kind of stage it holds.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -97,20 +96,36 @@ class PipelineStage(CallHooks, ChunkShapes, _compat.GuardedPipelineStage):
             self.submod.register_forward_hook(own_outputs)
 
     # ------------------------------------------------------------------ compute, in the stage's random stream
+    # (enter / leave rather than a context manager: these run per micro-batch, and only swap two generator states)
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        with self._stream():
+        stream = self.random_stream
+        if stream is None:
             return super().forward_one_chunk(*args, **kwargs)
+        base = stream.enter()
+        try:
+            return super().forward_one_chunk(*args, **kwargs)
+        finally:
+            stream.leave(base)
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        with self._stream():
+        stream = self.random_stream
+        if stream is None:
             return super().backward_one_chunk(*args, **kwargs)
+        base = stream.enter()
+        try:
+            return super().backward_one_chunk(*args, **kwargs)
+        finally:
+            stream.leave(base)
 
     def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        with self._stream():
+        stream = self.random_stream
+        if stream is None:
             return super().backward_weight_one_chunk(*args, **kwargs)
-
-    def _stream(self) -> contextlib.AbstractContextManager:
-        return self.random_stream.active() if self.random_stream is not None else contextlib.nullcontext()
+        base = stream.enter()
+        try:
+            return super().backward_weight_one_chunk(*args, **kwargs)
+        finally:
+            stream.leave(base)
 
     def flush_update(self) -> None:
         """Apply an update that is due (per-micro-batch stages); called by the engine after each training step."""

@@ -1,0 +1,53 @@
+"""One collective per training step: the step's loss, the replicas' target count and the adapter's step flags.
+
+[Note: one collective at the step's end]
+A training step used to end in three collectives: the loss broadcast from the last stage over the pipeline group,
+the all-reduce of the target count over the replicas (token-weighted loss), and the adapter's MAX all-reduce of
+its step flags over the world (SIGTERM, SLURM requeue, "last batch here" / "more here": lightning/faults.py). Each
+is a synchronisation point that costs a round trip and any skew between the ranks. They fold into one SUM
+all-reduce over the world of a small float64 vector:
+
+* one (value, count) slot per pipeline, i.e. per (data-parallel index, tensor rank): written by that pipeline's
+  last stage only, zeros everywhere else. A sum of one value and zeros is that value, bit for bit, so every rank
+  reads exactly what the broadcast gave it (a mean loss has count -1, as before);
+* the replicas' target count is the sum of the count column over the data-parallel indices at this rank's tensor
+  rank: the sum the count all-reduce computed;
+* the flags, as 0 / 1: a sum > 0 is "set on some rank", what the MAX computed.
+
+Every rank of the world runs the same training steps (that is what the flags check), so every rank reaches this
+all-reduce at the same point where it reached the broadcast before. The agreed flags stay a tensor until the adapter
+reads them, after the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_pipe.parallel.topology import Topology
+
+
+def agree_step(local: Tensor, is_last: bool, flags: Sequence[bool],
+               topology: Topology) -> tuple[Tensor, Tensor, Tensor]:
+    """``local``: this rank's ``(value, count)`` (float64; read only where ``is_last``). Returns this pipeline's
+    ``(value, count)``, the count summed over the replicas, and the flags set on any rank (bool tensor)."""
+    tp = topology.tensor_parallel_size
+    slots = topology.dp_degree * tp
+    mine = topology.dp_rank * tp + topology.tp_rank
+    packed = torch.zeros(2 * slots + len(flags), dtype=torch.float64, device=local.device)
+    if is_last:
+        packed[2 * mine:2 * mine + 2] = local
+    if flags:
+        packed[2 * slots:] = torch.tensor([1.0 if f else 0.0 for f in flags], dtype=torch.float64,
+                                          device=local.device)
+    dist.all_reduce(packed)
+    pairs = packed[:2 * slots].view(topology.dp_degree, tp, 2)
+    own = pairs[topology.dp_rank, topology.tp_rank].clone()
+    total = pairs[:, topology.tp_rank, 1].sum()
+    return own, total, packed[2 * slots:] > 0
+
+
+__all__ = ["agree_step"]
