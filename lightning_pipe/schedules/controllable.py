@@ -55,7 +55,6 @@ from lightning_pipe._compat import torch as _compat
 from lightning_pipe.config import PipelineConfig, config_error
 from lightning_pipe.runtime.spec import SchedulePlan, ScheduleSpec
 
-
 HEAVY_LAST_STAGE = 1.5
 """Between orders of equal bubble and peak, prefer the one whose rank 0 would peak lowest if the last stage (head,
 logits, loss) weighed this many times what ``weights`` say ([Note: memory-capped V schedules])."""
