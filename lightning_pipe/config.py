@@ -123,8 +123,9 @@ class PipelineConfig:
     """Ranks each layer is split over with tensor parallelism (the module's ``parallelize_layer`` hook, DTensor
     ``parallelize_module``); 1: none. They read the same data (docs/parallelism.md)."""
     partition: PartitionSpec = "uniform"
-    """How layers go to stages: ``"uniform"`` (equal counts), ``"parameters"`` (balanced parameter counts),
-    ``"time"`` / ``"memory"`` (measured at setup: the split of the chosen schedule with the fastest predicted step /
+    """How layers go to stages: ``"uniform"`` (equal counts), ``"parameters"`` (balanced parameter counts: a
+    trainable parameter counts 4, a frozen one 1, as their weight, gradient and AdamW state weigh), ``"time"`` /
+    ``"memory"`` (measured at setup: the split of the chosen schedule with the fastest predicted step /
     the smallest predicted peak memory, docs/planner.md), or explicit per-stage layer counts such as ``[3, 5]``."""
     stages_per_rank: int | None = None
     """Stages each rank holds. ``None``: the schedule's default (1 for ``gpipe`` / ``1f1b``; 2 for

@@ -12,8 +12,13 @@ from collections.abc import Iterator
 
 import pytest
 import torch.distributed as dist
-from lightning.pytorch.utilities import rank_zero as pl_rank_zero
-from lightning_utilities.core import rank_zero as utilities_rank_zero
+
+from tests.lean_imports import skip_torchmetrics_extras
+
+skip_torchmetrics_extras()  # before Lightning imports torchmetrics: [Note: lean test imports]
+
+from lightning.pytorch.utilities import rank_zero as pl_rank_zero  # noqa: E402
+from lightning_utilities.core import rank_zero as utilities_rank_zero  # noqa: E402
 
 # Today Lightning re-exports lightning_utilities' function (one object); restore both in case they ever diverge.
 _RANK_ZERO_ONLY = {id(fn): fn for fn in (pl_rank_zero.rank_zero_only, utilities_rank_zero.rank_zero_only)}

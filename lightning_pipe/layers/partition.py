@@ -99,14 +99,21 @@ def counts_of(ranges: Sequence[range]) -> tuple[int, ...]:
     return tuple(len(r) for r in ranges)
 
 
+TRAINABLE_WEIGHT = 4
+"""What a trainable parameter element counts for ``partition="parameters"`` against a frozen one's 1: the weight,
+its gradient and AdamW's two moments, against the weight alone (no gradient, no optimizer state)."""
+
+
 def layer_param_counts(layers: Iterable[nn.Module]) -> list[int]:
-    """Parameters per layer for ``partition="parameters"``; a tied parameter counts once (in its first layer)."""
+    """Weighted parameters per layer for ``partition="parameters"``: the rule balances the memory parameters cost,
+    so a frozen element counts 1 and a trainable one ``TRAINABLE_WEIGHT``; a tied parameter counts once (in its
+    first layer). Only the ratio matters: a model with nothing frozen splits as by plain counts."""
     seen: set[int] = set()
     counts = []
     for layer in layers:
         fresh = [p for p in layer.parameters() if id(p) not in seen]
         seen.update(id(p) for p in fresh)
-        counts.append(sum(p.numel() for p in fresh))
+        counts.append(sum(p.numel() * (TRAINABLE_WEIGHT if p.requires_grad else 1) for p in fresh))
     return counts
 
 

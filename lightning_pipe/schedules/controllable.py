@@ -25,7 +25,19 @@ among these candidates, each a plain list order:
   ``cap - 1``: the last unit is kept for a second-leg forward, without which a rank full of first-leg
   micro-batches waits on itself), a W (oldest first). It never exceeds the cap, so a candidate always exists.
 
-Candidates whose peak exceeds the cap are dropped. At p = 4, m = 8 this gives V-Half 18.6 % bubble (1F1B 27.3 %,
+Candidates whose peak exceeds the cap are dropped; among the rest the least bubble wins, then the least peak, then
+the least peak of rank 0 with the last stage weighing ``HEAVY_LAST_STAGE`` (1.5) units. *Why the last tie-break*:
+rank 0 holds the first stage and the last, whose head, logits and loss weigh more than a block (bench/memory.py's
+GPT: 1.376 units). The greedy order holds two first-stage units next to the last stage's (3.376 units: 0.42 of
+1F1B's peak there, measured 0.425); a repeated block of equal bubble holds one (2.376: 0.30). A search over 24
+greedy variants (priority of I / F / W, leg order, the reserve, W order) found no order with less bubble under the
+caps at p = 2..8, m = 8..32 than these candidates give.
+
+*Weighted units* (``schedule.options.last_stage_weight``, default 1): the last stage counts that many units in the
+cap itself (greedy rule and filter), for a model whose head outweighs a block. It may cost bubble (V-Half, p = 4,
+m = 8, weight 1.376: 18.6 % -> 36.0 %, rank 0 within p units); rank 0 needs room for 1 + weight units.
+
+At p = 4, m = 8 this gives V-Half 18.6 % bubble (1F1B 27.3 %,
 ZB-V 5.9 %) and V-Min 48.9 %: the memory/bubble trade-off of the paper; V-Min only pays off against 1F1B at larger p
 and m (numbers: tests/unit/test_controllable.py, docs/schedules.md). Every order is checked like a custom
 schedule's (placement, completeness, no deadlock: ``simulate``; torch's ``_validate_schedule`` and send/receive
@@ -42,6 +54,10 @@ from typing import Any
 from lightning_pipe._compat import torch as _compat
 from lightning_pipe.config import PipelineConfig, config_error
 from lightning_pipe.runtime.spec import SchedulePlan, ScheduleSpec
+
+HEAVY_LAST_STAGE = 1.5
+"""Between orders of equal bubble and peak, prefer the one whose rank 0 would peak lowest if the last stage (head,
+logits, loss) weighed this many times what ``weights`` say ([Note: memory-capped V schedules])."""
 
 
 def memory_cap(name: str, pipeline_size: int) -> int:
@@ -81,37 +97,54 @@ def repeated_block_order(pipeline_size: int, microbatches: int, period: int) -> 
     return tuple(tuple(a for _, a in sorted(row)) for row in timed)
 
 
+def stage_weights(pipeline_size: int, last_stage_weight: float = 1.0) -> tuple[float, ...]:
+    """Units per micro-batch of each of the 2p stages: 1, and ``last_stage_weight`` for the last ([Note:
+    memory-capped V schedules], *Weighted units*)."""
+    return (1.0,) * (2 * pipeline_size - 1) + (float(last_stage_weight),)
+
+
 @lru_cache(maxsize=64)
-def capped_v_order(pipeline_size: int, microbatches: int, cap: int) -> tuple[tuple[str, ...], ...]:
-    """The order with the least simulated bubble among the candidates whose peak is at most ``cap`` units."""
+def capped_v_order(pipeline_size: int, microbatches: int, cap: float,
+                   weights: tuple[float, ...] | None = None) -> tuple[tuple[str, ...], ...]:
+    """The order with the least simulated bubble among the candidates whose peak is at most ``cap`` units
+    (``weights``: units per micro-batch of each stage, default 1 each)."""
     from lightning_pipe.schedules.simulate import compile_order, peak_activations, simulate
 
     p, m = pipeline_size, microbatches
-    candidates = [greedy_v_order(p, m, cap)]
+    held = list(weights) if weights is not None else [1.0] * (2 * p)
+    candidates = [greedy_v_order(p, m, cap, weights)]
     candidates += [repeated_block_order(p, m, period) for period in range(6, 6 + 2 * p + 1)]
-    best: tuple[float, float, tuple[tuple[str, ...], ...]] | None = None
+    heavy = [*held[:-1], held[-1] * HEAVY_LAST_STAGE]  # the tie-break's weights
+    best: tuple[tuple[float, float, float], tuple[tuple[str, ...], ...]] | None = None
     for rows in candidates:
         order = {r: [_compat.parse_action(a) for a in row] for r, row in enumerate(rows)}
-        peak = max(peak_activations(compile_order(order, 2 * p), [1.0] * (2 * p)))
-        if peak > cap:
+        compiled = compile_order(order, 2 * p)
+        peak = max(peak_activations(compiled, held))
+        if peak > cap + 1e-9:
             continue
-        bubble = simulate(order, 2 * p).bubble
-        if best is None or (bubble, peak) < best[:2]:
-            best = (bubble, peak, rows)
+        # least bubble, then least peak, then least peak of rank 0 if the last stage weighs more than assumed
+        key = (round(simulate(order, 2 * p).bubble, 9), peak, peak_activations(compiled, heavy)[0])
+        if best is None or key < best[0]:
+            best = (key, rows)
     assert best is not None, "the greedy candidate never exceeds the cap"
-    return best[2]
+    return best[1]
 
 
-def greedy_v_order(pipeline_size: int, microbatches: int, cap: int) -> tuple[tuple[str, ...], ...]:
+def greedy_v_order(pipeline_size: int, microbatches: int, cap: float,
+                   weights: tuple[float, ...] | None = None) -> tuple[tuple[str, ...], ...]:
     """Per-rank compute actions (``"<stage><F|I|W><mb>"``) of the greedy order under the cap ([Note: memory-capped
-    V schedules]). Raises ``ValueError`` when the rule stops making progress (it does not for cap >= 2)."""
+    V schedules]). Raises ``ValueError`` unless every rank has room for one micro-batch of both its stages (then
+    the rule always makes progress)."""
     p, m = pipeline_size, microbatches
-    if cap < 2:
-        raise ValueError(f"a V order needs room for two units per rank, got cap={cap}")
+    w = list(weights) if weights is not None else [1.0] * (2 * p)
     last = 2 * p - 1
+    need = max(w[r] + w[last - r] for r in range(p))
+    if cap < need - 1e-9:
+        raise ValueError(f"a V order needs room for one micro-batch of both stages of a rank ({need:g} units, two "
+                         f"units when every stage weighs one), got cap={cap:g}")
     done: dict[tuple[str, int, int], int] = {}  # (kind, stage, mb) -> finish time
     nxt = {(k, s): 0 for k in "FIW" for s in range(2 * p)}  # next micro-batch per (kind, stage)
-    live = [0] * p
+    live = [0.0] * p
     orders: list[list[str]] = [[] for _ in range(p)]
 
     def ready(key: tuple[str, int, int], t: int) -> bool:
@@ -134,8 +167,8 @@ def greedy_v_order(pipeline_size: int, microbatches: int, cap: int) -> tuple[tup
             if pick is None:
                 for s in (second, first):
                     j = nxt[("F", s)]
-                    room = cap - (1 if s == first else 0)
-                    if j < m and live[r] < room and (s == 0 or ready(("F", s - 1, j), t)):
+                    room = cap - (w[second] if s == first else 0.0)
+                    if j < m and live[r] + w[s] <= room + 1e-9 and (s == 0 or ready(("F", s - 1, j), t)):
                         pick = ("F", s, j)
                         break
             if pick is None:
@@ -151,7 +184,7 @@ def greedy_v_order(pipeline_size: int, microbatches: int, cap: int) -> tuple[tup
         for r, (kind, s, j) in started:
             done[(kind, s, j)] = t + 1
             nxt[(kind, s)] += 1
-            live[r] += 1 if kind == "F" else -1 if kind == "W" else 0
+            live[r] += w[s] if kind == "F" else -w[s] if kind == "W" else 0.0
             orders[r].append(f"{s}{kind}{j}")
             remaining -= 1
         t += 1
@@ -170,10 +203,30 @@ def resolve(spec: ScheduleSpec, config: PipelineConfig, pipeline_size: int) -> S
     if m < 1:
         raise config_error(f"Schedule '{spec.name}' needs at least one micro-batch.", f"microbatches={m}",
                            "microbatches")
-    rows = capped_v_order(pipeline_size, m, memory_cap(spec.name, pipeline_size))
+    cap, weight = memory_cap(spec.name, pipeline_size), last_stage_weight(spec, config)
+    if 1.0 + weight > cap:
+        raise config_error(
+            f"Schedule '{spec.name}' at pipeline size {pipeline_size} caps a rank at {cap} units; rank 0 must hold "
+            "one micro-batch of its first stage (1 unit) and of the last stage (last_stage_weight units) at once.",
+            f"last_stage_weight={weight:g}, cap={cap}", "schedule_options",
+            f"set schedule.options.last_stage_weight <= {cap - 1}, or choose v_half / a larger pipeline")
+    rows = capped_v_order(pipeline_size, m, cap, stage_weights(pipeline_size, weight) if weight != 1.0 else None)
     actions = [[_compat.parse_action(a) for a in row] for row in rows]
     validate_actions(actions, pipeline_size, m, "v", 2)
     return SchedulePlan(spec, pipeline_size, 2, m, actions=tuple(tuple(row) for row in actions))
+
+
+def last_stage_weight(spec: ScheduleSpec, config: PipelineConfig) -> float:
+    """``schedule.options.last_stage_weight``: the last stage's activations per micro-batch in units of another
+    stage's (default 1)."""
+    value = config.schedule_options.get("last_stage_weight", 1.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise config_error(
+            f"Schedule '{spec.name}' reads last_stage_weight as a positive number: the last stage's activations per "
+            "micro-batch relative to another stage's (its head, logits and loss weigh more).",
+            f"schedule_options last_stage_weight={value!r}", "schedule_options",
+            "e.g. schedule.options.last_stage_weight=1.4")
+    return float(value)
 
 
 def build(plan: SchedulePlan, stages: list[Any], loss_fn: Callable[..., Any]) -> Any:
@@ -196,6 +249,7 @@ def _spec(name: str, what: str) -> ScheduleSpec:
     return ScheduleSpec(name, _compat.PipelineScheduleRuntime, what, multi_stage=True, placement="v",
                         default_stages_per_rank=2, allowed_stages_per_rank=(2,), min_microbatches="none",
                         resolve=resolve, build=build, theory_bubble=_bubble(name), split_backward=True,
+                        options=("last_stage_weight",),
                         # the runtime, the action kinds and the V placement of zbv / custom (verified with TP)
                         tensor_parallel=True)
 

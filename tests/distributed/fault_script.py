@@ -143,8 +143,9 @@ def main(out: Path, mode: str, opts: dict[str, Any]) -> None:
 def start(out: Path, mode: str, **opts: Any) -> subprocess.Popen:
     """Start the script (rank 0; it launches rank 1) in its own session; output in ``out/log``."""
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    from tests.distributed.launcher import child_env
+
+    env = child_env()
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
         env.pop(key, None)  # the script is the main process: Lightning launches the other rank itself
     log = open(out / "log", "w")

@@ -41,10 +41,12 @@ Run = tuple[str, Case]  # (scenario name, case)
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    """The environment of every process a test starts: the repo root importable (``tests``, ``recipes``), one thread."""
+    """The environment of every process a test starts: the repo root importable (``tests``, ``recipes``), one thread,
+    and ``tests/site`` (its ``sitecustomize``: [Note: lean test imports] in ``tests/lean_imports.py``)."""
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}", **extra)
+               PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests" / "site"), env.get("PYTHONPATH", "")]),
+               **extra)
     return env
 
 

@@ -6,13 +6,40 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from tests.distributed.scenarios.training import TOKEN_WEIGHTED, TrainingCase, run_training
+from tests.distributed.scenarios.training import TOKEN_WEIGHTED, TrainingCase, TrainingResult, run_training
 
 ATOL = 1e-5  # fp32, several optimizer steps: pipeline and one device differ only in reduction order
+
+# [Note: one reference per one-device run]
+# The one-device reference (``run_training(case, pipeline=False)``) reads none of these fields; the data-parallel
+# and FSDP sizes only as the batch they multiply (read training.py's ``run_training`` and ``_trainer`` before adding
+# a field that the reference reads to this list). Cases equal on the rest share one reference run per pytest
+# process: many parity cases vary the pipeline only (the tensor-parallel launch alone had 11 schedules on 4 runs),
+# and each reference is a whole Lightning fit / validate / test on one device, run in the test process.
+PIPELINE_ONLY = ("schedule", "microbatches", "fsdp_reshard", "tp", "stages_per_rank", "partition",
+                 "schedule_options", "recompute", "offload", "dp_overlap", "seed_per_rank", "skewed_init",
+                 "rank_limits", "check_grad_norms", "expect_error")
+_REFERENCES: dict[str, TrainingResult] = {}
+reference_runs = {"computed": 0, "shared": 0}
+
+
+def reference(case: TrainingCase) -> TrainingResult:
+    """``case`` trained on one device, computed once per distinct one-device run (callers must not modify it)."""
+    defaults = TrainingCase()
+    one_device = replace(case, **{name: getattr(defaults, name) for name in PIPELINE_ONLY},
+                         dp=1, fsdp=1, batch=case.batch * case.dp * case.fsdp)
+    key = repr(one_device)
+    if key in _REFERENCES:
+        reference_runs["shared"] += 1
+    else:
+        reference_runs["computed"] += 1
+        _REFERENCES[key] = run_training(one_device, pipeline=False)
+    return _REFERENCES[key]
 
 Results = Sequence[Sequence[Mapping[str, Any]]]
 
@@ -42,7 +69,7 @@ def assert_same(got: Mapping[str, Any], want: Mapping[str, Any], atol: float, wh
 def assert_case_parity(results: Results, case_idx: int, case: TrainingCase) -> None:
     """Train ``case`` on one device and compare: every parameter of every replica, the logged losses, validation and
     test losses, predictions, hook call counts and (``case.check_grad_norms``) the gradient norms before each step."""
-    ref = run_training(case, pipeline=False)
+    ref = reference(case)
     for dp_rank in range(case.dp * case.fsdp):  # every replica, every FSDP shard rank (gathered whole)
         got = merge_replica(results, case_idx, dp_rank)
         assert sorted(got) == sorted(ref["params"]), "every parameter lives on exactly one stage"

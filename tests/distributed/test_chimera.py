@@ -19,11 +19,10 @@ from lightning_pipe import checkpoint as ckpt_lib
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.schedules import compute_order, plan_schedule
 from tests.distributed.launcher import launch, launch_runs
-from tests.distributed.parity import ATOL, assert_case_parity, assert_same, merge_replica
+from tests.distributed.parity import ATOL, assert_case_parity, assert_same, merge_replica, reference
 from tests.distributed.scenarios import CheckpointCase, TraceCase, TrainingCase
 from tests.distributed.scenarios.checkpoint import optimizer_by_name, run_reference
 from tests.distributed.scenarios.hardening import HardeningCase
-from tests.distributed.scenarios.training import run_training
 from tests.distributed.test_hardening import MASKED, VARLEN, assert_parity
 from tests.distributed.test_precision import FP16_TOL
 from tests.models import ToyRegressor
@@ -95,7 +94,7 @@ def test_chimera_matches_single_device(tmp_path) -> None:
 
 def check_fp16(results: list[list[Any]], i: int, case: TrainingCase) -> None:
     """As tests/distributed/test_precision.py: 2 fp16 ulps, and every rank's loss scale moves as on one device."""
-    ref = run_training(case, pipeline=False)
+    ref = reference(case)
     assert_same(merge_replica(results, i), ref["params"], FP16_TOL, "chimera fp16")
     for rank in results:
         assert rank[i]["scales"] == ref["scales"] and ref["scales"][:2] == [2.0**16, 2.0**15]

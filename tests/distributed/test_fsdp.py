@@ -15,11 +15,10 @@ import torch
 
 from lightning_pipe import checkpoint as ckpt_lib
 from tests.distributed.launcher import launch_runs
-from tests.distributed.parity import assert_case_parity, assert_same, merge_replica
+from tests.distributed.parity import assert_case_parity, assert_same, merge_replica, reference
 from tests.distributed.scenarios import CheckpointCase, TrainingCase
 from tests.distributed.scenarios.checkpoint import optimizer_by_name, run_reference
 from tests.distributed.scenarios.fsdp import FsdpCountCase
-from tests.distributed.scenarios.training import run_training
 from tests.models import ToyRegressor
 
 pytestmark = [pytest.mark.parity, pytest.mark.distributed]
@@ -101,7 +100,7 @@ def test_fsdp_mixed_precision_matches_single_device(pp2_fsdp2: dict[str, Any]) -
     first = len(TRAINING) + 2 + len(COUNTS)
     res = pp2_fsdp2["results"]
     for i, (case, tol) in enumerate(PRECISION, start=first):
-        ref = run_training(case, pipeline=False)
+        ref = reference(case)
         for dp_rank in range(2):
             got = merge_replica(res, i, dp_rank)
             for name, want in ref["params"].items():

@@ -17,7 +17,7 @@ import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
 from lightning_pipe import PipelineStrategy
-from tests.distributed.launcher import REPO, _free_port
+from tests.distributed.launcher import REPO, _free_port, child_env
 from tests.distributed.multinode_data import STEPS, make_model, reference_loader
 
 TIMEOUT_S = 240
@@ -36,8 +36,7 @@ def _reference() -> dict[str, torch.Tensor]:
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_two_torchrun_nodes_train_pipeline_times_replicas_like_one_device(tmp_path: Path) -> None:
     port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env = child_env()
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
         env.pop(key, None)
     procs, logs = [], []

@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from tests.distributed.launcher import launch
-from tests.distributed.parity import merge_replica
+from tests.distributed.parity import merge_replica, reference
 from tests.distributed.scenarios import TrainingCase
-from tests.distributed.scenarios.training import run_training
 
 pytestmark = [pytest.mark.parity, pytest.mark.distributed]
 
@@ -48,7 +47,7 @@ def test_precisions_recompute_and_offload_match_single_device(tmp_path):
     cases = [case for case, _ in CASES]
     results = launch("training", 2, cases, tmp_path, timeout=450)
     for i, (case, tol) in enumerate(CASES):
-        ref = run_training(case, pipeline=False)
+        ref = reference(case)
         got = merge_replica(results, i)
         for name, want in ref["params"].items():
             assert got[name].dtype == want.dtype

@@ -23,11 +23,10 @@ import torch
 
 from lightning_pipe import checkpoint as ckpt_lib
 from tests.distributed.launcher import launch_runs
-from tests.distributed.parity import ATOL, assert_case_parity, assert_same, merge_replica
+from tests.distributed.parity import ATOL, assert_case_parity, assert_same, merge_replica, reference
 from tests.distributed.scenarios import CheckpointCase, TrainingCase
 from tests.distributed.scenarios.checkpoint import optimizer_by_name, run_reference
 from tests.distributed.scenarios.fsdp import FsdpCountCase
-from tests.distributed.scenarios.training import run_training
 from tests.distributed.test_chimera import check as chimera_check
 from tests.distributed.test_pipedream import check as pipedream_check
 from tests.distributed.test_precision import BF16_TOL, FP16_TOL
@@ -260,7 +259,7 @@ def test_pipeline1_x_fsdp2_x_tensor2_matches_single_device(pp2_tp2: list[list[di
 def test_fsdp_x_tensor_parallel_mixed_precision_matches_single_device(pp2_tp2: list[list[dict[str, Any]]],
                                                           pp2_tp2_at: dict[str, int]) -> None:
     for i, (case, tol) in enumerate(FSDP_PRECISION, start=pp2_tp2_at["fsdp_precision"]):
-        ref = run_training(case, pipeline=False)
+        ref = reference(case)
         for dp_rank in range(case.fsdp):
             got = merge_replica(pp2_tp2, i, dp_rank)
             assert sorted(got) == sorted(ref["params"])
@@ -320,7 +319,7 @@ def test_pipeline2_x_tensor2_mixed_precision_within_rounding(pp2_tp2: list[list[
     results = pp2_tp2
     for i, case in enumerate(BF16, start=pp2_tp2_at["precision"]):
         tol = BF16_TOL if case.precision == "bf16-mixed" else FP16_TOL
-        ref = run_training(case, pipeline=False)
+        ref = reference(case)
         got = merge_replica(results, i)
         for name, want in ref["params"].items():
             assert got[name].dtype == want.dtype == torch.float32  # fp32 weights under mixed precision

@@ -19,6 +19,8 @@ from bench.gpu.common import REPO, SYNC_MESSAGE, SyncCounter
 from bench.gpu.driver import SMOKE_CASES
 
 HIDE_HYDRA = '''import sys
+from tests.lean_imports import skip_torchmetrics_extras  # as tests/site/sitecustomize.py does elsewhere
+skip_torchmetrics_extras()
 class _Absent:
     """As on the GPU machine: hydra-core and omegaconf are not installed."""
     @staticmethod

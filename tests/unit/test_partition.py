@@ -72,5 +72,22 @@ def test_parameter_partition_counts_a_tied_weight_once():
     from tests.models import ToyRegressor
 
     counts = _param_counts(ToyRegressor(n_layers=4, tied=True).layers)
-    assert counts[0] == 4 * 8 + 8  # the input projection owns the tied weight
-    assert counts[-1] == 4  # the tied head adds only its bias
+    assert counts[0] == 4 * (4 * 8 + 8)  # the input projection owns the tied weight (trainable: 4 per element)
+    assert counts[-1] == 4 * 4  # the tied head adds only its bias
+
+
+def test_parameter_partition_counts_a_frozen_parameter_a_quarter() -> None:
+    """A frozen element costs its weight only; a trainable one its weight, gradient and AdamW's two moments."""
+    from torch import nn
+
+    from lightning_pipe.layers.partition import layer_param_counts
+
+    layers = [nn.Linear(10, 10, bias=False) for _ in range(8)]
+    assert layer_param_counts(layers) == [400] * 8
+    for layer in layers[:6]:
+        layer.requires_grad_(False)
+    counts = layer_param_counts(layers)
+    assert counts == [100] * 6 + [400] * 2
+    # two stages: six frozen | two trainable (600 | 800) is the best split; plain counts would split 4 | 4
+    assert [len(r) for r in partition_layers(8, 2, "parameters", counts)] == [6, 2]
+    assert [len(r) for r in partition_layers(8, 2, "parameters", [100] * 8)] == [4, 4]

@@ -33,7 +33,10 @@ micro-batch ``j`` of batch ``b`` (``k`` counts the stage's updates; all stages c
   extrapolation spans). Stages with ``tau_s = 0`` keep no ``delta``.
 
 Defaults (``DEFAULT_WARMUP``, ``DEFAULT_DECAY``): both techniques on, ``K = 1000`` updates, ``D = 0.1``. The form of
-both rules is the paper's; the two numbers are our choice, not read from its text (no copy was at hand): the paper
+both rules is the paper's; the two numbers are our choice, not read from its text. Searched again on 2026-12-02
+(the stored web pages, documentation and code corpora: queries on PipeMare's warm-up, annealing, discrepancy
+correction, decay, arXiv 1910.05124): only its abstract and title turned up (a documents.pub copy's first page,
+paperswithcode's method entry), no hyper-parameter, so nothing could be confirmed and ours stay: the paper
 anneals over a warm-up it states in epochs of its ResNet/Transformer runs, which has no unit here, and 1000 updates
 is a short warm-up for a small model (the tiny GPT recipe makes 1200 per stage); ``D = 0.1`` keeps the estimate
 close to the last ``tau_s`` steps, the smallest window that still averages out one noisy step.
