@@ -226,7 +226,10 @@ class CausalLMDecoderLayer(HFLayer):
         position_ids = rest[1] if len(rest) > 1 else _default_position_ids(hidden)
         if len(rest) > 2:  # packed rows: the mask transformers builds from position resets ([Note: packed rows])
             attention_mask = None
-        mask = _make_mask(self.attention_type, self.config, hidden, attention_mask, position_ids)
+        # On meta tensors (the shape planner: [Note: shapes without re-inference]) the mask's values cannot be read
+        # (transformers inspects them), and no output shape depends on them: plan with the causal path.
+        mask = (None if hidden.is_meta
+                else _make_mask(self.attention_type, self.config, hidden, attention_mask, position_ids))
         kwargs: dict[str, Any] = {"attention_mask": mask, "position_ids": position_ids, "use_cache": False}
         if self.rotary_emb is not None:
             kwargs["position_embeddings"] = self.rotary_emb(hidden, position_ids)
