@@ -16,16 +16,6 @@ be wiped by the zero_grad that follows. Instead of skipping Lightning's zero_gra
 schedule (a pointer swap, no copy) and the strategy's ``backward`` puts them back, adding to what survived
 zero_grad. Every hook fires where it fires on one device, and accumulation stays exact.
 
-[Note: re-inference on a new shape]
-Torch sizes its P2P receive buffers by shape inference on the first step and again only on a train/eval switch; a
-batch of another shape would land in the old buffers (wrong outputs in evaluation, a crash in training). The engine
-keys what torch last inferred by the batch's :class:`Signature` and makes torch infer again when it changes; the
-ranks of a pipeline read the same batch, so they agree. With a shape planner ([Note: shapes without re-inference]
-in shapes.py) the key is the signature's *structure* (mode, each tensor's rank, dtype and requires_grad): a new
-length costs no inference, only planned shapes. Without one (torch 2.11, FSDP / tensor-parallel stages, a forward
-that does not run on meta tensors) the key holds every shape, and a new shape costs about one micro-batch's forward
-and backward per stage (docs/module-contract.md).
-
 [Note: shape inference has no side effects]
 Torch's inference runs each stage for real, in the module's current mode: BatchNorm would update its running
 statistics (later stages on stand-in inputs) and count a batch too many. The stages are
@@ -53,7 +43,6 @@ averaged fresh gradients after the wait, which is exact only if it is the same o
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -71,21 +60,19 @@ from lightning_pipe.layers.batches import (
     input_args,
     is_structured,
     loss_parts,
-    pad_rows,
     select_rows,
     signature,
     target_elements,
-    trim_rows,
 )
 from lightning_pipe.layers.stages import StageModule
 from lightning_pipe.parallel.dp_overlap import DataParallelHandoff, DataParallelOverlap
-from lightning_pipe.parallel.fsdp import reshard
 from lightning_pipe.parallel.grads import GradientSync
 from lightning_pipe.parallel.topology import ProcessGroups
 from lightning_pipe.runtime.agreement import agree_step
 from lightning_pipe.runtime.aux import AuxLossStep
+from lightning_pipe.runtime.evaluation import eval_loss, eval_output
 from lightning_pipe.runtime.host_reads import LossKind
-from lightning_pipe.runtime.microbatches import Microbatches, explicit_microbatches, microbatch_loss, target_count
+from lightning_pipe.runtime.microbatches import explicit_microbatches, target_count
 from lightning_pipe.runtime.rng import StageStream
 from lightning_pipe.runtime.shape_book import ShapeBook
 from lightning_pipe.runtime.shapes import first_inputs, shapes_of
@@ -248,7 +235,7 @@ class PipelineEngine:
         if self.phase == "train":
             return self._train_step(module, batch)
         if self.phase in ("validate", "test", "predict"):
-            return self._eval_loss(module, batch)
+            return eval_loss(self, module, batch)
         raise RuntimeError(
             "compute_loss was called outside a Lightning step (training_step / validation_step / test_step). "
             "Under PipelineStrategy the model is split across ranks, so every rank must run the same step."
@@ -257,11 +244,7 @@ class PipelineEngine:
     def output(self, module: PipelineModel, batch: Any) -> Any:
         if self.phase == "train":
             raise RuntimeError("compute_output runs forward only; in training_step use compute_loss(batch).")
-        inputs, target = module.split_batch(batch)
-        args = input_args(inputs, self._owner)
-        out = self._forward_only(args, explicit_microbatches(module, inputs, args, target, self.plan.microbatches,
-                                                             self._owner))
-        return self._broadcast_object(out)
+        return eval_output(self, module, batch)
 
     # ------------------------------------------------------------------ training
     def _check_rows(self, rows: int, what: str) -> int:
@@ -427,75 +410,3 @@ class PipelineEngine:
         that keep weight versions stash the current ones ([Note: weight versions in a stage] in schedules/pipedream/stages.py)."""
         for stage in self.stages:
             stage.stash_live()
-
-    # ------------------------------------------------------------------ forward only
-    def _forward_only(self, args: tuple[Tensor, ...], mbs: Microbatches | None = None) -> Any:
-        """The last stage's outputs for ``args`` (a list of the micro-batches' outputs for explicit ``mbs``)."""
-        m, rows = self.plan.microbatches, args[0].shape[0]
-        if mbs is not None:
-            sig = signature("eval", mbs.args[0], mbs.args[0][0].shape[0])
-            self.shapes.use(sig, shapes_of(mbs.args), explicit=True)
-            padded = m
-        else:
-            sig = signature("eval", args, math.ceil(rows / m))
-            known = self.shapes.signature
-            if (self.shapes.planner is None and known is not None and known.rows > sig.rows
-                    and known == sig.with_rows(known.rows)):
-                sig = known  # a short last batch: pad to the shape torch already knows
-            padded = sig.rows * m
-            self.shapes.use(sig, first_inputs(pad_rows(args, padded), m), explicit=False)
-        # Torch's shape inference for an FSDP stage clears its .grad (stage.py, _post_metadata_inference_cleanup):
-        # validation in the middle of gradient accumulation must not lose the accumulated gradients.
-        kept = [p.grad for p in self.parameters]
-        # Lightning evaluates under inference_mode; torch's P2P buffers must stay ordinary tensors so that the
-        # next training step can reuse them, so run under no_grad instead.
-        with torch.inference_mode(False), torch.no_grad(), _compat.forward_only_actions(self.schedule), \
-                named_p2p_failures(), (SplitOverride(self.schedule, mbs.args if self.has_first else None,
-                                                                    m, keep_chunks=True)
-                                       if mbs is not None else contextlib.nullcontext()):
-            step_args = pad_rows(args, padded) if self.has_first and mbs is None else ()
-            dummy_target = torch.zeros(padded, device=self.device) if self.has_last else None
-            out = self.schedule.eval(*step_args, target=dummy_target)
-        self.shapes.planned = None
-        # FSDP: gathered weights would be stale after the next step ([Note: FSDP under the pipeline schedule])
-        reshard(self.stage_modules)
-        for p, grad in zip(self.parameters, kept):
-            p.grad = grad
-        if not self.has_last:
-            return None
-        return out if mbs is not None else trim_rows(out, rows)
-
-    def _eval_loss(self, module: PipelineModel, batch: Any) -> Tensor:
-        inputs, target = module.split_batch(batch)
-        if target is None:
-            raise ValueError(f"compute_loss needs a target, but {self._owner}.split_batch returned None for it.")
-        args = input_args(inputs, self._owner)
-        mbs = explicit_microbatches(module, inputs, args, target, self.plan.microbatches, self._owner)
-        out = self._forward_only(args, mbs)
-        if self.has_last:
-            with torch.inference_mode(False), torch.no_grad():
-                loss = (microbatch_loss(module.loss_fn, out, mbs, self._owner) if mbs is not None else
-                        loss_parts(module.loss_fn(out, target), self._owner).reduced()).detach().float()
-        else:
-            loss = torch.zeros((), device=self.device)
-        return self._broadcast_loss(loss)
-
-    # ------------------------------------------------------------------ communication helpers
-    def _broadcast_loss(self, loss: Tensor) -> Tensor:
-        """The loss exists on the last stage; loggers live on rank 0: give every rank the same value."""
-        loss = loss.detach().to(self.device, torch.float32).reshape(())
-        if self.plan.pipeline_size > 1:
-            loss = loss.contiguous()
-            dist.broadcast(loss, group=self.groups.pp, group_src=self.last_pp_rank)
-        return loss
-
-    def _broadcast_object(self, obj: Any) -> Any:
-        if self.plan.pipeline_size == 1:
-            return obj
-        holder = [obj if self.has_last else None]
-        if self.has_last and isinstance(obj, Tensor):
-            holder = [obj.cpu()]
-        dist.broadcast_object_list(holder, group=self.groups.pp, group_src=self.last_pp_rank,
-                                   device=self.device if self.device.type == "cuda" else None)
-        out = holder[0]
-        return out.to(self.device) if isinstance(out, Tensor) else out

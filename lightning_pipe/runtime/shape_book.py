@@ -1,8 +1,18 @@
 """What this rank's torch stages are shaped for, and how a batch of another shape gets there: the signature torch
 inferred, the inferred states of the other structures seen (train / eval), and this step's planned shapes.
 
-The engine's one entry is :meth:`ShapeBook.use` before each schedule call ([Note: re-inference on a new shape] in
-engine.py, [Note: shapes without re-inference] in shapes.py).
+The engine's one entry is :meth:`ShapeBook.use` before each schedule call ([Note: re-inference on a new shape]
+below, [Note: shapes without re-inference] in shapes.py).
+
+[Note: re-inference on a new shape]
+Torch sizes its P2P receive buffers by shape inference on the first step and again only on a train/eval switch; a
+batch of another shape would land in the old buffers (wrong outputs in evaluation, a crash in training). The engine
+keys what torch last inferred by the batch's :class:`Signature` and makes torch infer again when it changes; the
+ranks of a pipeline read the same batch, so they agree. With a shape planner ([Note: shapes without re-inference]
+in shapes.py) the key is the signature's *structure* (mode, each tensor's rank, dtype and requires_grad): a new
+length costs no inference, only planned shapes. Without one (torch 2.11, FSDP / tensor-parallel stages, a forward
+that does not run on meta tensors) the key holds every shape, and a new shape costs about one micro-batch's forward
+and backward per stage (docs/module-contract.md).
 """
 
 from __future__ import annotations

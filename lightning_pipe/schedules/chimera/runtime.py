@@ -67,7 +67,7 @@ class ChimeraRuntime:
         return self._loss_fn(output, target)
 
     def reset_shapes(self) -> None:
-        """Re-infer both pipelines' P2P shapes at the next step ([Note: re-inference on a new shape] in engine)."""
+        """Re-infer both pipelines' P2P shapes at the next step ([Note: re-inference on a new shape] in shape_book.py)."""
         for holder in self.holders:
             _compat.reset_schedule_shapes(holder)
 
