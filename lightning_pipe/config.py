@@ -53,6 +53,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     _strategy("fsdp_size", "strategy.fsdp_size"),
     _strategy("fsdp_reshard_after_forward", "strategy.fsdp_reshard_after_forward"),
     _strategy("tensor_parallel_size", "strategy.tensor_parallel_size"),
+    _strategy("expert_parallel_size", "strategy.expert_parallel_size"),
     _strategy("partition", "strategy.partition"),
     _strategy("layers_attr", "strategy.layers_attr"),
     _strategy("recompute", "strategy.recompute"),
@@ -121,6 +122,10 @@ class PipelineConfig:
     tensor_parallel_size: int = 1
     """Ranks each layer is split over with tensor parallelism (the module's ``parallelize_layer`` hook, DTensor
     ``parallelize_module``); 1: none. They read the same data (docs/parallelism.md)."""
+    expert_parallel_size: int = 1
+    """Ranks of a stage's data-parallel replicas each MoE layer's experts (``RoutedExperts``) are sharded over,
+    tokens exchanged with ``all_to_all``; must divide the data-parallel size and every expert count. 1: every rank
+    holds every expert (docs/moe-expert-parallel.md)."""
     partition: PartitionSpec = "uniform"
     """How layers go to stages: ``"uniform"`` (equal counts), ``"parameters"`` (balanced parameter counts),
     ``"time"`` / ``"memory"`` (measured at setup: the split of the chosen schedule with the fastest predicted step /
@@ -168,6 +173,15 @@ class PipelineConfig:
         if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
             raise config_error("The tensor-parallel size (ranks each layer is split over) must be a positive integer.",
                                f"tensor_parallel_size={self.tensor_parallel_size!r}", "tensor_parallel_size")
+        if not _is_int(self.expert_parallel_size) or self.expert_parallel_size < 1:
+            raise config_error("The expert-parallel size (ranks each MoE layer's experts are sharded over) must be a "
+                               "positive integer.", f"expert_parallel_size={self.expert_parallel_size!r}",
+                               "expert_parallel_size")
+        if self.expert_parallel_size > 1 and self.rebalance_every_n_steps is not None:
+            raise config_error("Rebalancing moves layers between ranks; layers with sharded experts cannot move yet.",
+                               f"expert_parallel_size={self.expert_parallel_size}, rebalance_every_n_steps="
+                               f"{self.rebalance_every_n_steps}", "expert_parallel_size",
+                               also=("rebalance_every_n_steps",))
         if not isinstance(self.fsdp_reshard_after_forward, bool):
             raise config_error("fsdp_reshard_after_forward is true or false.",
                                f"fsdp_reshard_after_forward={self.fsdp_reshard_after_forward!r}",

@@ -123,7 +123,7 @@ class PipelineEngine:
         # stages average in their own reduce-scatter ([Note: FSDP under the pipeline schedule] in fsdp.py).
         self.dp_handoff = DataParallelHandoff(
             DataParallelOverlap(self.stages, self.parameters, groups.dp)
-            if groups.dp is not None and groups.shard is None and groups.tensor is None
+            if groups.dp is not None and groups.shard is None and groups.tensor is None and groups.experts is None
             and not self.per_microbatch_updates else None,
             plan.microbatches)
         self._grad_factor: Tensor | None = None  # token-weighted loss: applied to the fresh gradients on hand-over
@@ -277,6 +277,8 @@ class PipelineEngine:
         self._records = []
         overlap, elements = self.dp_handoff.begin(saved, elements, self.groups.dp,
                                                   self.groups.topology.data_parallel_size, self.device)
+        if overlap is None and self.groups.experts is not None:  # an expert gradient mixes replicas' losses:
+            elements = self.groups.experts.mean_count(elements, self.device)  # one N for all ([Note: expert ...])
         self._sum_scale = 1.0 / (self.accumulate_grad_batches * elements)
         with contextlib.ExitStack() as stack:
             stack.enter_context(named_p2p_failures())  # [Note: naming a failed P2P op] in wire.py

@@ -16,6 +16,7 @@ from tests.distributed.scenarios import (
     fsdp,
     hardening,
     hf,
+    moe,
     pipedream,
     planner,
     rebalance,
@@ -31,7 +32,7 @@ from tests.distributed.scenarios.training import TrainingCase
 
 Case = (TrainingCase | CheckpointCase | TraceCase | hardening.HardeningCase | planner.SlowRankCase | hf.HFCase
         | rebalance.RebalanceCase | fsdp.FsdpCountCase | frozen.FrozenCase | recipe.RecipeCase | rng.RngCase
-        | soak.SoakCase)
+        | soak.SoakCase | moe.MoeCase)
 
 
 class Scenario(NamedTuple):
@@ -63,6 +64,7 @@ SCENARIOS: dict[str, Scenario] = {
     "recipe": Scenario(recipe.RecipeCase, recipe.run_recipe),  # issue 23: tests/recipes/test_every_schedule.py
     "rng": Scenario(rng.RngCase, rng.run_pipeline),  # issue 23: test_random_streams.py
     "soak": Scenario(soak.SoakCase, soak.run_soak),  # issue 23: test_soak.py
+    "moe": Scenario(moe.MoeCase, moe.run_moe),  # issue 25: test_moe.py (expert parallelism)
 }
 
 __all__ = ["Case", "CheckpointCase", "Failure", "SCENARIOS", "Scenario", "TraceCase", "TrainingCase"]
