@@ -54,8 +54,10 @@ except ImportError as err:  # pragma: no cover - exercised only without the opti
         "lightning_pipe.hf needs the `transformers` package (>=5,<6): `pip install 'transformers>=5,<6' safetensors`."
     ) from err
 
+from lightning_pipe.hf.families import SUPPORTED_MODEL_TYPES, attention_type, family
+from lightning_pipe.hf.moe import RouterBalance, find_routers, release_carry, router_logits_source
+
 __all__ = [
-    "SUPPORTED_MODEL_TYPES",
     "CausalLMDecoderLayer",
     "CausalLMEmbedding",
     "CausalLMHead",
@@ -64,74 +66,6 @@ __all__ = [
     "causal_lm_layers",
     "layers_from_config",
 ]
-
-
-# ------------------------------------------------------------------------------------------------ families
-class _Family:
-    """Where a family keeps its parts, as attribute paths of the ``*ForCausalLM`` model."""
-
-    def __init__(self, base: str, embed: str, layers: str, norm: str, pos_embed: str | None = None,
-                 drop: str | None = None, rotary: str | None = None) -> None:
-        self.base, self.embed, self.layers, self.norm = base, embed, layers, norm
-        self.pos_embed, self.drop, self.rotary = pos_embed, drop, rotary
-
-
-_LLAMA_LIKE = _Family(base="model", embed="embed_tokens", layers="layers", norm="norm", rotary="rotary_emb")
-
-# Families whose model forward is exactly: embed -> [mask, rotary] -> decoder layers -> norm -> lm_head.
-# (Others, e.g. Gemma, scale embeddings or soft-cap logits inside forward: they need their own entry and a test.)
-_FAMILIES: dict[str, _Family] = {
-    "gpt2": _Family(base="transformer", embed="wte", pos_embed="wpe", drop="drop", layers="h", norm="ln_f"),
-    "llama": _LLAMA_LIKE,
-    "mistral": _LLAMA_LIKE,
-    "qwen2": _LLAMA_LIKE,
-    "qwen3": _LLAMA_LIKE,
-}
-SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
-
-
-MOE_ISSUE = "#25"
-"""The issue that adds mixture-of-experts models (routers, expert parallelism, the load-balancing loss)."""
-_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-
-
-def is_mixture_of_experts(config: Any) -> bool:
-    """Whether ``config`` describes a mixture-of-experts model (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3,
-    ...): transformers names the expert count in one of a few ways, and the model type says ``moe`` for the rest."""
-    sub = getattr(config, "ffn_config", None)  # DBRX
-    return (any(getattr(c, key, None) for c in (config, sub) for key in _EXPERT_COUNTS)
-            or "moe" in str(getattr(config, "model_type", "")).lower())
-
-
-def check_model_type(config: Any) -> None:
-    """Refuse a config whose family :mod:`lightning_pipe.hf` cannot cut (at construction, on every rank alike)."""
-    _family(config)
-
-
-def _family(config: Any) -> _Family:
-    model_type = getattr(config, "model_type", None)
-    if model_type not in _FAMILIES and is_mixture_of_experts(config):
-        raise NotImplementedError(
-            f"model_type={model_type!r} is a mixture-of-experts model, which lightning_pipe.hf does not split yet "
-            f"(experts, routers and their load-balancing loss: issue {MOE_ISSUE}). Supported model types: "
-            f"{list(SUPPORTED_MODEL_TYPES)} (dense causal LMs)."
-        )
-    if model_type not in _FAMILIES:
-        raise NotImplementedError(
-            f"lightning_pipe.hf turns causal LMs of the model types {list(SUPPORTED_MODEL_TYPES)} into layer lists; "
-            f"got model_type={model_type!r}. Other families need an entry in lightning_pipe.hf.layers._FAMILIES "
-            "(and a parity test): their forward may do more than embed -> decoder layers -> norm -> head."
-        )
-    return _FAMILIES[model_type]
-
-
-def _attention_type(config: Any, index: int) -> str:
-    """``"full_attention"`` or ``"sliding_attention"`` for decoder layer ``index``, as the model's forward picks it."""
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:  # Qwen2 / Qwen3: per layer
-        return layer_types[index]
-    # Mistral: every layer slides when config.sliding_window is set; Llama / GPT-2 have no sliding window.
-    return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
 
 
 _MASK_FUNCTIONS: dict[str, Callable[..., Any]] = {
@@ -227,6 +161,7 @@ class CausalLMEmbedding(HFLayer):
     """
 
     vocab_setting = "the transformers config's `vocab_size` (HFCausalLM(config=...))"  # named by a TokenIdError
+    carry_experts = 0  # MoE with the load-balancing loss: the expert count of the carry it starts (moe.py)
 
     def __init__(self, embed_tokens: nn.Embedding, position_embedding: nn.Embedding | None = None,
                  dropout: nn.Module | None = None) -> None:
@@ -243,6 +178,8 @@ class CausalLMEmbedding(HFLayer):
             hidden = hidden + self.position_embedding(position_ids).to(hidden.device)
         if self.dropout is not None:
             hidden = self.dropout(hidden)
+        if self.carry_experts:  # [Note: the load-balancing loss across stages] in moe.py
+            rest.append(torch.zeros(hidden.shape[0], self.carry_experts, device=hidden.device))
         return (hidden, *rest) if rest else hidden
 
 
@@ -259,12 +196,25 @@ class CausalLMDecoderLayer(HFLayer):
         self.block = block
         self.rotary_emb = rotary
         self.layer_index = layer_index
-        self.attention_type = _attention_type(config, layer_index)
+        self.attention_type = attention_type(config, layer_index)
         # The model's config object itself (shared, not copied): set_attn_implementation on the model reaches us.
         self.config = config
+        self.balance: RouterBalance | None = None  # an MoE layer's part of the load-balancing loss (moe.py)
+        self.carries = False  # the layer tuple ends with the MoE carry: [Note: the load-balancing loss across stages]
 
     def forward(self, *args: Any) -> Any:
         hidden, *rest = _unpack(args)
+        carry = rest.pop() if self.carries else None
+        if self.balance is not None:
+            self.balance.start()
+        hidden = self._block_forward(hidden, rest)
+        if carry is None:
+            return (hidden, *rest) if rest else hidden
+        if self.balance is not None:
+            hidden, carry = self.balance.apply(hidden, carry, rest[0] if rest else None)
+        return (hidden, *rest, carry)
+
+    def _block_forward(self, hidden: Tensor, rest: list[Any]) -> Tensor:
         attention_mask = rest[0] if rest else None
         position_ids = rest[1] if len(rest) > 1 else _default_position_ids(hidden)
         mask = _make_mask(self.attention_type, self.config, hidden, attention_mask, position_ids)
@@ -272,9 +222,7 @@ class CausalLMDecoderLayer(HFLayer):
         if self.rotary_emb is not None:
             kwargs["position_embeddings"] = self.rotary_emb(hidden, position_ids)
         out = self.block(hidden, **kwargs)
-        if isinstance(out, tuple):  # older layer classes returned (hidden, ...)
-            out = out[0]
-        return (out, *rest) if rest else out
+        return out[0] if isinstance(out, tuple) else out  # older layer classes returned (hidden, ...)
 
     def reset_buffers(self) -> None:
         rotary: Any = self.rotary_emb
@@ -304,8 +252,11 @@ class CausalLMNorm(HFLayer):
         super().__init__()
         self.norm = norm
 
-    def forward(self, *args: Any) -> Tensor:
-        return self.norm(_unpack(args)[0])
+    carries = False
+
+    def forward(self, *args: Any) -> Any:
+        parts = _unpack(args)
+        return (self.norm(parts[0]), parts[-1]) if self.carries else self.norm(parts[0])
 
 
 class CausalLMHead(HFLayer):
@@ -315,8 +266,12 @@ class CausalLMHead(HFLayer):
         super().__init__()
         self.lm_head = lm_head
 
+    carries = False
+
     def forward(self, *args: Any) -> Tensor:
-        return self.lm_head(_unpack(args)[0])
+        parts = _unpack(args)
+        logits = self.lm_head(parts[0])
+        return release_carry(logits, parts[1]) if self.carries else logits
 
 
 # ------------------------------------------------------------------------------------------------ building
@@ -328,7 +283,7 @@ def causal_lm_layers(model: nn.Module) -> nn.ModuleList:
     The model object itself is not kept: drop it and keep the list.
     """
     config: Any = model.config
-    fam = _family(config)
+    fam = family(config)
     base: Any = getattr(model, fam.base)
     if base is None or not hasattr(model, "lm_head"):
         raise TypeError(f"Expected a transformers *ForCausalLM model with `.{fam.base}` and `.lm_head`; "
@@ -348,6 +303,7 @@ def causal_lm_layers(model: nn.Module) -> nn.ModuleList:
     norm = CausalLMNorm(getattr(base, fam.norm))
     head = CausalLMHead(cast(nn.Module, model.lm_head))
     parts: list[HFLayer] = [embed, *decoders, norm, head]
+    _balance_routers(model, embed, decoders, norm, head)
 
     embed_weights = {id(p) for p in embed.parameters()}
     head.tied = frozenset(n for n, p in head.named_parameters() if id(p) in embed_weights)
@@ -357,6 +313,27 @@ def causal_lm_layers(model: nn.Module) -> nn.ModuleList:
         layer.__dict__["hf_model_class"] = type(model)
         layer.__dict__["hf_config"] = config
     return nn.ModuleList(parts)
+
+
+def _balance_routers(model: nn.Module, embed: CausalLMEmbedding, decoders: list[CausalLMDecoderLayer],
+                     norm: CausalLMNorm, head: CausalLMHead) -> None:
+    """With ``config.output_router_logits`` (transformers then adds the load-balancing loss): the carry through
+    every layer and each MoE layer's :class:`RouterBalance` ([Note: the load-balancing loss across stages])."""
+    config: Any = model.config
+    source = router_logits_source(model)
+    if source is None or not getattr(config, "output_router_logits", False) \
+            or not hasattr(model, "router_aux_loss_coef"):
+        return
+    routers = [find_routers(d.block, source[0]) for d in decoders]
+    moe_layers = sum(bool(r) for r in routers)
+    m: Any = model
+    embed.carry_experts = int(m.num_experts)
+    norm.carries = head.carries = True
+    for decoder, found in zip(decoders, routers):
+        decoder.carries = True
+        if found:
+            decoder.balance = RouterBalance(found[0], source[1], int(m.num_experts), int(m.num_experts_per_tok),
+                                            moe_layers, float(m.router_aux_loss_coef))
 
 
 def _copy_rotary(rotary: nn.Module) -> nn.Module:
@@ -377,7 +354,7 @@ def layers_from_config(config: Any, *, device: torch.device | str | None = None,
     """
     from transformers import AutoModelForCausalLM
 
-    _family(config)  # fail early, with the list of supported families
+    family(config)  # fail early, with the list of supported families
     kwargs: dict[str, Any] = {}
     if dtype is not None:
         kwargs["dtype"] = dtype

@@ -28,15 +28,19 @@ import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_pipe.hf.layers import CausalLMDecoderLayer, causal_lm_layers, check_model_type, layers_from_config
-from lightning_pipe.hf.loss import causal_lm_loss_sum_count
+from lightning_pipe.hf.families import check_model_type
+from lightning_pipe.hf.layers import CausalLMDecoderLayer, causal_lm_layers, layers_from_config
+from lightning_pipe.hf.loss import IGNORE_INDEX, causal_lm_loss_sum_count
 from lightning_pipe.hf.tensor_parallel import parallelize_decoder_layer
 from lightning_pipe.hf.weights import SafetensorsCheckpoint, init_layer_, load_layer_weights_
 from lightning_pipe.lightning.module import PipelineModule
 
 
 class HFCausalLM(PipelineModule):
-    """A transformers causal LM (GPT-2, Llama, Mistral, Qwen2, Qwen3) trained as a pipeline layer list.
+    """A transformers causal LM (GPT-2, Llama, Mistral, Qwen2, Qwen3; the mixtures of experts Mixtral, Qwen2-MoE,
+    Qwen3-MoE, OLMoE, DeepSeek-V3) trained as a pipeline layer list. With ``config.output_router_logits`` the loss
+    is transformers' ``loss + router_aux_loss_coef * aux_loss``, the aux term per micro-batch and exact across
+    stages ([Note: the load-balancing loss across stages] in lightning_pipe/hf/moe.py; docs/moe.md).
 
     Args:
         model: an instantiated ``*ForCausalLM``; its modules become ``self.layers`` (drop the model afterwards).
@@ -56,7 +60,7 @@ class HFCausalLM(PipelineModule):
                  if value is not None]
         if len(given) != 1:
             raise ValueError(f"HFCausalLM takes exactly one of `model`, `config`, `pretrained`; got {given or 'none'}.")
-        # an unsupported family (a mixture of experts, say) is refused here, not at setup on every rank
+        # an unsupported family is refused here, not at setup on every rank
         if config is not None:
             check_model_type(config)
         self.layers = causal_lm_layers(model) if model is not None else None
@@ -127,6 +131,11 @@ class HFCausalLM(PipelineModule):
         """``(sum of token losses, counted tokens)``: labels -100 do not count; the batch loss is the global sum over
         the global count (== the model's own ``.loss`` over the whole batch)."""
         return causal_lm_loss_sum_count(logits, labels)
+
+    def loss_count(self, labels: Tensor) -> Tensor:
+        """The tokens :meth:`loss_fn` counts over the whole batch (shifted labels not -100): aux losses need it
+        before the backward ([Note: auxiliary losses] in lightning_pipe/layers/aux.py)."""
+        return (labels[..., 1:] != IGNORE_INDEX).sum()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.optimizer_factory is not None:

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import lightning.pytorch as pl
 from torch import Tensor
 
+from lightning_pipe.layers.aux import AuxLossContext, aux_loss_context
 from lightning_pipe.layers.batches import input_args, loss_parts
 from lightning_pipe.layers.stages import run_layers
 
@@ -122,7 +123,29 @@ class PipelineModule(pl.LightningModule):
                 "return `(inputs, target)` from split_batch for training/validation batches."
             )
         input_args(inputs, type(self).__name__)  # the pipeline's rule on one device too, even under an own forward
-        return loss_parts(self.loss_fn(self(inputs), target), type(self).__name__).reduced()
+        # aux terms (attach_aux_loss) join the loss as graph terms: Lightning's accumulation / AMP scale them
+        with aux_loss_context(AuxLossContext()) as aux:
+            loss = loss_parts(self.loss_fn(self(inputs), target), type(self).__name__).reduced()
+        self._aux_values = {name: v.float() for name, v in sorted(aux.values.items())}
+        return loss + sum(aux.terms) if aux.terms else loss
+
+    @property
+    def aux_loss_values(self) -> dict[str, Tensor]:
+        """The last training :meth:`compute_loss`'s aux terms per name ([Note: auxiliary losses] in
+        lightning_pipe/layers/aux.py): mean over micro-batches, summed over layers and stages; the same on every
+        rank of a pipeline. Empty without aux terms."""
+        engine = self._pipeline_engine
+        if engine is not None:
+            return dict(getattr(engine, "aux").values)
+        return dict(getattr(self, "_aux_values", {}))
+
+    def log_aux_losses(self, prefix: str = "train_aux_loss") -> None:
+        """Log ``prefix`` (the total) and ``prefix/<name>`` per name, if the model has aux terms."""
+        values = self.aux_loss_values
+        if values:
+            self.log(prefix, sum(values.values()), prog_bar=True)  # type: ignore[arg-type]
+            for name, value in values.items():
+                self.log(f"{prefix}/{name}", value)
 
     def compute_output(self, batch: Any) -> Any:
         """The last layer's output for the batch's inputs (on every rank of the pipeline)."""
@@ -137,6 +160,7 @@ class PipelineModule(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         loss = self.compute_loss(batch)
         self.log("train_loss", loss, prog_bar=True)
+        self.log_aux_losses()
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> Tensor:

@@ -60,6 +60,7 @@ from torch import Tensor, nn
 
 from lightning_pipe._compat import torch as _compat
 from lightning_pipe.config import config_error
+from lightning_pipe.layers.aux import aux_loss_context
 from lightning_pipe.layers.batches import (
     LossParts,
     Signature,
@@ -78,6 +79,7 @@ from lightning_pipe.parallel.dp_overlap import DataParallelHandoff, DataParallel
 from lightning_pipe.parallel.fsdp import reshard
 from lightning_pipe.parallel.grads import GradientSync
 from lightning_pipe.parallel.topology import ProcessGroups
+from lightning_pipe.runtime.aux import AuxLossStep
 from lightning_pipe.runtime.rng import StageStream
 from lightning_pipe.runtime.spec import SchedulePlan, build_torch_schedule
 from lightning_pipe.runtime.stage import PipelineStage
@@ -132,6 +134,7 @@ class PipelineEngine:
         self._records: list[LossParts] = []  # this step's micro-batch losses (last stage)
         self._structured_target: Any = None  # a dict / tuple target of this step: [Note: structured targets]
         self._owner = type(module).__name__
+        self.aux = AuxLossStep(groups.pp, plan.pipeline_size, self._owner)  # [Note: auxiliary losses] in layers/aux.py
         # Context managers entered around every training schedule step (see lightning_pipe.trace.memory / trace).
         self.step_contexts: list[Callable[[], contextlib.AbstractContextManager]] = []
 
@@ -200,6 +203,9 @@ class PipelineEngine:
         cpu_rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         self._inferring = True
+        aux = self.aux.context
+        if aux is not None:
+            aux.recording = False
         self.shape_inferences += forward
         # the stage's own stream, unchanged afterwards ([Note: random streams per stage] in rng.py)
         stream = next((st.random_stream for st in self.stages if st.submod is stage_module), None)
@@ -208,6 +214,8 @@ class PipelineEngine:
                 yield
         finally:
             self._inferring = False
+            if aux is not None:
+                aux.recording = True
             # Through .data: no autograd version bump, so the inference graph (BatchNorm saves its running
             # statistics) still serves the backward inference that follows (only its shapes are used).
             for buffer, saved in buffers:
@@ -280,8 +288,15 @@ class PipelineEngine:
         if overlap is None and self.groups.experts is not None:  # an expert gradient mixes replicas' losses:
             elements = self.groups.experts.mean_count(elements, self.device)  # one N for all ([Note: expert ...])
         self._sum_scale = 1.0 / (self.accumulate_grad_batches * elements)
+        count_target = self._structured_target if self._structured_target is not None else target
+        loss_count = getattr(module, "loss_count", None)
+        aux_context = self.aux.begin(lambda: self.aux.grad_scale(
+            per_microbatch=self.per_microbatch_updates, loss_scale=self._loss_scale, loss_scaler=self.loss_scaler,
+            count=lambda: loss_count(count_target) if loss_count is not None else None, elements=elements,
+            dp_group=self.groups.dp, dp_degree=self.groups.topology.dp_degree, device=self.device))
         with contextlib.ExitStack() as stack:
             stack.enter_context(named_p2p_failures())  # [Note: naming a failed P2P op] in wire.py
+            stack.enter_context(aux_loss_context(aux_context))
             for make_context in self.step_contexts:  # measurement (memory meter, trace recorder), off by default
                 stack.enter_context(make_context())
             try:
@@ -301,7 +316,7 @@ class PipelineEngine:
         self._grad_factor = None
         if global_count is not None:  # [Note: token-weighted loss]
             self._grad_factor = elements * self.groups.topology.dp_degree / global_count.clamp_min(1)
-        return loss
+        return loss + self.aux.end(self.plan.microbatches, global_count, self.device)
 
     def _step_loss(self) -> tuple[Tensor, Tensor | None]:
         """This replica's batch loss (on every rank) and, for a (sum, count) loss, the count over all replicas."""

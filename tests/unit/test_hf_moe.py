@@ -1,5 +1,6 @@
-"""Issue 23.4: mixture-of-experts models are refused when ``HFCausalLM`` is built, from a model or a config, naming
-the supported families and the issue that adds experts — not later, at setup on every rank."""
+"""Issue 25: transformers mixture-of-experts models through ``HFCausalLM`` on one device: the layer list's loss
+(main + ``router_aux_loss_coef`` x the load-balancing loss, [Note: the load-balancing loss across stages]) and every
+gradient equal the model's own, on a padded batch; families without an entry are still refused at construction."""
 
 from __future__ import annotations
 
@@ -10,33 +11,83 @@ transformers = pytest.importorskip("transformers")
 
 from lightning_pipe import HFCausalLM  # noqa: E402
 from lightning_pipe.hf import SUPPORTED_MODEL_TYPES  # noqa: E402
-from lightning_pipe.hf.layers import MOE_ISSUE, is_mixture_of_experts  # noqa: E402
+from lightning_pipe.hf.families import MOE_MODEL_TYPES, is_mixture_of_experts  # noqa: E402
 
-MOE_CONFIGS = [name for name in ("MixtralConfig", "Qwen2MoeConfig", "Qwen3MoeConfig", "OlmoeConfig",
-                                 "DeepseekV3Config") if hasattr(transformers, name)]
-
-
-def _refusal(config_name: str) -> str:
-    return (rf"model_type='{getattr(transformers, config_name)().model_type}' is a mixture-of-experts model.*"
-            rf"issue {MOE_ISSUE}.*Supported model types: \[.*'llama'.*\]")
+TINY = {"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 32, "max_position_embeddings": 32, "pad_token_id": 0}
 
 
-@pytest.mark.parametrize("name", MOE_CONFIGS)
-def test_a_moe_config_is_refused_at_construction(name: str) -> None:
-    config = getattr(transformers, name)(num_hidden_layers=1)
+def moe_config(model_type: str, aux: bool = True) -> object:
+    """A tiny config of each MoE family: 4 experts, top-2, a strong aux coefficient so the term shows."""
+    extra: dict[str, object] = {"output_router_logits": aux, "router_aux_loss_coef": 0.5}
+    if model_type == "mixtral":
+        extra.update(num_local_experts=4, num_experts_per_tok=2)
+    elif model_type == "qwen2_moe":  # a shared expert; layer 0 dense (mlp_only_layers)
+        extra.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                     shared_expert_intermediate_size=24, mlp_only_layers=[0], num_hidden_layers=3)
+    elif model_type in ("qwen3_moe", "olmoe"):
+        extra.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    elif model_type == "deepseek_v3":  # no aux loss in transformers; first layer dense
+        extra = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "n_group": 1,
+                 "topk_group": 1, "first_k_dense_replace": 1, "kv_lora_rank": 8, "q_lora_rank": 8,
+                 "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 4, "n_shared_experts": 1,
+                 "num_key_value_heads": 4}
+    return transformers.AutoConfig.for_model(model_type, **{**TINY, **extra})
+
+
+def padded_batch() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 64, (4, 10), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[2, 7:] = 0
+    labels = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
+    labels[1, :4] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@pytest.mark.parametrize("model_type", MOE_MODEL_TYPES)
+def test_a_moe_model_matches_transformers_loss_and_gradients(model_type: str) -> None:
+    torch.manual_seed(0)
+    config = moe_config(model_type)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    batch = padded_batch()
+    ref = model(**batch)
+    ref.loss.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    module = HFCausalLM(model)
+    loss = module.compute_loss(batch)
+    torch.testing.assert_close(loss, ref.loss)
+    loss.backward()
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert got.keys() == expected.keys()
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, expected[name], atol=1e-6, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    if getattr(ref, "aux_loss", None) is not None:  # logged as train_aux_loss/load_balancing (coef x aux)
+        values = module.aux_loss_values
+        torch.testing.assert_close(values["load_balancing"], 0.5 * ref.aux_loss.detach())
+    else:
+        assert module.aux_loss_values == {}
+
+
+def test_without_output_router_logits_no_term_is_added() -> None:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(moe_config("mixtral", aux=False))
+    batch = padded_batch()
+    torch.testing.assert_close(HFCausalLM(model).compute_loss(batch), model(**batch).loss)
+
+
+def test_an_unknown_moe_family_is_refused_at_construction() -> None:
+    config = transformers.AutoConfig.for_model("dbrx") if hasattr(transformers, "DbrxConfig") else None
+    if config is None:
+        pytest.skip("no DBRX in this transformers")
     assert is_mixture_of_experts(config)
-    with pytest.raises(NotImplementedError, match=_refusal(name)):
+    with pytest.raises(NotImplementedError, match=r"mixture-of-experts model_type='dbrx'.*hf.families"):
         HFCausalLM(config=config)
 
 
-@pytest.mark.parametrize("name", MOE_CONFIGS)
-def test_a_moe_model_is_refused_at_construction(name: str) -> None:
-    with torch.device("meta"):  # allocates nothing: the default sizes are real models'
-        model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(num_hidden_layers=1))
-    with pytest.raises(NotImplementedError, match=_refusal(name)):
-        HFCausalLM(model)
-
-
-def test_the_moe_families_offered_here_are_all_covered_and_dense_ones_are_not_moe() -> None:
-    assert {"MixtralConfig", "Qwen2MoeConfig", "Qwen3MoeConfig", "OlmoeConfig"} <= set(MOE_CONFIGS)
-    assert not any(is_mixture_of_experts(transformers.AutoConfig.for_model(t)) for t in SUPPORTED_MODEL_TYPES)
+def test_the_moe_families_are_supported_and_dense_ones_are_not_moe() -> None:
+    assert set(MOE_MODEL_TYPES) <= set(SUPPORTED_MODEL_TYPES)
+    dense = set(SUPPORTED_MODEL_TYPES) - set(MOE_MODEL_TYPES)
+    assert not any(is_mixture_of_experts(transformers.AutoConfig.for_model(t)) for t in dense)

@@ -12,6 +12,7 @@ from typing import Any, Literal, NamedTuple, TypedDict
 
 from tests.distributed.scenarios import (
     checkpoint,
+    expert_parallel,
     frozen,
     fsdp,
     hardening,
@@ -32,7 +33,7 @@ from tests.distributed.scenarios.training import TrainingCase
 
 Case = (TrainingCase | CheckpointCase | TraceCase | hardening.HardeningCase | planner.SlowRankCase | hf.HFCase
         | rebalance.RebalanceCase | fsdp.FsdpCountCase | frozen.FrozenCase | recipe.RecipeCase | rng.RngCase
-        | soak.SoakCase | moe.MoeCase)
+        | soak.SoakCase | moe.AuxCase | moe.MoECase | expert_parallel.ExpertCase)
 
 
 class Scenario(NamedTuple):
@@ -64,7 +65,10 @@ SCENARIOS: dict[str, Scenario] = {
     "recipe": Scenario(recipe.RecipeCase, recipe.run_recipe),  # issue 23: tests/recipes/test_every_schedule.py
     "rng": Scenario(rng.RngCase, rng.run_pipeline),  # issue 23: test_random_streams.py
     "soak": Scenario(soak.SoakCase, soak.run_soak),  # issue 23: test_soak.py
-    "moe": Scenario(moe.MoeCase, moe.run_moe),  # issue 25: test_moe.py (expert parallelism)
+    "aux_toy": Scenario(moe.AuxCase, moe.run_toy),  # issue 25: test_aux_losses.py
+    "moe": Scenario(moe.MoECase, moe.run_moe),  # issue 25: test_aux_losses.py
+    # issue 25: test_expert_parallel.py
+    "expert_parallel": Scenario(expert_parallel.ExpertCase, expert_parallel.run_expert_parallel),
 }
 
 __all__ = ["Case", "CheckpointCase", "Failure", "SCENARIOS", "Scenario", "TraceCase", "TrainingCase"]

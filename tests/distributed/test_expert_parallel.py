@@ -12,7 +12,7 @@ import torch
 from lightning_pipe.checkpoint import consolidated
 from tests.distributed.launcher import launch
 from tests.distributed.parity import ATOL
-from tests.distributed.scenarios.moe import MoeCase, run_reference
+from tests.distributed.scenarios.expert_parallel import ExpertCase, run_reference
 from tests.torch_tiers import refused
 
 pytestmark = [pytest.mark.parity, pytest.mark.distributed]
@@ -33,11 +33,11 @@ def merged(results: list, index: int, key: str = "params") -> dict[str, torch.Te
 def test_expert_parallel_matches_one_device_and_checkpoints_are_layout_free(tmp_path: Path) -> None:
     ckpt = str(tmp_path / "ep2.ckpt")
     schedules = ["1f1b"] if refused("split_backward") else ["1f1b", "zbv"]
-    cases = [MoeCase(schedule=s, stages_per_rank=2 if s == "zbv" else None, aux_coef=0.05, shared_expert=True,
+    cases = [ExpertCase(schedule=s, stages_per_rank=2 if s == "zbv" else None, aux_coef=0.05, shared_expert=True,
                      save=ckpt if s == "1f1b" else None) for s in schedules]
-    cases.append(MoeCase(ep=1, resume=ckpt, steps=4, aux_coef=0.05, shared_expert=True))  # the EP-2 checkpoint into a layout without EP
-    cases.append(MoeCase(ep=3, expect_error=True))  # 3 divides neither dp=2 nor 4 experts: refused at setup
-    results = launch("moe", 4, cases, tmp_path / "run", timeout=360)
+    cases.append(ExpertCase(ep=1, resume=ckpt, steps=4, aux_coef=0.05, shared_expert=True))  # the EP-2 checkpoint into a layout without EP
+    cases.append(ExpertCase(ep=3, expect_error=True))  # 3 divides neither dp=2 nor 4 experts: refused at setup
+    results = launch("expert_parallel", 4, cases, tmp_path / "run", timeout=360)
     for i, case in enumerate(cases[:len(schedules)]):
         want, _ = run_reference(case)
         got = merged(results, i)
