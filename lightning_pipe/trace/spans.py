@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import ContextManager
 
-SpanSink = Callable[[str, str], ContextManager[None]]
+SpanSink = Callable[[str, str], contextlib.AbstractContextManager[None]]
 """``sink(kind, label)``: a context manager that records the code it encloses as one slice."""
 
 _sinks: list[SpanSink] = []

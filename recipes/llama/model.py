@@ -109,7 +109,7 @@ class Block(nn.Module):
         out, balance = self.feed_forward(self.ffn_norm(x))
         x = x + out
         if self.aux_coef and self.training:
-            x = attach_aux_loss(x, self.aux_coef * balance, name="router_balance")
+            x = attach_aux_loss(x, balance, name="router_balance", coef=self.aux_coef)
         return x
 
 

@@ -43,7 +43,7 @@ def test_expert_parallel_matches_one_device_and_checkpoints_are_layout_free(tmp_
         got = merged(results, i)
         assert set(got) == set(want), set(got) ^ set(want)
         for name, value in want.items():
-            torch.testing.assert_close(got[name], value, atol=ATOL, rtol=0, msg=lambda m, n=name: f"{case} {n}: {m}")
+            torch.testing.assert_close(got[name], value, atol=ATOL, rtol=0, msg=lambda m, n=name, c=case: f"{c} {n}: {m}")
         assert any("experts.experts.3." in n for n in got)
         # each replica held only its half of the experts
         assert all("experts.experts.3." not in n for n in results[0][i]["params"])
