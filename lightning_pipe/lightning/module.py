@@ -136,7 +136,7 @@ class PipelineModule(pl.LightningModule):
         rank of a pipeline. Empty without aux terms."""
         engine = self._pipeline_engine
         if engine is not None:
-            return dict(engine.aux.values)
+            return dict(getattr(engine, "aux").values)
         return dict(getattr(self, "_aux_values", {}))
 
     def log_aux_losses(self, prefix: str = "train_aux_loss") -> None:
