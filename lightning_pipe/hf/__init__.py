@@ -1,4 +1,5 @@
-"""transformers causal LMs (GPT-2, Llama, Mistral, Qwen2, Qwen3) as pipeline layer lists; an optional extra.
+"""transformers causal LMs (GPT-2, Llama, Mistral, Qwen2, Qwen3; Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3) as
+pipeline layer lists; an optional extra.
 
 Plain torch + transformers (no Lightning import)::
 
@@ -15,8 +16,8 @@ See :mod:`lightning_pipe.hf.layers` for the layer I/O ([Note: layer I/O]) and th
 ``lightning_pipe.HFCausalLM`` (in :mod:`lightning_pipe.lightning.hf`).
 """
 
+from lightning_pipe.hf.families import SUPPORTED_MODEL_TYPES
 from lightning_pipe.hf.layers import (
-    SUPPORTED_MODEL_TYPES,
     CausalLMDecoderLayer,
     CausalLMEmbedding,
     CausalLMHead,

@@ -54,7 +54,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the opti
         "lightning_pipe.hf needs the `transformers` package (>=5,<6): `pip install 'transformers>=5,<6' safetensors`."
     ) from err
 
-from lightning_pipe.hf.families import SUPPORTED_MODEL_TYPES, attention_type, family
+from lightning_pipe.hf.families import attention_type, family
 from lightning_pipe.hf.moe import RouterBalance, find_routers, release_carry, router_logits_source
 
 __all__ = [
@@ -211,7 +211,7 @@ class CausalLMDecoderLayer(HFLayer):
         if carry is None:
             return (hidden, *rest) if rest else hidden
         if self.balance is not None:
-            hidden, carry = self.balance.apply(hidden, carry, rest[0] if rest else None)
+            hidden, carry = self.balance.add_term(hidden, carry, rest[0] if rest else None)
         return (hidden, *rest, carry)
 
     def _block_forward(self, hidden: Tensor, rest: list[Any]) -> Tensor:

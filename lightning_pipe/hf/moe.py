@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from lightning_pipe.layers.aux import current_aux_context
 
-__all__ = ["MoEHead", "MoENorm", "RouterBalance", "find_routers", "router_logits_source"]
+__all__ = ["LOSS_NAME", "RouterBalance", "find_routers", "release_carry", "router_logits_source"]
 
 LOSS_NAME = "load_balancing"
 
@@ -111,7 +111,7 @@ class RouterBalance(nn.Module):
     def start(self) -> None:
         self._logits = None
 
-    def apply(self, hidden: Tensor, carry: Tensor, attention_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    def add_term(self, hidden: Tensor, carry: Tensor, attention_mask: Tensor | None) -> tuple[Tensor, Tensor]:
         logits, self._logits = self._logits, None
         if logits is None:
             raise RuntimeError("the MoE layer's router did not run in its forward (no router logits recorded)")
@@ -154,11 +154,3 @@ def release_carry(logits: Tensor, carry: Tensor) -> Tensor:
             finish(carry)
         return logits
     return _ReleaseCarry.apply(logits, carry)
-
-
-class MoENorm(nn.Module):
-    """Mixin marker: the final norm of a carrying model passes ``(hidden, carry)`` on (layers.py uses it)."""
-
-
-class MoEHead(nn.Module):
-    """Mixin marker: the head of a carrying model takes ``(hidden, carry)`` (layers.py uses it)."""

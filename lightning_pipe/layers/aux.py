@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["AuxLossContext", "attach_aux_loss", "aux_loss_context", "current_aux_context"]
+__all__ = ["AuxLossContext", "attach_aux_loss", "aux_loss_context", "current_aux_context", "records_once"]
 
 
 class AuxLossContext:
@@ -92,6 +92,24 @@ def aux_loss_context(context: AuxLossContext) -> Iterator[AuxLossContext]:
         yield context
     finally:
         _ACTIVE.remove(context)
+
+
+def records_once(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` for ``torch.utils.checkpoint``: its recomputation in the backward re-attaches the terms (their gradient
+    then rides on the recomputed graph) but does not log their values a second time."""
+    calls = [0]
+
+    def run(*args: Any) -> Any:
+        calls[0] += 1
+        context = current_aux_context()
+        if calls[0] == 1 or context is None:
+            return fn(*args)
+        recording, context.recording = context.recording, False
+        try:
+            return fn(*args)
+        finally:
+            context.recording = recording
+    return run
 
 
 class _InjectAuxGrad(torch.autograd.Function):

@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_pipe._compat import torch as _compat
 from lightning_pipe.config import LayerChoice, config_error
+from lightning_pipe.layers.aux import records_once
 from lightning_pipe.layers.offload import HostOffload, OffloadStats
 from lightning_pipe.layers.vocab import TokenIdError, explain_index_error
 
@@ -100,7 +101,7 @@ def run_layers(layers: nn.Module, inputs: Any, indices: Sequence[int] | None = N
         with hooks:
             try:
                 if recompute and j % recompute_every == 0:  # type: ignore[operator]
-                    hidden = checkpoint(layer, *args, use_reentrant=False)
+                    hidden = checkpoint(records_once(layer), *args, use_reentrant=False)
                 else:
                     hidden = layer(*args)
             except IndexError as err:  # an embedding given a token id out of range: [Note: token ids out of range]

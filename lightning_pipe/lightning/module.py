@@ -60,6 +60,9 @@ class PipelineEngineHandle(Protocol):
 
     def output(self, module: pl.LightningModule, batch: Any) -> Any: ...
 
+    @property
+    def aux(self) -> Any: ...  # lightning_pipe.runtime.aux.AuxLossStep: the last step's aux values
+
 
 class PipelineModule(pl.LightningModule):
     """A LightningModule whose model is a layer list; trains unchanged on one device, DDP, or the pipeline.
@@ -136,14 +139,14 @@ class PipelineModule(pl.LightningModule):
         rank of a pipeline. Empty without aux terms."""
         engine = self._pipeline_engine
         if engine is not None:
-            return dict(getattr(engine, "aux").values)
+            return dict(engine.aux.values)
         return dict(getattr(self, "_aux_values", {}))
 
     def log_aux_losses(self, prefix: str = "train_aux_loss") -> None:
         """Log ``prefix`` (the total) and ``prefix/<name>`` per name, if the model has aux terms."""
         values = self.aux_loss_values
         if values:
-            self.log(prefix, sum(values.values()), prog_bar=True)  # type: ignore[arg-type]
+            self.log(prefix, sum(values.values()), prog_bar=True)
             for name, value in values.items():
                 self.log(f"{prefix}/{name}", value)
 

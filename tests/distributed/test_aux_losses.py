@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.launcher import launch
+from tests.distributed.launcher import launch, launch_runs
 from tests.distributed.parity import ATOL
 from tests.distributed.scenarios.moe import AuxCase, MoECase, moe_reference, run_toy
 
@@ -39,13 +39,6 @@ TOY_CASES = [AuxCase(schedule="gpipe"), AuxCase(schedule="1f1b", acc=2, steps=4)
              AuxCase(schedule="1f1b", precision="16-mixed")]
 
 
-@pytest.mark.timeout(600)
-def test_aux_losses_from_a_non_last_stage_match_one_device_under_every_schedule(tmp_path) -> None:
-    results = launch("aux_toy", 2, TOY_CASES, tmp_path / "run", timeout=540)
-    for i, case in enumerate(TOY_CASES):
-        check_toy(results, i, case)
-
-
 def check_moe(results: list, index: int, case: MoECase) -> dict[str, torch.Tensor]:
     ref, full = moe_reference(case)
     seen: set[str] = set()
@@ -64,18 +57,23 @@ def check_moe(results: list, index: int, case: MoECase) -> dict[str, torch.Tenso
 
 MOE_CASES = [MoECase(family="mixtral"), MoECase(family="qwen2_moe", schedule="interleaved_1f1b", stages_per_rank=2),
              MoECase(family="olmoe", schedule="zbv", stages_per_rank=2, from_model=True)]
-MOE_DP_CASES = [MoECase(family="qwen3_moe", dp=2), MoECase(family="mixtral", dp=2, schedule="zbv", stages_per_rank=2)]
+MOE_DP_CASES = [MoECase(family="qwen3_moe", dp=2, schedule="zbv", stages_per_rank=2)]
 
 
 @pytest.mark.timeout(600)
-def test_hf_moe_models_match_transformers_with_the_per_microbatch_load_balancing_loss(tmp_path) -> None:
-    """Pipeline 2: Mixtral (1F1B), Qwen2-MoE with shared experts and a dense layer (interleaved 1F1B), OLMoE from
-    an instantiated model (ZB-V); every parameter after 3 SGD steps, the loss and the logged aux term per step.
-    The checks would fail without the per-micro-batch scale or the cross-stage token fractions: the pipeline's
-    parameters are far from what either mistake gives."""
-    results = launch("moe", 2, MOE_CASES, tmp_path / "run", timeout=540)
+def test_aux_losses_match_one_device_under_every_schedule_and_hf_moe_models_match_transformers(tmp_path) -> None:
+    """One 2-rank launch. (1) The toy with aux terms on the first stage under every schedule family vs Lightning on
+    one device. (2) Pipeline 2: Mixtral (1F1B), Qwen2-MoE with shared experts and a dense layer (interleaved 1F1B),
+    OLMoE from an instantiated model (ZB-V) vs transformers with the per-micro-batch load-balancing loss: every
+    parameter after 3 SGD steps, the loss and the logged aux term per step. The checks would fail without the
+    per-micro-batch scale or the cross-stage token fractions: the pipeline's parameters are far from what either
+    mistake gives."""
+    runs = [("aux_toy", case) for case in TOY_CASES] + [("moe", case) for case in MOE_CASES]
+    results = launch_runs(2, runs, tmp_path / "run", timeout=540)
+    for i, case in enumerate(TOY_CASES):
+        check_toy(results, i, case)
     for i, case in enumerate(MOE_CASES):
-        got = check_moe(results, i, case)
+        got = check_moe(results, len(TOY_CASES) + i, case)
     for drop in ("microbatch_scale", "cross_stage_fractions"):
         _, wrong = moe_reference(MOE_CASES[-1], drop=drop)
         gap = max(float((got[n] - wrong[n]).abs().max()) for n in got)
@@ -84,7 +82,8 @@ def test_hf_moe_models_match_transformers_with_the_per_microbatch_load_balancing
 
 @pytest.mark.timeout(600)
 def test_hf_moe_models_under_pipeline_and_data_parallelism_match_transformers(tmp_path) -> None:
-    """Pipeline 2 x data parallel 2 (4 ranks): replicas average their aux terms like their gradients."""
+    """Pipeline 2 x data parallel 2 (4 ranks), Qwen3-MoE under ZB-V: replicas average their aux terms like their
+    gradients (and the token count the aux scale divides out is the replicas' sum)."""
     results = launch("moe", 4, MOE_DP_CASES, tmp_path / "run", timeout=540)
     for i, case in enumerate(MOE_DP_CASES):
         check_moe(results, i, case)
