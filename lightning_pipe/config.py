@@ -125,7 +125,7 @@ class PipelineConfig:
     expert_parallel_size: int = 1
     """Ranks of a stage's data-parallel replicas each MoE layer's experts (``RoutedExperts``) are sharded over,
     tokens exchanged with ``all_to_all``; must divide the data-parallel size and every expert count. 1: every rank
-    holds every expert (docs/moe-expert-parallel.md)."""
+    holds every expert (docs/moe.md)."""
     partition: PartitionSpec = "uniform"
     """How layers go to stages: ``"uniform"`` (equal counts), ``"parameters"`` (balanced parameter counts),
     ``"time"`` / ``"memory"`` (measured at setup: the split of the chosen schedule with the fastest predicted step /
