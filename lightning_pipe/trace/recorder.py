@@ -39,8 +39,8 @@ from typing import Any
 import torch
 
 from lightning_pipe._compat import torch as _compat
-from lightning_pipe.trace import spans
 from lightning_pipe.trace.records import Slice, StepRecord
+from lightning_pipe.trace.spans import listening
 
 
 # ---------------------------------------------------------------------------------------------------------- clocks
@@ -219,7 +219,7 @@ class _Run:
                     undo.extend(self._hook_stage(stage))
                 swaps.enter_context(_compat.swapped_compute_loss(schedule, wrap_loss))
                 swaps.enter_context(_compat.swapped_p2p(wrap_batch, wrap_wait))
-                swaps.enter_context(spans.listening(self._span))
+                swaps.enter_context(listening(self._span))
                 yield
         finally:
             for fn in reversed(undo):
