@@ -53,6 +53,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     _strategy("fsdp_size", "strategy.fsdp_size"),
     _strategy("fsdp_reshard_after_forward", "strategy.fsdp_reshard_after_forward"),
     _strategy("tensor_parallel_size", "strategy.tensor_parallel_size"),
+    _strategy("expert_parallel_size", "strategy.expert_parallel_size"),
     _strategy("partition", "strategy.partition"),
     _strategy("layers_attr", "strategy.layers_attr"),
     _strategy("recompute", "strategy.recompute"),
@@ -122,6 +123,10 @@ class PipelineConfig:
     tensor_parallel_size: int = 1
     """Ranks each layer is split over with tensor parallelism (the module's ``parallelize_layer`` hook, DTensor
     ``parallelize_module``); 1: none. They read the same data (docs/parallelism.md)."""
+    expert_parallel_size: int = 1
+    """Ranks of a stage's data-parallel replicas each MoE layer's experts (``RoutedExperts``) are sharded over,
+    tokens exchanged with ``all_to_all``; must divide the data-parallel size and every expert count. 1: every rank
+    holds every expert (docs/moe.md)."""
     partition: PartitionSpec = "uniform"
     """How layers go to stages: ``"uniform"`` (equal counts), ``"parameters"`` (balanced parameter counts: a
     trainable parameter counts 4, a frozen one 1, as their weight, gradient and AdamW state weigh), ``"time"`` /
@@ -176,6 +181,15 @@ class PipelineConfig:
         if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
             raise config_error("The tensor-parallel size (ranks each layer is split over) must be a positive integer.",
                                f"tensor_parallel_size={self.tensor_parallel_size!r}", "tensor_parallel_size")
+        if not _is_int(self.expert_parallel_size) or self.expert_parallel_size < 1:
+            raise config_error("The expert-parallel size (ranks each MoE layer's experts are sharded over) must be a "
+                               "positive integer.", f"expert_parallel_size={self.expert_parallel_size!r}",
+                               "expert_parallel_size")
+        if self.expert_parallel_size > 1 and self.rebalance_every_n_steps is not None:
+            raise config_error("Rebalancing moves layers between ranks; layers with sharded experts cannot move yet.",
+                               f"expert_parallel_size={self.expert_parallel_size}, rebalance_every_n_steps="
+                               f"{self.rebalance_every_n_steps}", "expert_parallel_size",
+                               also=("rebalance_every_n_steps",))
         if not isinstance(self.fsdp_reshard_after_forward, bool):
             raise config_error("fsdp_reshard_after_forward is true or false.",
                                f"fsdp_reshard_after_forward={self.fsdp_reshard_after_forward!r}",
@@ -193,13 +207,14 @@ class PipelineConfig:
                                f"rebalance_threshold={self.rebalance_threshold!r}", "rebalance_threshold")
         if self.compile is not False:
             others = {"fsdp_size": self.fsdp_size, "tensor_parallel_size": self.tensor_parallel_size,
+                      "expert_parallel_size": self.expert_parallel_size,
                       "rebalance_every_n_steps": self.rebalance_every_n_steps}
             clash = [k for k, v in others.items() if v not in (1, None)]
             if clash:
                 raise config_error(
                     "Compiled layers run with data and pipeline parallelism only for now: FSDP's and tensor "
-                    "parallelism's hooks and DTensor parameters, and rebalancing's per-layer timing hooks, are "
-                    "untested inside compiled regions.",
+                    "parallelism's hooks and DTensor parameters, expert parallelism's all_to_all dispatch, and "
+                    "rebalancing's per-layer timing hooks are untested inside compiled regions.",
                     f"compile={self.compile!r} with " + ", ".join(f"{k}={others[k]!r}" for k in clash), "compile",
                     also=tuple(clash))
         if self.recompute_every is None and str(self.recompute).lower() != "none":

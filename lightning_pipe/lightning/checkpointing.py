@@ -41,9 +41,11 @@ from lightning_pipe.checkpoint.format import (
     named_groups,
     names_from_positions,
     optimizer_entries,
+    optimizer_prefix,
 )
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.parallel.dtensor import full_values, shard_optimizer_state, shard_state_like
+from lightning_pipe.parallel.experts import is_expert
 from lightning_pipe.parallel.topology import Topology
 
 T = TypeVar("T")
@@ -132,17 +134,23 @@ class ShardedCheckpointer:
 
         # replicas hold the same values: replica 0 alone writes; tensor ranks gather the same whole tensors: rank 0
         writes = self.topology.dp_rank == 0 and self.topology.tp_rank == 0
+        # sharded experts: the first holder of each, under its global name ([Note: expert parallelism])
+        experts = {n for n, p in self.module.named_parameters() if is_expert(p)}
+        writes_experts = bool(experts) and self.topology.dp_rank < self.config.expert_parallel_size
+
+        def written(name: str) -> bool:
+            return writes_experts if name in experts else writes
+
         # FSDP-sharded / tensor-parallel stages: every rank of the mesh gathers full tensors, so the format does not
         # depend on the layout.
         model_sd = full_values(checkpoint.pop("state_dict", None) or {})
         opt_states = checkpoint.pop("optimizer_states", None)
         state: dict[str, Any] = {}
-        for opt_state in opt_states or []:
+        for i, opt_state in enumerate(opt_states or []):
             flat = full_values(opt_state["flat"])
-            if writes:
-                state.update(flat)
-        if writes:
-            state.update({MODEL_PREFIX + k: v for k, v in model_sd.items()})
+            prefix = optimizer_prefix(i)
+            state.update({k: v for k, v in flat.items() if written(k.removeprefix(prefix).rpartition(".")[0])})
+        state.update({MODEL_PREFIX + k: v for k, v in model_sd.items() if written(k)})
         groups = [s["groups"] for s in opt_states] if opt_states is not None else None
         # the target check and every rank's size in one gather (the size names what a full disk lacked)
         needed = sum(ranks.agree(check_target, payload=files.state_bytes(state)))

@@ -36,6 +36,7 @@ from lightning_pipe.lightning.setup import check_rank_optimizers, setup_pipeline
 from lightning_pipe.parallel.topology import Topology
 from lightning_pipe.planner.plan import apply_plan
 from lightning_pipe.rebalance import check_rebalance
+from lightning_pipe.runtime.build import check_expert_settings
 from lightning_pipe.runtime.engine import PipelineEngine
 from lightning_pipe.schedules import SchedulePlan, check_torch_runs, plan_schedule
 
@@ -49,9 +50,9 @@ class PipelineStrategy(ParallelStrategy):
 
     Args (in :class:`~lightning_pipe.PipelineConfig`'s order; all but ``schedule`` are keyword-only):
         schedule, microbatches, data_parallel_size, fsdp_size, fsdp_reshard_after_forward, tensor_parallel_size,
-            partition, stages_per_rank, layers_attr, recompute, offload, schedule_options: the layout settings, documented
-            once on :class:`~lightning_pipe.PipelineConfig` (and in docs/settings.md, generated from it, with their
-            Hydra paths). ``schedule="auto"`` lets the planner choose at setup (docs/planner.md).
+            expert_parallel_size, partition, stages_per_rank, layers_attr, recompute, offload, schedule_options:
+            the layout settings, documented once on :class:`~lightning_pipe.PipelineConfig` (and in docs/settings.md,
+            generated from it, with their Hydra paths). ``schedule="auto"`` lets the planner choose at setup (docs/planner.md).
         rebalance_every_n_steps, rebalance_threshold: move layers between ranks mid-run when measured times
             predict a faster split (docs/planner.md: "Rebalancing while training"); see :class:`~lightning_pipe.PipelineConfig`.
         plan: a plan file (or its dict) from ``python -m lightning_pipe.planner search``: its schedule,
@@ -75,6 +76,7 @@ class PipelineStrategy(ParallelStrategy):
         fsdp_size: int = 1,
         fsdp_reshard_after_forward: bool = False,
         tensor_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
         partition: PartitionSpec = "uniform",
         stages_per_rank: int | None = None,
         layers_attr: str = "layers",
@@ -105,6 +107,7 @@ class PipelineStrategy(ParallelStrategy):
                                     layers_attr, recompute, schedule_options, plan, memory_budget,
                                     fsdp_size=fsdp_size, fsdp_reshard_after_forward=fsdp_reshard_after_forward,
                                     tensor_parallel_size=tensor_parallel_size,
+                                    expert_parallel_size=expert_parallel_size,
                                     rebalance_every_n_steps=rebalance_every_n_steps,
                                     rebalance_threshold=rebalance_threshold, offload=offload,
                                     compile=compile)
@@ -195,6 +198,7 @@ class PipelineStrategy(ParallelStrategy):
         check_torch_runs(self.plan)  # what this torch would compute wrongly ([Note: torch versions])
         check_compiled_plan(self.pipeline_config, self.plan)  # [Note: compiled layers]: no split backward
         check_rebalance(self.pipeline_config, self.plan)  # before any rank waits on another
+        check_expert_settings(self.plan, self._topology(), self.pipeline_config.expert_parallel_size)
 
     @override
     def setup_environment(self) -> None:
@@ -382,7 +386,11 @@ class PipelineStrategy(ParallelStrategy):
         if isinstance(self._precision_plugin, PipelinePrecision):
             self._precision_plugin.engine = None
         self.engine = None
+        module = self._lightning_module
+        if module is not None and any(p.is_meta for p in module.parameters()):
+            self._lightning_module = None  # a setup that failed before allocation: Lightning's .cpu() would raise
         super().teardown()
+        self._lightning_module = module
 
     @classmethod
     @override

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_pipe.parallel.dtensor import local as local_part
+from lightning_pipe.parallel.experts import is_expert
 from lightning_pipe.parallel.topology import SHARD, TENSOR, ProcessGroups, TieGroup
 
 
@@ -52,6 +53,11 @@ class GradientSync:
         self.params = list(params)
         self.groups = groups
         self.device = device
+        # Sharded experts are averaged over their own replicas, not the data-parallel group ([Note: expert
+        # parallelism] in experts.py); with expert_parallel_size=1 there are none.
+        self.experts = [p for p in self.params if is_expert(p)]
+        expert_ids = {id(p) for p in self.experts}
+        self.dense = [p for p in self.params if id(p) not in expert_ids]
         # (this rank's copy, its tie group), looked up once: used at every optimizer step.
         named = dict(module.named_parameters(remove_duplicate=False))
         self.ties: list[tuple[nn.Parameter, TieGroup]] = []
@@ -66,9 +72,11 @@ class GradientSync:
         # With FSDP the data-parallel average was FSDP's reduce ([Note: FSDP under the pipeline schedule]).
         if replicas and self.groups.dp is not None and self.groups.shard is None:
             # (tensor parallel: each rank's local part, averaged with the same tensor rank of the other replicas)
-            grads = [local_part(p.grad) for p in self.params if p.grad is not None]
+            grads = [local_part(p.grad) for p in self.dense if p.grad is not None]
             if grads:
                 all_reduce_coalesced(grads, self.groups.dp, average=True)
+        if replicas and self.experts:
+            self.groups.experts.reduce([p.grad for p in self.experts if p.grad is not None])
         for param, tie_group in self.ties:
             if param.grad is not None:  # sharded copies: the same shard of each copy, summed
                 dist.all_reduce(local_part(param.grad), group=tie_group.group)
@@ -79,8 +87,13 @@ class GradientSync:
 
     def broadcast_initial_state(self, tensors: Sequence[Tensor]) -> None:
         """Start identical: replicas from data-parallel rank 0 (as DDP does), tied copies from their owner."""
-        if self.groups.dp is not None:
-            for t in tensors:
+        expert_ids = {id(p) for p in self.experts}
+        replicas = self.groups.experts.replicas if self.experts else None
+        for t in tensors:
+            if id(t) in expert_ids:  # the same experts are held by their replicas only
+                if replicas is not None:
+                    dist.broadcast(t.data, group=replicas, group_src=0)
+            elif self.groups.dp is not None:
                 dist.broadcast(local_part(t.data), group=self.groups.dp, group_src=0)
         for param, tie_group in self.ties:  # (sharded copies: the same shard of each)
             dist.broadcast(local_part(param.data), group=tie_group.group, group_src=0)
@@ -96,8 +109,13 @@ class GradientSync:
         # Each element once: [Note: counting sharded gradients]
         topology = self.groups.topology
         coords = {SHARD: topology.shard_rank, TENSOR: topology.tp_rank}
-        counted = [local_part(p.grad) for p in parameters
-                   if p.grad is not None and id(p) not in excluded and counts_here(p.grad, coords)]
+        # Sharded experts: each expert group holds every expert once, so their part is summed over the group
+        # ([Note: expert parallelism] in experts.py).
+        expert_ids = {id(p) for p in self.experts}
+        counted = [local_part(p.grad) for p in parameters if p.grad is not None and id(p) not in excluded
+                   and id(p) not in expert_ids and counts_here(p.grad, coords)]
+        expert_grads = [p.grad for p in parameters if p.grad is not None and id(p) in expert_ids]
+        exchange = self.groups.experts.exchange if self.experts else None
         tensor = self.groups.tensor
         norm_type = float(norm_type)
         pp, many = self.groups.pp, over_pipeline and self.groups.topology.pipeline_size > 1
@@ -105,6 +123,11 @@ class GradientSync:
         if norm_type == math.inf:
             maxima = [g.detach().abs().max().float() for g in counted if g.numel()]  # (a shard may be empty)
             local = torch.stack(maxima).max() if maxima else zero
+            if exchange is not None:
+                part = torch.stack([g.detach().abs().max().float() for g in expert_grads if g.numel()] or [zero])
+                part = part.max()
+                dist.all_reduce(part, op=dist.ReduceOp.MAX, group=exchange)
+                local = torch.maximum(local, part)
             if many:
                 dist.all_reduce(local, op=dist.ReduceOp.MAX, group=pp)
             for group in (self.groups.shard, tensor):
@@ -114,6 +137,11 @@ class GradientSync:
         else:
             local = (torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type
                                   for g in counted]).sum() if counted else zero)
+            if exchange is not None:
+                part = torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type
+                                    for g in expert_grads] or [zero]).sum()
+                dist.all_reduce(part, group=exchange)
+                local = local + part
             if many:
                 dist.all_reduce(local, group=pp)
             for group in (self.groups.shard, tensor):

@@ -171,6 +171,8 @@ class ProcessGroups:
         # Tensor parallelism (lightning_pipe/parallel/tensor_parallel.py): the group each layer is split over
         self.tensor: dist.ProcessGroup | None = (mesh.get_group("tensor")
                                                 if mesh is not None and topology.tensor_parallel_size > 1 else None)
+        # Expert parallelism (lightning_pipe/parallel/experts.py, an ExpertGroups): set by build_engine
+        self.experts: Any = None
         p, d, tp = topology.pipeline_size, topology.dp_degree, topology.tensor_parallel_size
         self.pp: dist.ProcessGroup | None = None
         self.dp: dist.ProcessGroup | None = None

@@ -13,7 +13,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from lightning_pipe.config import PipelineConfig
+from lightning_pipe.config import PipelineConfig, config_error
 from lightning_pipe.layers.partition import layer_param_counts, partition_layers
 from lightning_pipe.layers.stages import (
     TiedParameter,
@@ -24,6 +24,7 @@ from lightning_pipe.layers.stages import (
     materialize,
     warn_batch_norm,
 )
+from lightning_pipe.parallel.experts import ExpertGroups, check_expert_parallel, mark_experts, shard_experts
 from lightning_pipe.parallel.fsdp import ShardingOptions, check_schedule, check_ties, shard_stages
 from lightning_pipe.parallel.tensor_parallel import (
     agree_after_split,
@@ -57,6 +58,20 @@ def engine_class(plan: SchedulePlan) -> type[PipelineEngine]:
     return cls
 
 
+def check_expert_settings(plan: SchedulePlan, topology: Topology, size: int) -> None:
+    """``expert_parallel_size`` against the world and the schedule, before any rank waits on another. Expert
+    parallelism needs the engine's own gradient sync: schedules that update per micro-batch (PipeDream, PipeMare)
+    or run an engine of their own (Chimera) average gradients their own way."""
+    if size == 1:
+        return
+    check_expert_parallel(size, topology)
+    if plan.spec.engine is not None or getattr(plan.spec.stage_class, "updates_per_microbatch", False):
+        raise config_error(
+            "Expert parallelism needs the engine's own gradient sync after the schedule; this schedule averages "
+            "gradients its own way (per micro-batch, or per pipeline).",
+            f"schedule={plan.spec.name!r}, expert_parallel_size={size}", "expert_parallel_size", also=("schedule",))
+
+
 def build_engine(module: PipelineModel, config: PipelineConfig, plan: SchedulePlan, topology: Topology,
                  device: torch.device, layout: PipelineLayout | None = None,
                  sharding: ShardingOptions | None = None) -> tuple[PipelineEngine, PipelineLayout]:
@@ -88,6 +103,8 @@ def build_engine(module: PipelineModel, config: PipelineConfig, plan: SchedulePl
         check_ties(layout.tied, {i: plan.stage_to_rank(s) for s, r in enumerate(layout.ranges) for i in r})
     if topology.tensor_parallel_size > 1:
         check_tensor_parallel(module, topology.tensor_parallel_size)
+    experts = config.expert_parallel_size
+    check_expert_settings(plan, topology, experts)
     # One mesh for every dimension: FSDP combines the tensor and data-parallel dimensions of a split parameter
     # into one DTensor, which needs both to be slices of the same root mesh.
     mesh = (build_mesh(topology, device.type)
@@ -95,6 +112,9 @@ def build_engine(module: PipelineModel, config: PipelineConfig, plan: SchedulePl
     groups = ProcessGroups(topology, layout.tied, layout.ranges, plan.ranks_of_stage, mesh=mesh)
     stage_modules = localize_layers(module, config.layers_attr, layout.ranges, local_ids, plan.stage_to_rank,
                                     config.recompute_every, config.offload_layers, config.compile_options)
+    if experts > 1:  # before allocation: a rank allocates only its own experts ([Note: expert parallelism])
+        groups.experts = ExpertGroups(topology, experts, groups.dp)
+        shard_experts(stage_modules, groups.experts)
     split: Callable[[int, torch.nn.Module], None] | None = None
     tensor_parallel = topology.tensor_parallel_size > 1
     if tensor_parallel:
@@ -138,6 +158,8 @@ def build_engine(module: PipelineModel, config: PipelineConfig, plan: SchedulePl
             agree_after_split(module, layout.tied, ties_before, topology.tp_rank, failure)
         sync_random_state(groups.tensor, device)  # dropout draws alike on the tensor ranks (every fit: cheap)
     module.to(device)
+    if experts > 1:
+        mark_experts(stage_modules)  # allocation made new Parameter objects
     engine = engine_class(plan)(module, stage_modules, local_ids, plan, groups, device)
     if fresh:
         # Replicas start identical (FSDP: done per layer above), tied copies from their owner; the engine's own

@@ -119,7 +119,7 @@ class PipelineEngine:
         # stages average in their own reduce-scatter ([Note: FSDP under the pipeline schedule] in fsdp.py).
         self.dp_handoff = DataParallelHandoff(
             DataParallelOverlap(self.stages, self.parameters, groups.dp)
-            if groups.dp is not None and groups.shard is None and groups.tensor is None
+            if groups.dp is not None and groups.shard is None and groups.tensor is None and groups.experts is None
             and not self.per_microbatch_updates else None,
             plan.microbatches)
         self._grad_factor: Tensor | None = None  # token-weighted loss: applied to the fresh gradients on hand-over
@@ -303,6 +303,8 @@ class PipelineEngine:
         # N of [Note: token-weighted loss]: a device value under the overlapped DP sync (the replicas' mean)
         overlap, elements = self.dp_handoff.begin(saved, targets, self.groups.dp,
                                                   self.groups.topology.data_parallel_size, self.device)
+        if overlap is None and self.groups.experts is not None:  # an expert gradient mixes replicas' losses:
+            elements = self.groups.experts.mean_count(elements, self.device)  # one N for all ([Note: expert ...])
         self._sum_scale = 1.0 / (self.accumulate_grad_batches * elements)
         count_targets = ([self._structured_target if self._structured_target is not None else target]
                          if mbs is None else mbs.targets)

@@ -19,6 +19,7 @@ from typing import Any
 from lightning_pipe.trace.records import (
     COMM_KINDS,
     COMPUTE_KINDS,
+    DISPATCH_KINDS,
     KIND_NAMES,
     StepRecord,
     by_step,
@@ -52,7 +53,7 @@ def chrome_trace(records: Sequence[StepRecord], meta: dict[str, Any] | None = No
         events.append({"ph": "X", "name": f"step {r.step}", "cat": "step", "pid": r.rank, "tid": 0,
                        "ts": us(r.start_ns), "dur": round(r.wall_ns / 1000.0, 3),
                        "args": {"bubble": round(r.bubble(), 4), "busy_ms": r.busy_ns() / 1e6,
-                                "comm_ms": r.comm_ns() / 1e6}})
+                                "comm_ms": r.comm_ns() / 1e6, "dispatch_ms": r.dispatch_ns() / 1e6}})
         for s in r.slices:
             args: dict[str, Any] = {"step": r.step}
             if s.stage is not None:
@@ -75,7 +76,7 @@ def write_chrome_trace(records: Sequence[StepRecord], path: str | Path, meta: di
 
 
 COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#8DCB9B", "W": "#DD8452", "L": "#8172B2",
-          "post": "#B0B0B0", "wait": "#D9D9D9"}
+          "post": "#B0B0B0", "wait": "#D9D9D9", "dispatch": "#C44E52"}
 
 
 def plot_timeline(records: Sequence[StepRecord], path: str | Path, steps: int | None = 2,
@@ -121,7 +122,7 @@ def plot_timeline(records: Sequence[StepRecord], path: str | Path, steps: int | 
                        edgecolors="#999999", linewidth=0.6)
         for s in r.slices:
             x0, w = at(r.step, s.start_ns), (s.end_ns - s.start_ns) / 1e6
-            comm = s.kind in COMM_KINDS
+            comm = s.kind in COMM_KINDS or s.kind in DISPATCH_KINDS  # (dispatch: a thin bar over its compute)
             height = 0.3 if comm else 0.8
             ax.broken_barh([(x0, w)], (y - height / 2, height), facecolors=COLORS[s.kind],
                            edgecolors="none" if comm else "black", linewidth=0 if comm else 0.3)
@@ -137,7 +138,7 @@ def plot_timeline(records: Sequence[StepRecord], path: str | Path, steps: int | 
     ax.set_xlabel("time in step (ms)" + ("; steps side by side, time between steps cut" if gap_ms else ""))
     present = {s.kind for r in recs for s in r.slices}
     handles = [Patch(facecolor=COLORS[k], edgecolor="black" if k in COMPUTE_KINDS else "none", label=KIND_NAMES[k])
-               for k in (*COMPUTE_KINDS, *COMM_KINDS) if k in present]
+               for k in (*COMPUTE_KINDS, *COMM_KINDS, *DISPATCH_KINDS) if k in present]
     handles.append(Patch(facecolor="white", edgecolor="#999999", label="idle"))
     ax.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=len(handles), fontsize=8,
               frameon=False)

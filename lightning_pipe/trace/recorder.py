@@ -40,6 +40,7 @@ import torch
 
 from lightning_pipe._compat import torch as _compat
 from lightning_pipe.trace.records import Slice, StepRecord
+from lightning_pipe.trace.spans import listening
 
 
 # ---------------------------------------------------------------------------------------------------------- clocks
@@ -150,11 +151,25 @@ class _Run:
         self._op_tags: dict[int, tuple[Any, str]] = {}  # id(P2POp) -> (op kept alive, "send F1")
         self._work_labels: dict[int, tuple[Any, str]] = {}  # id(list of Work) -> (list kept alive, label)
         self._last_forward: dict[int, int] = {}  # stage -> micro-batch of its latest forward (for the loss)
+        self._inside: tuple[int | None, int | None] = (None, None)  # (stage, micro-batch) of the running action
 
     def _timed(self, kind: str, stage: int | None, mb: int | None, label: str, fn: Callable[[], Any]) -> Any:
         start = self.clock.mark()
+        outer, self._inside = self._inside, (stage, mb)
         try:
             return fn()
+        finally:
+            self._inside = outer
+            self.raw.append((kind, stage, mb, label, start, self.clock.mark()))
+
+    @contextlib.contextmanager
+    def _span(self, kind: str, label: str) -> Iterator[None]:
+        """A span inside the current action (``trace.spans``: an MoE layer's all_to_all), under its stage and
+        micro-batch; appended before its enclosing action, which ends later."""
+        stage, mb = self._inside
+        start = self.clock.mark()
+        try:
+            yield
         finally:
             self.raw.append((kind, stage, mb, label, start, self.clock.mark()))
 
@@ -204,6 +219,7 @@ class _Run:
                     undo.extend(self._hook_stage(stage))
                 swaps.enter_context(_compat.swapped_compute_loss(schedule, wrap_loss))
                 swaps.enter_context(_compat.swapped_p2p(wrap_batch, wrap_wait))
+                swaps.enter_context(listening(self._span))
                 yield
         finally:
             for fn in reversed(undo):

@@ -2,7 +2,8 @@
 
 [Note: measured bubble]
 For one rank and one step: ``bubble = 1 - busy / wall`` where ``wall`` is the time the rank spent inside the
-schedule's ``step()`` and ``busy`` the summed duration of its compute slices (F, B, I, W and the loss). Waiting for
+schedule's ``step()`` and ``busy`` the summed duration of its compute slices (F, B, I, W and the loss), less the
+expert dispatch inside them (MoE ``all_to_all``, its own ``dispatch`` slices). Waiting for
 a peer, posting sends/receives and schedule bookkeeping count as idle. The pipeline's bubble is the mean over ranks.
 Torch's theory, ``(p - 1) / (m + p - 1)`` for GPipe/1F1B, assumes equal stage times and free communication; the
 measurement includes what the theory leaves out (the loss on the last stage, P2P latency, uneven stages).
@@ -18,8 +19,12 @@ from typing import Any
 
 COMPUTE_KINDS = ("F", "B", "I", "W", "L")
 COMM_KINDS = ("post", "wait")
+DISPATCH_KINDS = ("dispatch",)
+"""Collectives *inside* a compute slice (an MoE layer's token ``all_to_all``, marked by
+:func:`lightning_pipe.trace.spans.span`): shown on their own and taken out of the busy time."""
 KIND_NAMES = {"F": "forward", "B": "backward", "I": "backward (input grad)", "W": "backward (weight grad)",
-              "L": "loss", "post": "post send/recv", "wait": "wait send/recv"}
+              "L": "loss", "post": "post send/recv", "wait": "wait send/recv",
+              "dispatch": "expert dispatch (all_to_all)"}
 RECORDS_VERSION = 1
 
 
@@ -71,7 +76,11 @@ class StepRecord:
         return max(self.end_ns - self.start_ns, 1)
 
     def busy_ns(self) -> int:
-        return sum(s.end_ns - s.start_ns for s in self.slices if s.kind in COMPUTE_KINDS)
+        """Compute time, less the expert dispatch inside it (waiting on peers, as P2P waits are)."""
+        return sum(s.end_ns - s.start_ns for s in self.slices if s.kind in COMPUTE_KINDS) - self.dispatch_ns()
+
+    def dispatch_ns(self) -> int:
+        return sum(s.end_ns - s.start_ns for s in self.slices if s.kind in DISPATCH_KINDS)
 
     def comm_ns(self) -> int:
         return sum(s.end_ns - s.start_ns for s in self.slices if s.kind in COMM_KINDS)

@@ -17,7 +17,9 @@ billion-parameter model never exists whole on any rank, and one device and every
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,8 +29,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from lightning_pipe import PipelineModule
+from lightning_pipe.layers.aux import attach_aux_loss
 from lightning_pipe.layers.packing import block_diagonal_causal_mask, positions_from_documents
 from recipes.gpt.model import adamw_with_warmup_cosine, recipe_loss, split_recipe_batch
+from recipes.llama.moe import MoEFeedForward, SwiGLU
 
 
 class RMSNorm(nn.Module):
@@ -95,31 +99,39 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
-class SwiGLU(nn.Module):
-    def __init__(self, n_embd: int, hidden: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(n_embd, hidden, bias=False)  # gate
-        self.w3 = nn.Linear(n_embd, hidden, bias=False)  # up
-        self.w2 = nn.Linear(hidden, n_embd, bias=False)  # down
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class Block(nn.Module):
-    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x)); ``(x, document_ids)`` for packed rows."""
+    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x)); ``(x, document_ids)`` for packed rows. The
+    MLP is a :class:`MoEFeedForward` when ``moe`` is given (its balance loss, times ``moe.aux_coef``, enters the
+    training loss through the activation)."""
 
-    def __init__(self, n_embd: int, n_head: int, n_kv_head: int, hidden: int, rope_theta: float, eps: float) -> None:
+    def __init__(self, n_embd: int, n_head: int, n_kv_head: int, hidden: int, rope_theta: float, eps: float,
+                 moe: MoESettings | None = None) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(n_embd, eps)
         self.attention = Attention(n_embd, n_head, n_kv_head, rope_theta)
         self.ffn_norm = RMSNorm(n_embd, eps)
-        self.feed_forward = SwiGLU(n_embd, hidden)
+        self.feed_forward: nn.Module = (SwiGLU(n_embd, hidden) if moe is None else
+                                        MoEFeedForward(n_embd, hidden, moe.experts, moe.top_k, moe.shared_expert))
+        self.aux_coef = 0.0 if moe is None else moe.aux_coef
 
     def forward(self, x: Tensor, document_ids: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         x = x + self.attention(self.attention_norm(x), document_ids)
-        x = x + self.feed_forward(self.ffn_norm(x))
+        if not isinstance(self.feed_forward, MoEFeedForward):
+            x = x + self.feed_forward(self.ffn_norm(x))
+        else:
+            out, balance = self.feed_forward(self.ffn_norm(x))
+            x = x + out
+            if self.aux_coef and self.training:
+                x = attach_aux_loss(x, balance, name="router_balance", coef=self.aux_coef)
         return x if document_ids is None else (x, document_ids)
+
+
+@dataclass(frozen=True)
+class MoESettings:
+    experts: int
+    top_k: int
+    shared_expert: bool
+    aux_coef: float
 
 
 class Embedding(nn.Module):
@@ -157,6 +169,18 @@ class Head(nn.Module):
         return self.output(x)
 
 
+_EXPERT_NAME = re.compile(r"experts\.experts\.(\d+)\.")
+
+
+def _expert_generator(seed: int, index: int, name: str) -> torch.Generator | None:
+    """A routed expert draws from its own generator: under expert parallelism a rank holds only some experts, and
+    each must start as on one device whichever others are present."""
+    match = _EXPERT_NAME.search(name)
+    if match is None:
+        return None
+    return torch.Generator().manual_seed((seed * 100_003 + index) * 1_009 + int(match.group(1)) + 1)
+
+
 def swiglu_hidden(n_embd: int, multiple_of: int) -> int:
     """Llama's MLP width: 2/3 of 4 x n_embd, rounded up to a multiple of ``multiple_of``."""
     hidden = int(2 * 4 * n_embd / 3)
@@ -174,6 +198,10 @@ class Llama(PipelineModule):
         tie_embeddings: the head reuses the token embedding's weight (one Parameter, kept in sync across stages).
         init_seed: seeds each layer's initialisation (``reset_layer``), so every layout starts from equal weights.
         lr, weight_decay, betas, warmup_steps, max_steps: AdamW with warm-up and cosine decay (as the GPT recipe).
+        moe_experts: 0 (dense) or the number of routed SwiGLU experts per block (recipes/llama/moe.py);
+            ``moe_top_k`` experts per token, plus one always-on expert with ``moe_shared_expert``; the
+            load-balancing loss enters the training loss times ``moe_aux_coef`` (0: not at all). Each step logs
+            the expert load (``moe_load_max``: the busiest expert's share over the mean share, 1.0 = balanced).
     """
 
     def __init__(
@@ -194,6 +222,10 @@ class Llama(PipelineModule):
         betas: Sequence[float] = (0.9, 0.95),
         warmup_steps: int = 100,
         max_steps: int = 5000,
+        moe_experts: int = 0,
+        moe_top_k: int = 2,
+        moe_shared_expert: bool = False,
+        moe_aux_coef: float = 0.01,
     ) -> None:
         super().__init__()
         betas = (float(betas[0]), float(betas[1]))  # plain floats: Hydra passes a ListConfig
@@ -210,9 +242,11 @@ class Llama(PipelineModule):
         head = Head(hp.n_embd, hp.vocab_size)
         if hp.tie_embeddings:
             head.output.weight = embedding.tok_embeddings.weight
+        moe = (MoESettings(hp.moe_experts, hp.moe_top_k, bool(hp.moe_shared_expert), float(hp.moe_aux_coef))
+               if hp.get("moe_experts", 0) else None)
         self.layers = nn.Sequential(
             embedding,
-            *(Block(hp.n_embd, hp.n_head, hp.n_kv_head, hidden, hp.rope_theta, hp.norm_eps)
+            *(Block(hp.n_embd, hp.n_head, hp.n_kv_head, hidden, hp.rope_theta, hp.norm_eps, moe)
               for _ in range(hp.n_layer)),
             FinalNorm(hp.n_embd, hp.norm_eps),
             head,
@@ -227,6 +261,9 @@ class Llama(PipelineModule):
         generator = torch.Generator().manual_seed(hp.init_seed * 100_003 + index)
         resid_std = 0.02 / math.sqrt(2 * hp.n_layer)
         with torch.no_grad():
+            for buffer in layer.buffers():  # the expert load counters (allocated uninitialised from meta)
+                if not buffer.is_meta:
+                    buffer.zero_()
             for name, p in layer.named_parameters():
                 if p.is_meta or (hp.tie_embeddings and isinstance(layer, Head)):
                     # A tied head weight is the embedding's: layer 0 initialises it (on its rank), and the pipeline
@@ -236,7 +273,8 @@ class Llama(PipelineModule):
                     p.fill_(1.0)
                     continue
                 std = resid_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
-                p.copy_(torch.randn(p.shape, generator=generator) * std)
+                p.copy_(torch.randn(p.shape, generator=_expert_generator(hp.init_seed, index, name) or generator)
+                        * std)
 
     def parallelize_layer(self, index: int, layer: nn.Module, tp_mesh: DeviceMesh) -> None:
         """Split a block over ``tp_mesh`` (``strategy.tensor_parallel_size``): q / k / v and the SwiGLU gate / up
@@ -257,6 +295,35 @@ class Llama(PipelineModule):
         parallelize_module(layer, tp_mesh, {
             "attention.wq": column, "attention.wk": column, "attention.wv": column, "attention.wo": row,
             "feed_forward.w1": column, "feed_forward.w3": column, "feed_forward.w2": row})
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.hparams.get("moe_experts", 0):
+            self.log_expert_load()
+        return loss
+
+    def log_expert_load(self) -> None:
+        """Log the expert load of every MoE layer since the last call, after the step's schedule (one sum over all
+        ranks: each holds its own layers' counts): ``moe/layer<i>_expert<e>`` (fraction of the layer's routed
+        (token, choice) pairs), ``moe/layer<i>_max_over_mean`` and, in the progress bar, ``moe_load_max``."""
+        assert self.layers is not None
+        load = torch.zeros(len(self.layers), self.hparams.moe_experts, device=self.device)
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, Block) and isinstance(layer.feed_forward, MoEFeedForward):
+                load[i] = layer.feed_forward.take_load().to(load.device)
+        load = self.trainer.strategy.reduce(load, reduce_op="sum")  # identity on one device
+        worst = 0.0
+        for i in range(1, self.hparams.n_layer + 1):  # the blocks (other ranks' are placeholders here)
+            total = float(load[i].sum())
+            if total == 0:
+                continue
+            fraction = load[i] / total
+            imbalance = float(fraction.max()) * self.hparams.moe_experts
+            worst = max(worst, imbalance)
+            self.log(f"moe/layer{i}_max_over_mean", imbalance)
+            for e, f in enumerate(fraction.tolist()):
+                self.log(f"moe/layer{i}_expert{e}", f)
+        self.log("moe_load_max", worst, prog_bar=True)
 
     def split_batch(self, batch: Any) -> tuple[Any, Any]:
         """``(x, y)``, or ``{"input_ids", "document_ids"?, "labels"}`` (``data=dynamic_padding`` / ``packed``)."""

@@ -33,9 +33,10 @@ def test_bad_compile_setting_names_the_key(value: object, seen: str) -> None:
     assert seen in str(err.value)
 
 
-@pytest.mark.parametrize("other", [{"fsdp_size": 2}, {"tensor_parallel_size": 2}, {"rebalance_every_n_steps": 5}])
+@pytest.mark.parametrize("other", [{"fsdp_size": 2}, {"tensor_parallel_size": 2}, {"rebalance_every_n_steps": 5},
+                                   {"expert_parallel_size": 2, "data_parallel_size": 2}])
 def test_compile_refuses_what_it_does_not_compose_with(other: dict[str, int]) -> None:
-    (key, value), = other.items()
+    (key, value), *_ = other.items()
     with pytest.raises(PipelineConfigError, match=f"compile=True with {key}={value}.*strategy.compile"):
         PipelineConfig(compile=True, **other)
 

@@ -180,6 +180,7 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "strategy.fsdp_size": (["strategy.fsdp_size=2"], 2),
     "strategy.fsdp_reshard_after_forward": (["strategy.fsdp_reshard_after_forward=true"], True),
     "strategy.tensor_parallel_size": (["strategy.tensor_parallel_size=2"], 2),
+    "strategy.expert_parallel_size": (["strategy.expert_parallel_size=2"], 2),
     "strategy.partition": (["strategy.partition=[3,4]"], (3, 4)),
     "strategy.layers_attr": (["strategy.layers_attr=blocks"], "blocks"),
     "strategy.recompute": (["strategy.recompute=all"], "all"),

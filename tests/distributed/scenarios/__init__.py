@@ -12,6 +12,7 @@ from typing import Any, Literal, NamedTuple, TypedDict
 
 from tests.distributed.scenarios import (
     checkpoint,
+    expert_parallel,
     frozen,
     fsdp,
     hardening,
@@ -33,7 +34,7 @@ from tests.distributed.scenarios.training import TrainingCase
 
 Case = (TrainingCase | CheckpointCase | TraceCase | hardening.HardeningCase | planner.SlowRankCase | hf.HFCase
         | rebalance.RebalanceCase | fsdp.FsdpCountCase | frozen.FrozenCase | recipe.RecipeCase | rng.RngCase
-        | soak.SoakCase | syncs.SyncCase | moe.AuxCase | moe.MoECase)
+        | soak.SoakCase | syncs.SyncCase | moe.AuxCase | moe.MoECase | expert_parallel.ExpertCase)
 
 
 class Scenario(NamedTuple):
@@ -68,6 +69,8 @@ SCENARIOS: dict[str, Scenario] = {
     "syncs": Scenario(syncs.SyncCase, syncs.run_syncs),  # issue 22.4: test_sync_points.py
     "aux_toy": Scenario(moe.AuxCase, moe.run_toy),  # issue 25: test_aux_losses.py
     "moe": Scenario(moe.MoECase, moe.run_moe),  # issue 25: test_aux_losses.py
+    # issue 25: test_expert_parallel.py
+    "expert_parallel": Scenario(expert_parallel.ExpertCase, expert_parallel.run_expert_parallel),
 }
 
 __all__ = ["Case", "CheckpointCase", "Failure", "SCENARIOS", "Scenario", "TraceCase", "TrainingCase"]
