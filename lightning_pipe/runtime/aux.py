@@ -10,9 +10,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_pipe.config import config_error
 from lightning_pipe.layers.aux import AuxLossContext
 
-__all__ = ["AuxLossStep"]
+__all__ = ["AuxLossStep", "UNVERIFIED_SCHEDULES"]
+
+UNVERIFIED_SCHEDULES = frozenset({"pipedream", "pipedream_2bw", "pipemare"})
+"""Schedules whose aux-loss semantics no parity test covers yet: refused on the first step that has aux terms, on
+every rank of the pipeline together (the decision is taken on the gathered flags)."""
 
 
 class AuxLossStep:
@@ -23,8 +28,10 @@ class AuxLossStep:
     rank of the pipeline raises the same error together (never a hang).
     """
 
-    def __init__(self, pp_group: dist.ProcessGroup | None, pipeline_size: int, owner: str) -> None:
+    def __init__(self, pp_group: dist.ProcessGroup | None, pipeline_size: int, owner: str,
+                 schedule: str = "") -> None:
         self.pp_group, self.pipeline_size, self.owner = pp_group, pipeline_size, owner
+        self.schedule = schedule
         self.anywhere: bool | None = None
         self.context: AuxLossContext | None = None
         self.values: dict[str, Tensor] = {}
@@ -79,6 +86,13 @@ class AuxLossStep:
         else:
             self.values = {}
             return torch.zeros((), device=device)
+        if self.anywhere and self.schedule in UNVERIFIED_SCHEDULES:
+            raise config_error(
+                "Aux losses (attach_aux_loss) are verified exact under the synchronous schedules (gpipe, 1f1b, "
+                "interleaved_1f1b, looped_bfs, zb_h1, zbv, dualpipev, v_half, v_min, chimera); under the asynchronous "
+                "ones (per-micro-batch updates, weight versions) no reference proves them yet, so they are refused "
+                "rather than trained unverified.", f"schedule={self.schedule!r} with aux terms attached by "
+                f"{self.owner}'s layers", "schedule", "a synchronous schedule, or remove the aux terms")
         self._check([f for _, f in gathered], global_count)
         values: dict[str, float] = {}
         for part, _ in gathered:

@@ -129,7 +129,7 @@ class PipelineEngine:
         self._loss_kind = LossKind()  # [Note: the loss kind is read once]
         self._structured_target: Any = None  # a dict / tuple target of this step: [Note: structured targets]
         self._owner = type(module).__name__
-        self.aux = AuxLossStep(groups.pp, plan.pipeline_size, self._owner)  # [Note: auxiliary losses] in layers/aux.py
+        self.aux = AuxLossStep(groups.pp, plan.pipeline_size, self._owner, plan.spec.name)  # [Note: auxiliary losses] in layers/aux.py
         # Context managers entered around every training schedule step (see lightning_pipe.trace.memory / trace).
         self.step_contexts: list[Callable[[], contextlib.AbstractContextManager]] = []
         # [Note: re-inference on a new shape]; [Note: shapes without re-inference] in shapes.py

@@ -105,3 +105,20 @@ def test_a_recomputed_layer_logs_its_term_once_and_its_gradient_is_exact() -> No
         grads.append(layers[0].fc.weight.grad.clone())
         assert float(ctx.values["w2"]) == pytest.approx(float(layers[0].fc.weight.detach().square().sum()))
     torch.testing.assert_close(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "pipedream_2bw", "pipemare"])
+def test_asynchronous_schedules_refuse_aux_terms_naming_the_schedule(schedule: str) -> None:
+    from lightning_pipe.config import PipelineConfigError
+    from lightning_pipe.runtime.aux import AuxLossStep
+
+    step = AuxLossStep(None, 1, "MyLM", schedule)
+    context = step.begin(lambda: 1.0)
+    lin, x = _parts()
+    with aux_loss_context(context):
+        attach_aux_loss(lin(x), lin.weight.sum(), name="a")
+    with pytest.raises(PipelineConfigError, match=f"schedule='{schedule}'.*Hydra: schedule="):
+        step.end(2, None, torch.device("cpu"))
+    quiet = AuxLossStep(None, 1, "MyLM", schedule)  # no aux terms: nothing to refuse
+    quiet.begin(lambda: 1.0)
+    assert float(quiet.end(2, None, torch.device("cpu"))) == 0.0
