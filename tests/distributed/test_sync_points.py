@@ -7,7 +7,9 @@ counting them here makes a new one fail on a machine without a GPU.
 
 What the design allows per training batch, on every rank ([Note: host reads in a training step] in
 lightning_pipe/runtime/host_reads.py): exactly one read, the step-boundary agreement of the fault handling (SIGTERM,
-requeue, the epoch's last batch: ``watchdog.any_rank``), which decides on the host whether to stop. Nothing else
+requeue, the epoch's last batch), which decides on the host whether to stop: read from the step's one collective
+(``engine.take_agreed_flags``, [Note: one collective at the step's end]) or, where the loss is reduced apart
+(Chimera), from the faults' own all-reduce (``watchdog.any_rank``). Nothing else
 of ours, and nothing of torch's or Lightning's own on this path. The first step is not counted (shape inference,
 the loss kind: [Note: the loss kind is read once]).
 """
@@ -25,8 +27,9 @@ pytestmark = [pytest.mark.distributed]
 
 V_PLACED = ("interleaved_1f1b", "looped_bfs", "zb_h1", "zbv", "dualpipev")
 SCHEDULES = ("1f1b", "gpipe", *V_PLACED, "v_half", "v_min", "pipedream", "pipedream_2bw", "chimera", "pipemare")
-# (file, function, call) -> reads per training batch
-ALLOWED = {("lightning_pipe/runtime/watchdog.py", "any_rank", "tolist"): 1}
+# (file, function, call): the sites of the one read per training batch (one of them, per schedule)
+ALLOWED = {("lightning_pipe/runtime/engine.py", "take_agreed_flags", "tolist"),
+           ("lightning_pipe/runtime/watchdog.py", "any_rank", "tolist")}
 
 CASES = [SyncCase(schedule=s, stages_per_rank=2 if s in V_PLACED else None) for s in SCHEDULES] + [
     # clipping (the global norm) and accumulation; a token-weighted loss over 2 replicas with the gradient sync
@@ -51,8 +54,7 @@ def test_no_sync_inside_the_training_step(tmp_path: Path) -> None:
             ours: dict[tuple[str, str, str], int] = {}
             for key, n in result["ours"].items():
                 ours[_site(key)] = ours.get(_site(key), 0) + n
-            expected = {site: per_batch * counted for site, per_batch in ALLOWED.items()}
-            assert ours == expected, (
+            assert set(ours) <= ALLOWED and sum(ours.values()) == counted, (
                 f"rank {rank}, {case}: host-device syncs in a training step, per call site over {counted} batches "
-                f"(allowed: {ALLOWED} per batch): {result['ours']}")
+                f"(allowed: one read per batch at one of {sorted(ALLOWED)}): {result['ours']}")
             assert result["others"] == {}, f"rank {rank}, {case}: torch's / Lightning's own: {result['others']}"
