@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pipe._compat import transformers as _compat
+from lightning_pipe.hf.expert_weights import expert_sources, fuse, router_alias
 from lightning_pipe.hf.layers import HFLayer, _state_tensors, layers_from_config
 
 __all__ = [
@@ -160,9 +161,21 @@ def load_layer_weights_(layer: nn.Module, checkpoint: SafetensorsCheckpoint | st
     hf_keys: Mapping[str, Sequence[str]] = getattr(layer, "hf_keys", {})
     targets = dict(_state_tensors(layer))
     wanted: dict[str, str] = {}
+    fused: dict[str, list[list[str]]] = {}  # local name -> per-expert keys ([Note: expert tensors on disk])
     missing = []
+    base_prefix = getattr(layer, "base_prefix", "")
     for local, candidates in hf_keys.items():
-        key = checkpoint.resolve(candidates, getattr(layer, "base_prefix", ""))
+        key = checkpoint.resolve(candidates, base_prefix)
+        if key is None:  # a per-expert checkpoint of a fused MoE tensor, or Mixtral's router name
+            key = checkpoint.resolve([a for a in map(router_alias, candidates) if a], base_prefix)
+        if key is None and local in targets:
+            sources = next((s for c in candidates for p in (c, c[len(base_prefix):] if base_prefix
+                            and c.startswith(base_prefix) else c)
+                            if (s := expert_sources(p, targets[local].shape[0], checkpoint.weight_map.__contains__))),
+                           None)
+            if sources is not None:
+                fused[local] = sources
+                continue
         if key is None:
             missing.append(f"{local} (looked for {list(candidates)})")
         else:
@@ -174,7 +187,11 @@ def load_layer_weights_(layer: nn.Module, checkpoint: SafetensorsCheckpoint | st
     if device.type == "meta":
         raise ValueError(f"{type(layer).__name__} is on the meta device: allocate it first (materialize_layers_, or "
                          "the pipeline strategy's setup) and then load its weights.")
-    tensors = checkpoint.read(sorted(set(wanted.values())), device=device)
+    tensors = checkpoint.read(sorted(set(wanted.values()) | {k for s in fused.values() for g in s for k in g}),
+                              device=device)
+    for local, sources in fused.items():
+        tensors[local] = fuse(sources, tensors)
+        wanted[local] = local
     for local, key in wanted.items():
         target, value = targets[local], tensors[key]
         if target.shape != value.shape:

@@ -91,3 +91,24 @@ def test_the_moe_families_are_supported_and_dense_ones_are_not_moe() -> None:
     assert set(MOE_MODEL_TYPES) <= set(SUPPORTED_MODEL_TYPES)
     dense = set(SUPPORTED_MODEL_TYPES) - set(MOE_MODEL_TYPES)
     assert not any(is_mixture_of_experts(transformers.AutoConfig.for_model(t)) for t in dense)
+
+
+@pytest.mark.parametrize("model_type", MOE_MODEL_TYPES)
+def test_a_moe_model_loads_from_local_safetensors(model_type: str, tmp_path: object) -> None:
+    """``HFCausalLM(pretrained=dir)``: every expert, router and shared-expert tensor read from the saved
+    safetensors (nothing left at its init), the loss equal to the saved model's."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(moe_config(model_type), attn_implementation="eager")
+    model.save_pretrained(str(tmp_path), safe_serialization=True)
+    batch = padded_batch()
+    expected = model(**batch).loss
+    torch.manual_seed(1)  # another init: a tensor not read from the file would show
+    module = HFCausalLM(pretrained=str(tmp_path), attn_implementation="eager")
+    module.configure_model()
+    torch.testing.assert_close(module.compute_loss(batch), expected)
+    assert module.checkpoint_reader is not None
+    from lightning_pipe.hf.weights import SafetensorsCheckpoint
+
+    on_disk = SafetensorsCheckpoint(str(tmp_path)).keys()  # per-expert keys: [Note: expert tensors on disk]
+    assert any(".experts.0." in k for k in on_disk)
+    assert on_disk == set(module.checkpoint_reader.keys_read)
