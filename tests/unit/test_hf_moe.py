@@ -12,27 +12,13 @@ transformers = pytest.importorskip("transformers")
 from lightning_pipe import HFCausalLM  # noqa: E402
 from lightning_pipe.hf import SUPPORTED_MODEL_TYPES  # noqa: E402
 from lightning_pipe.hf.families import MOE_MODEL_TYPES, is_mixture_of_experts  # noqa: E402
-
-TINY = {"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "intermediate_size": 32, "max_position_embeddings": 32, "pad_token_id": 0}
+from tests.moe_configs import moe_config as shared_moe_config  # noqa: E402
 
 
 def moe_config(model_type: str, aux: bool = True) -> object:
-    """A tiny config of each MoE family: 4 experts, top-2, a strong aux coefficient so the term shows."""
-    extra: dict[str, object] = {"output_router_logits": aux, "router_aux_loss_coef": 0.5}
-    if model_type == "mixtral":
-        extra.update(num_local_experts=4, num_experts_per_tok=2)
-    elif model_type == "qwen2_moe":  # a shared expert; layer 0 dense (mlp_only_layers)
-        extra.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                     shared_expert_intermediate_size=24, mlp_only_layers=[0], num_hidden_layers=3)
-    elif model_type in ("qwen3_moe", "olmoe"):
-        extra.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
-    elif model_type == "deepseek_v3":  # no aux loss in transformers; first layer dense
-        extra = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "n_group": 1,
-                 "topk_group": 1, "first_k_dense_replace": 1, "kv_lora_rank": 8, "q_lora_rank": 8,
-                 "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 4, "n_shared_experts": 1,
-                 "num_key_value_heads": 4}
-    return transformers.AutoConfig.for_model(model_type, **{**TINY, **extra})
+    """The multi-rank tests' tiny config of each family, two layers (three for Qwen2-MoE, whose first is dense)."""
+    return shared_moe_config(model_type, aux, vocab_size=64, max_position_embeddings=32,
+                             num_hidden_layers=3 if model_type == "qwen2_moe" else 2)
 
 
 def padded_batch() -> dict[str, torch.Tensor]:
