@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench._ranks import run_ranks  # noqa: E402
+from bench.overhead import add_run_arguments  # noqa: E402
 
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_object", "broadcast_object_list", "barrier",
                "reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single", "gather_object")
@@ -191,13 +192,7 @@ def report(ranks: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
+    add_run_arguments(p, steps=20)
     args = p.parse_args()
     if args.worker:
         return worker(args)

@@ -123,16 +123,22 @@ def worker(args: argparse.Namespace) -> None:
         Path(args.out).write_text(json.dumps(results))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=30)
+def add_run_arguments(p: argparse.ArgumentParser, steps: int) -> None:
+    """The run's settings (model size, schedule, steps) and the rank-process flags, shared with bench/breakdown.py,
+    which times the same two runs."""
+    p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_arguments(p, steps=30)
+    p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
     if args.worker:
         return worker(args)

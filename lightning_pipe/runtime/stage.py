@@ -96,36 +96,25 @@ class PipelineStage(CallHooks, ChunkShapes, _compat.GuardedPipelineStage):
             self.submod.register_forward_hook(own_outputs)
 
     # ------------------------------------------------------------------ compute, in the stage's random stream
-    # (enter / leave rather than a context manager: these run per micro-batch, and only swap two generator states)
-    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+    def _in_stream(self, run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        # enter / leave rather than a context manager: this runs per micro-batch, and only swaps two generator states
         stream = self.random_stream
         if stream is None:
-            return super().forward_one_chunk(*args, **kwargs)
+            return run(*args, **kwargs)
         base = stream.enter()
         try:
-            return super().forward_one_chunk(*args, **kwargs)
+            return run(*args, **kwargs)
         finally:
             stream.leave(base)
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._in_stream(super().forward_one_chunk, *args, **kwargs)
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        stream = self.random_stream
-        if stream is None:
-            return super().backward_one_chunk(*args, **kwargs)
-        base = stream.enter()
-        try:
-            return super().backward_one_chunk(*args, **kwargs)
-        finally:
-            stream.leave(base)
+        return self._in_stream(super().backward_one_chunk, *args, **kwargs)
 
     def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        stream = self.random_stream
-        if stream is None:
-            return super().backward_weight_one_chunk(*args, **kwargs)
-        base = stream.enter()
-        try:
-            return super().backward_weight_one_chunk(*args, **kwargs)
-        finally:
-            stream.leave(base)
+        return self._in_stream(super().backward_weight_one_chunk, *args, **kwargs)
 
     def flush_update(self) -> None:
         """Apply an update that is due (per-micro-batch stages); called by the engine after each training step."""
