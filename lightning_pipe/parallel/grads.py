@@ -65,6 +65,13 @@ class GradientSync:
             param = next((named[n] for n in tie_group.tie.names if n in named), None)
             if param is not None:
                 self.ties.append((param, tie_group))
+        # [Note: tied copies summed at the schedule's end]
+        self.early_ties = bool(self.ties) and groups.shard is None and groups.tensor is None
+        """Whether :meth:`sum_ties_early` may run (plain tensors: FSDP and tensor-parallel copies sum at the sync)."""
+        self.tie_of = {id(param): tie_group.group for param, tie_group in self.ties}
+        """``id(param)`` -> the group its tied copies sum over (parameters tied across ranks only)."""
+        self._launched: dict[int, tuple[Tensor, Any]] = {}  # id(param) -> (its fresh gradient, the all-reduce)
+        self._summed: dict[int, Tensor] = {}  # id(param) -> the .grad tensor known to hold the tie sum
 
     def sync(self, replicas: bool = True) -> None:
         """Average over data-parallel replicas (unless ``replicas=False``: the engine averaged them during the
@@ -78,8 +85,62 @@ class GradientSync:
         if replicas and self.experts:
             self.groups.experts.reduce([p.grad for p in self.experts if p.grad is not None])
         for param, tie_group in self.ties:
-            if param.grad is not None:  # sharded copies: the same shard of each copy, summed
-                dist.all_reduce(local_part(param.grad), group=tie_group.group)
+            grad = param.grad
+            if grad is not None and self._summed.get(id(param)) is not grad:
+                dist.all_reduce(local_part(grad), group=tie_group.group)  # sharded copies: the same shard of each
+                self._summed[id(param)] = grad
+
+    # [Note: tied copies summed at the schedule's end]
+    # The copies of a tied parameter (a GPT's embedding and head) are summed over their tie group before the optimizer
+    # step. Summed in :meth:`sync`, that all-reduce is a second meeting point of the ranks after the step's
+    # agreement (runtime/agreement.py), and each meeting costs the wake-up of a rank blocked in it (about as much as
+    # the transfer on a busy CPU host). So on a batch the optimizer step follows, the engine launches the sum of the
+    # fresh gradients asynchronously right after the schedule, before the agreement: both collectives then meet at
+    # once, and the hand-over waits on a finished transfer. Sums are linear, so summing the fresh part and what
+    # ``.grad`` held apart is exact, as long as no part is summed twice or never. Hence ``_summed`` remembers the
+    # ``.grad`` tensors that hold a tie sum (what :meth:`sync` skips), and :meth:`add_tied` mixes parts by that rule:
+    # a summed fresh part onto a ``.grad`` not known to be summed sums the old part first, and a local fresh part onto
+    # a summed ``.grad`` is summed at once (both only when ``zero_grad`` did not clear ``.grad``: accumulation with
+    # ``set_to_none=False``, or a user override). Not with data-parallel overlap (the averaged gradients are views of
+    # its buckets, handed over later), FSDP or tensor-parallel copies: those sum in :meth:`sync`, as before.
+    def sum_ties_early(self, fresh: Mapping[int, Tensor | None]) -> None:
+        """Launch the tie sums of this batch's fresh gradients (``fresh``: by ``id(param)``), asynchronously."""
+        for param, tie_group in self.ties:
+            grad = fresh.get(id(param))
+            if grad is not None:
+                self._launched[id(param)] = (grad, dist.all_reduce(grad, group=tie_group.group, async_op=True))
+
+    def finish_early_ties(self) -> set[int]:
+        """Wait for the sums :meth:`sum_ties_early` launched (done by now: every rank has met at the agreement since);
+        the ``id`` of each parameter whose fresh gradient is now the tie sum."""
+        done = set(self._launched)
+        for _, work in self._launched.values():
+            work.wait()
+        self._launched = {}
+        return done
+
+    def add_tied(self, param: nn.Parameter, fresh: Tensor, fresh_summed: bool, group: Any) -> None:
+        """``param.grad += fresh`` for a tied parameter, keeping track of which ``.grad`` holds the tie sum."""
+        grad = param.grad
+        if grad is None:
+            param.grad = fresh
+            if fresh_summed:
+                self._summed[id(param)] = fresh
+            else:
+                self._summed.pop(id(param), None)
+            return
+        known = self._summed.get(id(param)) is grad
+        if known and not fresh_summed:
+            dist.all_reduce(fresh, group=group)
+            fresh_summed = True
+        elif fresh_summed and not known:
+            dist.all_reduce(grad, group=group)
+            known = True
+        grad.add_(fresh)
+        if known and fresh_summed:
+            self._summed[id(param)] = grad
+        else:
+            self._summed.pop(id(param), None)
 
     def norm_excluded(self) -> set[int]:
         """Tied copies that another rank already counts in the global norm."""

@@ -53,6 +53,7 @@ class ChimeraGradientSync(GradientSync):
         """Per local stage, in stage order: its parameters and buffers, and the pair-group rank of its down copy."""
         self.up_only = up_only
         """Parameters only the up pipeline's stage holds on this rank (the down stage of another rank counts them)."""
+        self.early_ties = False  # its ties sum after the pair sum, in sync (untested with the early sum of grads.py)
 
     def sync(self, replicas: bool = True) -> None:
         if self.pair is not None:

@@ -1,0 +1,86 @@
+"""The bookkeeping of [Note: tied copies summed at the schedule's end] (parallel/grads.py), on plain data.
+
+Two ranks holding identical copies of a tied weight are modelled by a stand-in all-reduce that doubles its tensor (the
+sum of two equal parts): whatever mix of early and late sums, cleared and kept ``.grad`` a sequence of batches takes,
+the gradient the optimizer sees must be that sum of everything accumulated since the last clear — each part summed
+exactly once. The real collective is proven by the multi-rank parity tests (tied GPT, accumulation, clipping)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe.parallel import grads as grads_module
+from lightning_pipe.parallel.grads import GradientSync
+from lightning_pipe.parallel.topology import TieGroup
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+@pytest.fixture
+def doubled(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+
+    def all_reduce(tensor: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+        calls.append(1)
+        tensor.mul_(2)
+        return _Done() if async_op else None
+
+    monkeypatch.setattr(grads_module.dist, "all_reduce", all_reduce)
+    return calls
+
+
+def _sync() -> tuple[GradientSync, nn.Parameter]:
+    module = nn.Linear(2, 2, bias=False)
+    tie = TieGroup(tie=SimpleNamespace(names=("weight",)), group="ties", owner=True)  # type: ignore[arg-type]
+    groups = SimpleNamespace(tied=[tie], shard=None, tensor=None, dp=None, experts=None)
+    return GradientSync(module, list(module.parameters()), groups, torch.device("cpu")), module.weight  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("ops", [
+    ["clear", "early", "sync"],  # accumulate_grad_batches=1: the sum runs early, the sync skips it
+    ["clear", "late", "late", "early", "sync"],  # accumulation: local parts, then a step batch
+    ["zeros", "early", "sync"],  # zero_grad(set_to_none=False)
+    ["zeros", "late", "early", "sync"],
+    ["zeros", "early", "late", "sync"],  # a hint said "step follows" and none did
+    ["clear", "early", "early", "sync", "sync"],  # no clear between two early batches; a second sync
+    ["clear", "early", "sync", "late", "sync"],  # no clear after the step (a user's zero_grad override)
+])
+def test_every_part_is_summed_once(ops: list[str], doubled: list[int]) -> None:
+    sync, param = _sync()
+    accumulated = torch.zeros(2, 2)
+    for i, op in enumerate(ops):
+        if op == "clear":
+            param.grad, accumulated = None, torch.zeros(2, 2)
+        elif op == "zeros":
+            param.grad = torch.zeros(2, 2) if param.grad is None else param.grad.zero_()
+            accumulated = torch.zeros(2, 2)
+        elif op in ("early", "late"):
+            fresh = torch.full((2, 2), float(i + 1))
+            accumulated += fresh
+            if op == "early":
+                sync.sum_ties_early({id(param): fresh})
+            summed = sync.finish_early_ties()
+            sync.add_tied(param, fresh, id(param) in summed, sync.tie_of[id(param)])
+        else:
+            sync.sync(replicas=False)
+            torch.testing.assert_close(param.grad, 2 * accumulated)
+
+
+def test_one_collective_per_step_without_accumulation(doubled: list[int]) -> None:
+    """The common case costs what it did: one sum per tied weight per step, launched early, none at the sync."""
+    sync, param = _sync()
+    for _ in range(3):
+        param.grad = None
+        fresh = torch.ones(2, 2)
+        sync.sum_ties_early({id(param): fresh})
+        sync.add_tied(param, fresh, id(param) in sync.finish_early_ties(), "ties")
+        sync.sync(replicas=False)
+    assert len(doubled) == 3
