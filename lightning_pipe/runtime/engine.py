@@ -73,7 +73,7 @@ from lightning_pipe.runtime.aux import AuxLossStep
 from lightning_pipe.runtime.evaluation import eval_loss, eval_output
 from lightning_pipe.runtime.host_reads import LossKind
 from lightning_pipe.runtime.microbatches import explicit_microbatches, target_count
-from lightning_pipe.runtime.rng import StageStream
+from lightning_pipe.runtime.rng import RankStreams
 from lightning_pipe.runtime.shape_book import ShapeBook
 from lightning_pipe.runtime.shapes import first_inputs, shapes_of
 from lightning_pipe.runtime.spec import SchedulePlan, build_torch_schedule
@@ -97,8 +97,7 @@ class PipelineEngine:
         self.device = device
         self.stage_modules = stage_modules
         self.stages, self.schedule = self._build_runtime(stage_modules, local_stage_ids)
-        for stage in self.stages:  # [Note: random streams per stage] in rng.py
-            stage.random_stream = StageStream(stage.stage_index, device)
+        self.streams = RankStreams(self.stages, device)  # [Note: random streams per stage] in rng.py
         # PipeDream: the optimizer steps inside the schedule, per micro-batch ([Note: PipeDream weight stashing])
         self.per_microbatch_updates = any(st.updates_per_microbatch for st in self.stages)
         self.has_first = any(st.is_first for st in self.stages)
@@ -193,7 +192,7 @@ class PipelineEngine:
             target = select_rows(self._structured_target, target)
         elif self._mb_targets is not None:  # target: this micro-batch's index ([Note: micro-batches of ...])
             target = self._mb_targets[int(target.reshape(-1)[0])]
-        parts = loss_parts(self.module.loss_fn(output, target), self._owner)
+        parts = loss_parts(self.streams.run_loss(self.module.loss_fn, output, target), self._owner)
         if not self._inferring:  # torch's shape inference calls the loss too: not one of the step's micro-batches
             self._records.append(parts.detached())
         if self.per_microbatch_updates:  # each update takes its own micro-batch's mean loss (schedules/pipedream/)
@@ -322,18 +321,24 @@ class PipelineEngine:
             if mbs is not None:
                 stack.enter_context(SplitOverride(self.schedule, mbs.args if self.has_first else None,
                                                                 m, keep_chunks=True))
+            base = self.streams.hold()  # [Note: random streams per stage] in rng.py
             try:
                 self._run_schedule(() if mbs is not None else args, target)
             except BaseException:
                 if overlap is not None:  # nothing waits on a failed step's collectives (the run stops)
                     self.dp_handoff.abandon(overlap)
                 raise
+            finally:
+                self.streams.release(base)
             if overlap is not None:
                 overlap.end_schedule()
             for stage in self.stages:  # PipeDream: the last backward's update ([Note: PipeDream weight stashing])
                 stage.flush_update()
         self._mb_targets = self.shapes.planned = None
         self._pending_grads = [p.grad for p in self.parameters]
+        if overlap is None and self.grads.early_ties and self.dp_handoff.optimizer_step_follows:
+            # before the agreement, so both collectives meet at once ([Note: tied copies summed at the schedule's end])
+            self.grads.sum_ties_early({id(p): g for p, g in zip(self.parameters, self._pending_grads)})
         for p, g in zip(self.parameters, saved):
             p.grad = g
         loss, global_count = self._step_loss()
@@ -386,12 +391,16 @@ class PipelineEngine:
             )
         pending = self.dp_handoff.hand_over(self.parameters, self._pending_grads)
         factor = self._grad_factor
+        summed, tie_of = self.grads.finish_early_ties(), self.grads.tie_of
         for p, fresh in zip(self.parameters, pending):
             if fresh is None:
                 continue
             if factor is not None:
                 fresh.mul_(factor.to(fresh.dtype))
-            if p.grad is None:
+            tie_group = tie_of.get(id(p)) if tie_of else None
+            if tie_group is not None:  # [Note: tied copies summed at the schedule's end] in parallel/grads.py
+                self.grads.add_tied(p, fresh, id(p) in summed, tie_group)
+            elif p.grad is None:
                 p.grad = fresh
             else:
                 p.grad.add_(fresh)

@@ -17,6 +17,11 @@ only the layout's stage count, not its rank placement, decides the draws:
 * every forward / backward of a stage (``forward_one_chunk``, ``backward_one_chunk``, ``backward_weight_one_chunk``)
   runs with the stage's stream as torch's default generator (CPU, and the stage's CUDA device), which is saved back
   and the base restored afterwards;
+* a rank that holds one stage enters that stage's stream once per training step instead (:meth:`StageStream.hold`
+  around the schedule's step: two generator swaps per step, not four per micro-batch; the swaps were the largest
+  part of the strategy's host work per micro-batch). Everything the step runs then draws from it, the loss function
+  included; so that this holds for every layout, the loss function draws from the last stage's stream on a rank that
+  holds several stages too (the engine enters it around each loss call);
 * activation checkpointing replays exactly: the checkpoint saves the generator state it found at the forward (the
   stage's) and restores it around the recomputation; torch's shape inference draws from the stage's stream without
   advancing it (:meth:`StageStream.peek`, in the engine's inference guard: [Note: shape inference has no side
@@ -30,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -47,6 +52,8 @@ class StageStream:
 
     def __init__(self, stage: int, device: torch.device) -> None:
         self.cuda = device if device.type == "cuda" else None
+        self.held = False
+        """Entered for a whole training step (:meth:`hold`): the per-micro-batch swaps are skipped."""
         seed = stage_seed(torch.get_rng_state(), stage)
         self.cpu_state = torch.Generator().manual_seed(seed).get_state()
         self.cuda_state: torch.Tensor | None = None
@@ -74,6 +81,17 @@ class StageStream:
         generator = torch.default_generator
         self.cpu_state = generator.get_state()
         generator.set_state(base)
+
+    def hold(self) -> Any:
+        """:meth:`enter` for a whole training step (a rank with one stage); returns what :meth:`release` restores."""
+        base = self.enter()
+        self.held = True
+        return base
+
+    def release(self, base: Any) -> None:
+        """End :meth:`hold`: save the stream's advanced state, put back ``base``."""
+        self.held = False
+        self.leave(base)
 
     def _enter_cuda(self) -> Any:
         activation = self.active()
@@ -107,4 +125,49 @@ class StageStream:
 
     def peek(self) -> contextlib.AbstractContextManager:
         """Draw from this stream without advancing it (torch's shape inference: no side effects)."""
+        if self.held:  # the stream is torch's generator right now: draw from it, then put its state back
+            return self._forked()
         return self.active(advance=False)
+
+    @contextlib.contextmanager
+    def _forked(self) -> Iterator[None]:
+        device = self.cuda
+        cpu = torch.default_generator.get_state()
+        cuda = torch.cuda.get_rng_state(device) if device is not None else None
+        try:
+            yield
+        finally:
+            torch.default_generator.set_state(cpu)
+            if device is not None and cuda is not None:
+                torch.cuda.set_rng_state(cuda, device)
+
+
+class RankStreams:
+    """The random streams of one rank's stages, as its training steps use them ([Note: random streams per stage]):
+    held for the whole step where the rank has one stage; otherwise entered per action, and by the loss function
+    around each call (the last stage's stream)."""
+
+    def __init__(self, stages: Sequence[Any], device: torch.device) -> None:
+        for stage in stages:
+            stage.random_stream = StageStream(stage.stage_index, device)
+        self.held = stages[0].random_stream if len(stages) == 1 else None
+        self.loss = next((st.random_stream for st in stages if st.is_last), None) if len(stages) > 1 else None
+
+    def hold(self) -> Any:
+        """Before the schedule's training step: what :meth:`release` takes."""
+        return self.held.hold() if self.held is not None else None
+
+    def release(self, base: Any) -> None:
+        if self.held is not None:
+            self.held.release(base)
+
+    def run_loss(self, loss_fn: Callable[..., Any], *args: Any) -> Any:
+        """``loss_fn(*args)`` drawing from the last stage's stream."""
+        stream = self.loss
+        if stream is None or stream.held:
+            return loss_fn(*args)
+        base = stream.enter()
+        try:
+            return loss_fn(*args)
+        finally:
+            stream.leave(base)

@@ -99,7 +99,7 @@ class PipelineStage(CallHooks, ChunkShapes, _compat.GuardedPipelineStage):
     def _in_stream(self, run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         # enter / leave rather than a context manager: this runs per micro-batch, and only swaps two generator states
         stream = self.random_stream
-        if stream is None:
+        if stream is None or stream.held:  # held: entered for the whole step ([Note: random streams per stage])
             return run(*args, **kwargs)
         base = stream.enter()
         try:

@@ -48,3 +48,21 @@ def test_peek_draws_what_the_next_forward_draws_and_recomputation_replays() -> N
         y = checkpoint(dropout, x, use_reentrant=False)
     y.sum().backward()  # recomputes outside the stream's context: the checkpoint restores the forward's state
     assert len(masks) == 2 and torch.equal(masks[0], masks[1]) and torch.equal(x.grad, masks[0].float())
+
+
+def test_a_held_stream_draws_what_per_action_entering_draws() -> None:
+    """A rank with one stage holds its stream for the whole step (two swaps, not four per micro-batch): the stage's
+    draws, peeks included, are the same, and the base generator is untouched afterwards."""
+    torch.manual_seed(3)
+    swapped, held = StageStream(0, CPU), StageStream(0, CPU)
+    base = torch.get_rng_state()
+    expected = [draw(swapped, 4) for _ in range(3)]
+    saved = held.hold()
+    with held.peek():  # shape inference inside a held step: no side effect
+        peeked = torch.rand(4)
+    got = [torch.rand(4) for _ in range(3)]
+    held.release(saved)
+    assert torch.equal(peeked, expected[0])
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert torch.equal(torch.get_rng_state(), base)
+    assert torch.equal(draw(held, 4), draw(swapped, 4))  # and both continue alike
