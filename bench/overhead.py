@@ -1,9 +1,11 @@
 """Overhead of the Lightning strategy over a hand-written torch.distributed.pipelining loop.
 
 Same GPT-like model (recipes/gpt), same schedule, micro-batch count, optimizer and data, 2 ranks on CPU, one
-invocation. Each side is timed as the median time between the ends of consecutive steps (data loading, schedule,
-gradient sync of the tied weight, optimizer step — everything a step costs). The two sides alternate in rounds
-to spread the machine's noise over both. Last line: ``overhead_ratio=<strategy / hand-written>``.
+invocation. The two sides alternate step by step (:func:`paired`): a Trainer with the strategy trains, and after
+each of its batches a callback runs one hand-written step on the same batch. A strategy step is the time from the end
+of that callback to the next batch's end (data loading, Lightning's loop, schedule, gradient sync, optimizer step —
+everything a step costs), a hand-written step the callback's own step. Each side's median over ``--rounds`` fresh
+Trainers; last line: ``overhead_ratio=<strategy / hand-written>``.
 
     python bench/overhead.py [--steps 30] [--rounds 2] [--schedule 1f1b] [--microbatches 4]
 """
@@ -18,6 +20,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -44,45 +47,54 @@ def _data(n: int, batch: int):
                       drop_last=True)
 
 
+class HandWritten:
+    """What a user would write with torch alone: split, stage, schedule, tied-grad all-reduce, optimizer."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
+        import torch.distributed as dist
+        from torch import nn
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        model = _model()
+        layers = list(model.layers)
+        per = [len(layers) // self.world + (1 if r < len(layers) % self.world else 0) for r in range(self.world)]
+        start = sum(per[:self.rank])
+        stage_mod = nn.Sequential(*layers[start:start + per[self.rank]])
+        stage = PipelineStage(stage_mod, self.rank, self.world, torch.device("cpu"))
+        scale = 1.0 / args.microbatches
+
+        def loss_fn(out, tgt):
+            return model.loss_fn(out, tgt) * scale
+
+        cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[args.schedule]
+        self.schedule = cls(stage, n_microbatches=args.microbatches, loss_fn=loss_fn, scale_grads=False)
+        self.opt = torch.optim.AdamW(list(stage_mod.parameters()), lr=1e-3)
+        self.tied = model.layers[0].wte.weight  # held by the first and the last rank
+
+    def step(self, x, y) -> None:
+        import torch.distributed as dist
+
+        self.opt.zero_grad(set_to_none=True)
+        if self.rank == 0:
+            self.schedule.step(x)
+        elif self.rank == self.world - 1:
+            self.schedule.step(target=y, losses=[])
+        else:
+            self.schedule.step()
+        if self.tied.grad is not None:
+            dist.all_reduce(self.tied.grad)
+        self.opt.step()
+
+
 def hand_written(args: argparse.Namespace, on_step: Callable[[int], None] | None = None) -> list[float]:
-    """What a user would write with torch alone: split, stage, schedule, tied-grad all-reduce, optimizer.
-    ``on_step(n)`` runs after the n-th step (bench/breakdown.py reads its probes there)."""
-    import torch
-    import torch.distributed as dist
-    from torch import nn
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = _model()
-    layers = list(model.layers)
-    per = [len(layers) // world + (1 if r < len(layers) % world else 0) for r in range(world)]
-    start = sum(per[:rank])
-    stage_mod = nn.Sequential(*layers[start:start + per[rank]])
-    stage = PipelineStage(stage_mod, rank, world, torch.device("cpu"))
-    m = args.microbatches
-    scale = 1.0 / m
-
-    def loss_fn(out, tgt):
-        return model.loss_fn(out, tgt) * scale
-
-    cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[args.schedule]
-    schedule = cls(stage, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
-    params = list(stage_mod.parameters())
-    opt = torch.optim.AdamW(params, lr=1e-3)
-    tied = model.layers[0].wte.weight  # held by the first and the last rank
+    """The hand-written loop on its own; ``on_step(n)`` runs after the n-th step (bench/breakdown.py reads its
+    probes there)."""
+    loop = HandWritten(args)
     times, last = [], None
     for x, y in _data(args.batch * (args.steps + args.warmup), args.batch):
-        opt.zero_grad(set_to_none=True)
-        losses: list = []
-        if rank == 0:
-            schedule.step(x)
-        elif rank == world - 1:
-            schedule.step(target=y, losses=losses)
-        else:
-            schedule.step()
-        if tied.grad is not None:
-            dist.all_reduce(tied.grad)
-        opt.step()
+        loop.step(x, y)
         now = time.perf_counter()
         if last is not None:
             times.append(now - last)
@@ -92,32 +104,64 @@ def hand_written(args: argparse.Namespace, on_step: Callable[[int], None] | None
     return times[args.warmup - 1:]
 
 
-def through_lightning(args: argparse.Namespace, on_step: Callable[[int], None] | None = None) -> list[float]:
+def _trainer(args: argparse.Namespace, callback: Any) -> Any:
     import lightning.pytorch as L
 
-    from bench._timing import StepClock
     from lightning_pipe import PipelineStrategy
 
+    return L.Trainer(strategy=PipelineStrategy(schedule=args.schedule, microbatches=args.microbatches),
+                     accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]),
+                     max_steps=args.steps + args.warmup, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+                     use_distributed_sampler=False)  # same batches, in the same order, as the hand-written loop
+
+
+def through_lightning(args: argparse.Namespace, on_step: Callable[[int], None] | None = None) -> list[float]:
+    """The strategy on its own (bench/breakdown.py)."""
+    from bench._timing import StepClock
+
     clock = StepClock(on_step)
-    trainer = L.Trainer(strategy=PipelineStrategy(schedule=args.schedule, microbatches=args.microbatches),
-                        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]),
-                        max_steps=args.steps + args.warmup, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],
-                        use_distributed_sampler=False)  # same batches, in the same order, as the hand-written loop
-    trainer.fit(_model(), _data(args.batch * (args.steps + args.warmup), args.batch))
+    _trainer(args, clock).fit(_model(), _data(args.batch * (args.steps + args.warmup), args.batch))
     return clock.durations(args.warmup)
+
+
+def paired(args: argparse.Namespace) -> tuple[list[float], list[float]]:
+    """(strategy steps, hand-written steps), alternating step by step: after each training batch of the Trainer, a
+    callback runs one hand-written step on the same batch. A slow phase of the machine (seconds long on a shared
+    VM) then slows both sides of a pair alike, where blocks of steps per side would charge it to one."""
+    from lightning.pytorch.callbacks import Callback
+
+    hand = HandWritten(args)
+
+    class Pairs(Callback):
+        def __init__(self) -> None:
+            self.light: list[float] = []
+            self.hand: list[float] = []
+            self.last: float | None = None
+
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            start = time.perf_counter()
+            if self.last is not None:
+                self.light.append(start - self.last)
+            hand.step(*batch)
+            self.last = time.perf_counter()
+            self.hand.append(self.last - start)
+
+    pairs = Pairs()
+    _trainer(args, pairs).fit(_model(), _data(args.batch * (args.steps + args.warmup), args.batch))
+    skip = args.warmup - 1
+    return pairs.light[skip:], pairs.hand[skip + 1:]
 
 
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     results: dict[str, list[float]] = {"hand": [], "lightning": []}
+    dist.init_process_group("gloo")
     for _ in range(args.rounds):
-        if not dist.is_initialized():
-            dist.init_process_group("gloo")
-        results["hand"] += hand_written(args)
-        dist.barrier()
-        results["lightning"] += through_lightning(args)
+        light, hand = paired(args)
+        results["lightning"] += light
+        results["hand"] += hand
         dist.barrier()
     if int(os.environ["RANK"]) == 0:
         Path(args.out).write_text(json.dumps(results))
@@ -138,7 +182,7 @@ def add_run_arguments(p: argparse.ArgumentParser, steps: int) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_arguments(p, steps=30)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     if args.worker:
         return worker(args)
@@ -147,7 +191,9 @@ def main() -> None:
     print("| path | median step (ms) | steps timed |\n|---|---|---|")
     print(f"| hand-written torch.distributed.pipelining | {hand * 1e3:.1f} | {len(times['hand'])} |")
     print(f"| Trainer(strategy=PipelineStrategy) | {light * 1e3:.1f} | {len(times['lightning'])} |")
-    print(f"schedule={args.schedule} microbatches={args.microbatches} ranks=2 batch={args.batch}")
+    pairs = statistics.median(a / b for a, b in zip(times["lightning"], times["hand"]))
+    print(f"schedule={args.schedule} microbatches={args.microbatches} ranks=2 batch={args.batch} "
+          f"rounds={args.rounds}; median of the per-step ratios {pairs:.3f}")
     print(f"overhead_ratio={light / hand:.3f}")
 
 

@@ -24,7 +24,7 @@ back. Stage order and shapes are the same on every replica; a stage whose backwa
 (none today) is launched at the end of the schedule.
 
 What goes into a bucket is only this batch's *fresh* gradients, and the engine decides whether that is all that
-needs averaging ([Note: what the overlapped sync averages] in engine.py).
+needs averaging ([Note: what the overlapped sync averages] in dp_handoff.py).
 """
 
 from __future__ import annotations
@@ -287,75 +287,6 @@ class DataParallelOverlap:
         return result
 
 
-class DataParallelHandoff:
-    """The data-parallel hand-off state of one engine ([Note: what the overlapped sync averages] in engine.py):
-    whether this batch's fresh gradients are being averaged during the schedule, whether ``.grad`` holds only
-    replica-averaged values, and the strategy's two hints. ``PipelineEngine`` holds one (``engine.dp_handoff``).
-
-    Args:
-        overlap: the rank's :class:`DataParallelOverlap`, or ``None`` (no replicas, FSDP / tensor-parallel stages,
-            PipeDream: nothing is averaged here).
-        microbatches_per_stage: the backwards after which a stage's gradients are final.
-    """
-
-    def __init__(self, overlap: DataParallelOverlap | None, microbatches_per_stage: int) -> None:
-        self.overlap = overlap
-        self.enabled = True
-        """Average during the schedule; off: one all-reduce after it (``engine.overlap_dp_sync``; the bench)."""
-        self.microbatches_per_stage = microbatches_per_stage
-        self.optimizer_step_follows = True
-        """Hint set by the strategy before each training batch: this batch ends in an optimizer step."""
-        self.zero_grad_follows = True
-        """Hint set by the strategy: Lightning's ``zero_grad`` runs after this batch's ``training_step``."""
-        self.grads_averaged = True  # every .grad is the replica average (nothing local since the last sync)
-        self.overlapped = False  # this batch's fresh gradients are being averaged
-        self.counts = {"overlapped": 0, "after_schedule": 0}
-        """Batches averaged each way (``engine.dp_sync_counts``; tests, bench)."""
-
-    def begin(self, saved: list[Tensor | None], elements: float, group: dist.ProcessGroup | None, replicas: int,
-              device: torch.device) -> tuple[DataParallelOverlap | None, float | Tensor]:
-        """Before the schedule: average this batch's gradients during it? (the overlap to drive, or ``None``). Also
-        ``N`` of [Note: token-weighted loss]: with overlap, the replicas' mean, so that the factor applied after
-        averaging is the same on every replica (padded batches hold different numbers of targets)."""
-        overlap = self.overlap
-        if self.overlapped and overlap is not None:  # a batch whose gradients were never handed over
-            overlap.wait()
-        self.overlapped = bool(overlap is not None and self.enabled and self.optimizer_step_follows)
-        if not self.overlapped or overlap is None:
-            return None, elements
-        mean = torch.tensor([elements], dtype=torch.float64, device=device)
-        dist.all_reduce(mean, group=group)
-        # kept on the device (a 0-d float64): only ever multiplied into the loss and the gradient factor
-        elements_mean = mean[0] / replicas
-        carry = not self.grads_averaged and not self.zero_grad_follows
-        overlap.begin(self.microbatches_per_stage, carry=saved if carry else None)
-        return overlap, elements_mean
-
-    def abandon(self, overlap: DataParallelOverlap) -> None:
-        """The schedule failed: nothing waits on its collectives (the run stops)."""
-        overlap.abandon()
-        self.overlapped = False
-
-    def hand_over(self, params: Sequence[nn.Parameter], pending: list[Tensor | None]) -> list[Tensor | None]:
-        """When Lightning hands the gradients over: the fresh gradients to add (averaged, if they were being), with
-        earlier batches' settled ([Note: what the overlapped sync averages])."""
-        if self.overlapped and self.overlap is not None:
-            self.overlapped = False
-            pending, carry = self.overlap.wait()
-            self.counts["overlapped"] += 1
-            self.grads_averaged = settle(params, carry, self.grads_averaged)
-        elif any(fresh is not None for fresh in pending):
-            self.grads_averaged = False
-        return pending
-
-    def synced(self) -> None:
-        """After the gradient sync before the optimizer step (which averaged over replicas unless
-        ``grads_averaged``): everything is averaged now."""
-        if not self.grads_averaged and self.overlap is not None:  # (FSDP averages in its reduce-scatter)
-            self.counts["after_schedule"] += 1
-        self.grads_averaged = True
-
-
 class _Carry:
     """Earlier batches' gradients, averaged while this batch's schedule runs; valid only if nothing touched them."""
 
@@ -400,19 +331,3 @@ class _Carry:
     def untouched(self, i: int, grad: Tensor) -> bool:
         saved = self.saved[i]
         return saved is grad and _compat.tensor_version(grad) == self.versions[i]
-
-
-def settle(params: Sequence[nn.Parameter], carry: _Carry | None, averaged: bool) -> bool:
-    """After Lightning's ``zero_grad``, before this batch's averaged fresh gradients are added: put the averaged
-    carry in place of every untouched carried gradient, and say whether every ``.grad`` is now replica-averaged
-    (``averaged``: whether what earlier batches left was). See [Note: what the overlapped sync averages] (engine)."""
-    clean = True
-    for i, p in enumerate(params):
-        grad = p.grad
-        if grad is None:
-            continue
-        if carry is not None and carry.untouched(i, grad):
-            p.grad = carry.averaged[i]
-        elif not averaged:
-            clean = False
-    return clean

@@ -22,22 +22,6 @@ statistics (later stages on stand-in inputs) and count a batch too many. The sta
 ``_compat.GuardedPipelineStage``: each inference runs inside :meth:`PipelineEngine._inference_guard`, which restores
 the stage module's buffers and the RNG state and keeps the inference's loss call out of the step's losses; stand-ins
 are zeros, not ``torch.empty``. Parameters and gradients are untouched (torch computes input gradients only).
-
-[Note: what the overlapped sync averages]
-With data parallelism the fresh gradients of an optimizer-step batch are averaged during the schedule
-([Note: overlapped data-parallel sync] in dp_overlap.py). The optimizer must see the replica average of *every*
-contribution since the last step, so the engine tracks whether ``.grad`` may hold a local, not yet averaged part
-(``dp_handoff.grads_averaged``; ``DataParallelHandoff`` in dp_overlap.py holds this state): fresh gradients added
-without averaging (the old path, accumulation batches) make it local.
-On a step batch that follows accumulation batches, Lightning's ``zero_grad`` does not run (it runs on the first
-batch of a window), so the accumulated part is averaged too, launched before the schedule (the "carry"), and used
-only if Lightning left those very tensors untouched (identity and in-place version). Averaging is idempotent on
-values the replicas share, so whenever anything is in doubt — a carry touched by ``zero_grad``, a batch that turned
-out to step without overlap — :meth:`sync_gradients` falls back to one coalesced all-reduce of everything: exact in
-every case, only the hints (``optimizer_step_follows``, ``zero_grad_follows``, set by the strategy from Lightning's
-rules) decide how much is overlapped. The token-weighted factor ([Note: token-weighted loss]) multiplies the
-averaged fresh gradients after the wait, which is exact only if it is the same on every replica: with overlap its
-``N`` is the replicas' mean target count (one scalar all-reduce before the schedule), not each replica's own.
 """
 
 from __future__ import annotations
@@ -65,7 +49,8 @@ from lightning_pipe.layers.batches import (
     target_elements,
 )
 from lightning_pipe.layers.stages import StageModule
-from lightning_pipe.parallel.dp_overlap import DataParallelHandoff, DataParallelOverlap
+from lightning_pipe.parallel.dp_handoff import DataParallelHandoff
+from lightning_pipe.parallel.dp_overlap import DataParallelOverlap
 from lightning_pipe.parallel.grads import GradientSync
 from lightning_pipe.parallel.topology import ProcessGroups
 from lightning_pipe.runtime.agreement import agree_step
@@ -113,7 +98,7 @@ class PipelineEngine:
         # Deduplicated: a V schedule can put both ends of a tied weight on one rank (one object, two stages).
         self.parameters = list({id(p): p for sm in stage_modules for p in sm.parameters()}.values())
         self.grads = GradientSync(module, self.parameters, groups, device)
-        # [Note: what the overlapped sync averages]; the strategy sets the two hints before each training batch.
+        # [Note: what the overlapped sync averages] in dp_handoff.py; the strategy sets the two hints before each training batch.
         # PipeDream averages each micro-batch's gradients in its own update (pipedream.stages.MicrobatchUpdate); FSDP
         # stages average in their own reduce-scatter ([Note: FSDP under the pipeline schedule] in fsdp.py).
         self.dp_handoff = DataParallelHandoff(

@@ -13,7 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pipe.parallel import dp_overlap
-from lightning_pipe.parallel.dp_overlap import DataParallelOverlap, _Carry, settle
+from lightning_pipe.parallel.dp_handoff import settle
+from lightning_pipe.parallel.dp_overlap import DataParallelOverlap, _Carry
 from lightning_pipe.runtime.stage import CallHooks
 
 
