@@ -75,7 +75,8 @@ def least_outside(everyone: list) -> float:
 
 def calibrate(args: argparse.Namespace, base, speeds: list[float], pp: int, ms: list[int]):
     """Probe runs of the real model (1F1B and ZB-V, uniform splits, pipeline ``pp``, at each micro-batch count,
-    ``--probe-repeats`` times each in alternating order) with PipelineTimeline: per micro-batch size the layers'
+    ``--probe-repeats`` times each in alternating order) with PipelineTimeline, read at each probe's fastest step:
+    per micro-batch size the layers'
     in-run scale per kind, and the strategy's cost per action at this model's sizes (the mean over the sizes) (:func:`~lightning_pipe.planner.calibrate.fit_action_costs`, each action read at its
     least-disturbed repeat), and the trainer's own per-step cost (full step - schedule step - predicted optimizer and
     all-reduce, of the same least-disturbed step). Also the profile's drift per kind, for the report."""
@@ -102,20 +103,24 @@ def calibrate(args: argparse.Namespace, base, speeds: list[float], pp: int, ms: 
             plan = plan_schedule(PipelineConfig(schedule=schedule, microbatches=m, stages_per_rank=v), pp)
             compiled = compile_order(compute_order(plan), plan.num_stages)
             counts = tuple(uniform_counts(base.num_layers, plan.num_stages))
-            probes[(schedule, m)] = (v, compiled, counts, [], [])
+            probes[(schedule, m)] = (v, compiled, counts, [(float("inf"), [])], [])
     for rep in range(args.probe_repeats):
         for schedule, m in sorted(probes, reverse=bool(rep % 2)):
             v, compiled, counts, recs, outs = probes[(schedule, m)]
             everyone: list = [None] * world
             dist.all_gather_object(everyone, measure(args, schedule, v, m, counts, dp))
-            recs += [StepRecord.from_dict(r) for e in everyone for r in e[2]]
+            # the fastest whole step (every rank's record of it), as the grid's layouts are measured: the fastest
+            # of each action on its own sums to a step no run takes when slow phases come and go within a step
+            for j in range(min(min(len(e[2]), len(e[3])) for e in everyone)):
+                if max(e[3][j] for e in everyone) < recs[0][0]:
+                    recs[0] = (max(e[3][j] for e in everyone), [StepRecord.from_dict(e[2][j]) for e in everyone])
             outs.append((least_outside(everyone), max(e[0] for e in everyone)))
     # per micro-batch size: each size's layers were profiled at their own moment, and run at their own speed
     layers, fits = dict(base.layers), {}
     for m in sorted(set(ms)):
         n = args.batch // dp // m
         layers_only = CostModel(base, n, slowness, action_overhead=0.0)
-        fits[m] = fit_action_costs([(recs, layers_only.stage_costs(bounds_of(counts), compiled.stage_rank))
+        fits[m] = fit_action_costs([(recs[0][1], layers_only.stage_costs(bounds_of(counts), compiled.stage_rank))
                                     for (_, mm), (_, compiled, counts, recs, _) in probes.items() if mm == m])
         layers[n] = scale_layers(dataclasses.replace(base, layers={n: base.layers[n]}), fits[m][0]).layers[n]
     per_action = statistics.fmean(inside + around for _, inside, around in fits.values())
@@ -124,7 +129,7 @@ def calibrate(args: argparse.Namespace, base, speeds: list[float], pp: int, ms: 
     for (schedule, m), (v, compiled, counts, recs, outs) in probes.items():
         raw = predict(CostModel(base, args.batch / dp / m, slowness), compiled, counts, dp)
         plan_json = to_plan(SearchResult([(Candidate(pp, dp, schedule, v, m, counts), raw)]), args.batch)
-        tables.append(drift_by_kind(plan_json, recs, least=True))  # least-disturbed, like the profile
+        tables.append(drift_by_kind(plan_json, recs[0][1]))
         pred = predict(CostModel(calibrated, args.batch / dp / m, slowness), compiled, counts, dp)
         extra.append(min(o for o, _ in outs) - (pred.step_time - pred.schedule_time))  # beyond the fixed cost
         steps[json.dumps([pp, schedule, v, m, list(counts)])] = min(t for _, t in outs)
