@@ -118,8 +118,9 @@ def solve_step_costs(schedule: str, pipeline_size: int, stages_per_rank: int, me
 # the random streams, the timeline's marks, the loss record, allocating the real activations, caches refilled when
 # the rank switches stage or micro-batch), and around it (posting the P2P batches of real tensors, bookkeeping).
 # The layers themselves also run at an in-run speed that differs from their isolated profile (hot caches there).
-# Both are read from recorded timelines, each action and each rank at its least-disturbed step (contention only
-# adds time): the real model's probe runs (stages of different sizes, so a per-kind scale of the profiled layer
+# Both are read from recorded timelines, each action and each rank at its least-disturbed recorded step (contention
+# only adds time; give the fastest whole step alone where slow phases change within a step, or the fastest of each
+# action sums to a step no run takes: bench/planner.py does): the real model's probe runs (stages of different sizes, so a per-kind scale of the profiled layer
 # time and a constant per action can be told apart: :func:`fit_action_costs`), and the near-zero-compute runs
 # that solve the fixed and per-micro-batch step costs (:func:`action_cost_from_records`: the constant per action
 # at tiny sizes, so those runs' own actions are not mistaken for step costs). Around an action: the schedule's
