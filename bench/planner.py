@@ -9,11 +9,23 @@ the planner weighs pipeline 4 x replicas 1 against pipeline 2 x replicas 2 and b
     prediction_error_max=<max |predicted - measured| / measured step over every grid>                    (goal <= 0.10)
 
 Profiling happens in the workers, all ranks at once (the machine is as busy as when training): the layer costs, the
-link's latency/bandwidth and the runtime's cost per action on the real gloo group, each rank's relative speed, and
-the step's fixed and per-micro-batch costs (the strategy training one tiny layer per stage at two micro-batch
-counts: [Note: fixed and per-micro-batch step costs] in lightning_pipe/planner/calibrate.py).
+link's latency/bandwidth, each rank's relative speed, and the strategy's cost per action and its fixed and
+per-micro-batch step costs (the strategy training one tiny layer per stage at two micro-batch counts, read from its
+timeline: [Note: the strategy's cost per action, from its own timeline] and [Note: fixed and per-micro-batch step
+costs] in lightning_pipe/planner/calibrate.py).
 
-    python bench/planner.py [--configs gpt:2,unbalanced:2,gpt:4,unbalanced:4] [--rounds 2] [--steps 4]
+Measuring on a shared machine: slow phases last from one step (a step 1.5x its neighbours) to minutes (every layout
+1.3-1.5x slower in the later rounds of one run), and contention only ever adds time. Each layout is therefore its
+least-disturbed step: the fastest of ``--steps`` steps, in each of ``--rounds`` rounds that sweep the whole grid in
+a different (seeded, shuffled) order, so that a slow phase of minutes meets different layouts in different rounds
+instead of the same stretch of the grid each time; the layout's time is the fastest round (the profile reads layers
+the same way). A median of rounds would be biased up whenever a slow phase covers half of them; a reference layout
+run next to each one would carry the noise of both runs (slowdowns change within a second, faster than one layout
+is measured). ``floor_spread_max``: the two fastest rounds of one layout differ by this factor (how well its floor
+is pinned down); ``round_to_round_spread_max``: the slowest round over the fastest. ``--dump`` writes every step and
+timeline for offline analysis.
+
+    python bench/planner.py [--configs gpt:2,unbalanced:2,gpt:4,unbalanced:4] [--rounds 5] [--steps 6] [--dump P]
 """
 
 from __future__ import annotations
@@ -22,6 +34,7 @@ import argparse
 import json
 import logging
 import os
+import random
 import statistics
 import sys
 import time
@@ -30,29 +43,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench._planner_runs import calibrate, gpt_model, measure, step_costs, token_rows  # noqa: E402
 from bench._ranks import run_ranks  # noqa: E402
 from bench.rebalance import measure_rebalance_speedup  # noqa: E402
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2)]
-
-
-def _model(args: argparse.Namespace):
-    import torch
-
-    from recipes.gpt.model import GPT
-
-    torch.manual_seed(0)
-    vocab = 256 if args.model == "gpt" else 256 * args.heavy
-    return GPT(vocab_size=vocab, block_size=args.seq, n_layer=args.layers, n_head=4, n_embd=args.width, dropout=0.0,
-               warmup_steps=5, max_steps=1000)
-
-
-def _tokens(args: argparse.Namespace, rows: int):
-    import torch
-
-    vocab = 256 if args.model == "gpt" else 256 * args.heavy
-    g = torch.Generator().manual_seed(0)
-    return torch.randint(0, vocab, (rows, args.seq + 1), generator=g)
 
 
 def _splits(n_layers: int, stages: int, world: int = 2) -> list[tuple[int, ...]]:
@@ -68,108 +63,6 @@ def _splits(n_layers: int, stages: int, world: int = 2) -> list[tuple[int, ...]]
     if stages == 2 and world == 2:
         out.add((n_layers - 3, 3))
     return sorted(out)
-
-
-def _measure(args: argparse.Namespace, schedule: str, v: int, m: int, counts: tuple[int, ...],
-             dp: int, probe: bool = False) -> tuple[float, float, list]:
-    """(fastest full training step, fastest schedule step) in seconds, as this rank measured them, and this rank's
-    recorded timeline (StepRecord dicts). The fastest of the steps: on a shared machine contention only ever adds
-    time, so the least-disturbed step is the closest to the layout's own cost (the profile is read the same way)."""
-    import lightning.pytorch as L
-    import torch
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from bench._models import residual_mlp
-    from bench._timing import StepClock
-    from lightning_pipe import PipelineStrategy, PipelineTimeline
-
-    rows = args.batch * (args.steps + args.warmup)
-    if probe:  # [Note: fixed and per-micro-batch step costs]: one tiny layer per stage, same trainer and callbacks
-        g = torch.Generator().manual_seed(0)
-        dataset = TensorDataset(torch.randn(rows, 4, generator=g), torch.randn(rows, 4, generator=g))
-    else:
-        tokens = _tokens(args, rows)
-        dataset = TensorDataset(tokens[:, :-1], tokens[:, 1:])
-    # each replica takes batch / dp rows per step (the same rows on every replica: only the time is measured)
-    data = DataLoader(dataset, batch_size=args.batch // dp, drop_last=True)
-    clock = StepClock()
-    timeline = PipelineTimeline(warmup_steps=args.warmup, log=False)
-    strategy = PipelineStrategy(schedule=schedule, microbatches=m, stages_per_rank=v, data_parallel_size=dp,
-                                partition=list(counts))
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]),
-                        max_steps=args.steps + args.warmup, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[clock, timeline],
-                        limit_val_batches=0, use_distributed_sampler=False)
-    trainer.fit(residual_mlp(4, sum(counts)) if probe else _model(args), data)
-    return (min(clock.durations(args.warmup)), min(r.wall_ns / 1e9 for r in timeline.records),
-            [r.to_dict() for r in timeline.records])
-
-
-def _calibrate(args: argparse.Namespace, base, speeds: list[float], pp: int, ms: list[int]):
-    """Two short probe runs (1F1B and ZB-V, uniform splits, pipeline ``pp``) with PipelineTimeline: the profile's
-    F / B / I / W scaled to the in-run durations (``validate --records`` does the same from the shell), and the
-    trainer's own per-step cost (full step - schedule step - predicted optimizer and all-reduce)."""
-    import dataclasses
-
-    import torch.distributed as dist
-
-    from lightning_pipe.config import PipelineConfig
-    from lightning_pipe.layers.partition import uniform_counts
-    from lightning_pipe.planner import to_plan
-    from lightning_pipe.planner.drift import calibrate, drift_by_kind, merge
-    from lightning_pipe.planner.model import Candidate, CostModel, predict
-    from lightning_pipe.planner.search import SearchResult, slowness_per_pipeline_rank
-    from lightning_pipe.schedules import compute_order, plan_schedule
-    from lightning_pipe.schedules.simulate import compile_order
-    from lightning_pipe.trace.records import StepRecord
-
-    world = dist.get_world_size()
-    tables, extra = [], []
-    for schedule, v in (("1f1b", 1), ("zbv", 2)):
-        m = max(ms)
-        plan = plan_schedule(PipelineConfig(schedule=schedule, microbatches=m, stages_per_rank=v), pp)
-        counts = tuple(uniform_counts(base.num_layers, plan.num_stages))
-        model = CostModel(base, args.batch / (world // pp) / m, slowness_per_pipeline_rank(speeds, pp, world // pp))
-        pred = predict(model, compile_order(compute_order(plan), plan.num_stages), counts, world // pp)
-        plan_json = to_plan(SearchResult([(Candidate(pp, world // pp, schedule, v, m, counts), pred)]), args.batch)
-        step, sched, records = _measure(args, schedule, v, m, counts, world // pp)
-        everyone: list = [None] * world
-        dist.all_gather_object(everyone, (step, sched, records))
-        recs = [StepRecord.from_dict(r) for _, _, rs in everyone for r in rs]
-        tables.append(drift_by_kind(plan_json, recs, least=True))  # least-disturbed, like the profile
-        step = max(e[0] for e in everyone)
-        sched = max(e[1] for e in everyone)
-        extra.append(step - sched - (pred.step_time - pred.schedule_time))  # beyond the measured fixed cost
-    rows = merge(*tables)
-    calibrated = calibrate(base, rows)
-    return dataclasses.replace(calibrated, step_overhead=max(base.step_overhead + statistics.median(extra), 0.0)), rows
-
-
-def _step_costs(args: argparse.Namespace, pp: int, ms: list[int], action_cost: float,
-                latency: float) -> tuple[float, float]:
-    """The fixed and per-micro-batch step costs ([Note: fixed and per-micro-batch step costs]): 1F1B over one
-    tiny layer per stage at the grid's smallest and largest micro-batch counts, the slowest rank's fastest step."""
-    import torch
-    import torch.distributed as dist
-
-    from bench._models import residual_mlp
-    from lightning_pipe.planner import profile_model
-    from lightning_pipe.planner.calibrate import solve_step_costs
-
-    world = dist.get_world_size()
-    counts = sorted({min(ms), max(ms)})
-    rows = {m: args.batch // (world // pp) // m for m in counts}
-    # the tiny layers' own time, so that only the step's host costs are left to solve for
-    tiny = profile_model(residual_mlp(4, 1), (torch.zeros(args.batch, 4), torch.zeros(args.batch, 4)),
-                         sorted(set(rows.values())), repeats=args.repeats)
-    layer_time = {m: {"F": tiny.layers[rows[m]][0].forward, "B": tiny.layers[rows[m]][0].backward} for m in counts}
-    measured = {}
-    for m in counts:
-        step = _measure(args, "1f1b", 1, m, tuple([1] * pp), world // pp, probe=True)[0]
-        everyone: list = [None] * world
-        dist.all_gather_object(everyone, step)
-        measured[m] = max(everyone)
-    return solve_step_costs("1f1b", pp, 1, measured, action_cost, latency, layer_time)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -189,11 +82,12 @@ def worker(args: argparse.Namespace) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     ms = [int(m) for m in args.microbatches.split(",")]
     t0 = time.perf_counter()
-    tokens = _tokens(args, args.batch)
+    tokens = token_rows(args, args.batch)
     pps = [pp for pp in (2, 4) if world % pp == 0 and pp <= world]
     sizes = sorted({args.batch * pp // world // m for pp in pps for m in ms} - {0})
-    prof = profile_model(_model(args), (tokens[:, :-1], tokens[:, 1:]), sizes, repeats=args.repeats)
-    prof.link_latency, prof.link_bandwidth = measure_link()
+    prof = profile_model(gpt_model(args), (tokens[:, :-1], tokens[:, 1:]), sizes, repeats=args.repeats,
+                         passes=args.passes)
+    prof.link_latency, prof.link_bandwidth = measure_link(repeats=20)  # fastest of 20: one slow phase is not the link
     overhead = measure_action_overhead(latency=prof.link_latency, repeats=8) if not args.no_overhead else 0.0
     gathered: list = [None] * world
     dist.all_gather_object(gathered, prof.to_json())
@@ -201,12 +95,17 @@ def worker(args: argparse.Namespace) -> None:
     base = profiles[0]
     base.link_latency, base.link_bandwidth, base.action_overhead = prof.link_latency, prof.link_bandwidth, overhead
     speeds = rank_speeds(profiles, min(sizes))
+    tiny: tuple = (0.0, 0.0)  # the tiny probe's cost per action (in, around its slices)
     if not args.no_step_costs:
-        base.step_overhead, base.microbatch_overhead = _step_costs(args, max(pps), ms, overhead, prof.link_latency)
+        base.step_overhead, base.microbatch_overhead, *tiny = step_costs(args, max(pps), ms, prof.link_latency)
     raw = base
     rows_cal: list = []
+    fitted: dict = {}
+    probe_steps: dict[str, float] = {}
     if not args.no_calibrate:
-        base, rows_cal = _calibrate(args, raw, speeds, max(pps), ms)
+        base, rows_cal, fitted, probe_steps = calibrate(args, raw, speeds, max(pps), ms)
+        if args.no_overhead:
+            base.action_overhead = 0.0
     profile_s = time.perf_counter() - t0
     result = search(base, world, args.batch, schedules=[s for s, _ in SCHEDULES], microbatches=ms,
                     pipeline_sizes=pps, speeds=speeds)
@@ -216,14 +115,28 @@ def worker(args: argparse.Namespace) -> None:
     grid = [(pp, s, v, m, c) for pp in pps for s, v in SCHEDULES for m in ms
             for c in _splits(prof.num_layers, pp * v, world) if pp * v <= prof.num_layers and (world == 2 or v == 1)]
     pick_key = (pick.pipeline_size, pick.schedule, pick.stages_per_rank, pick.microbatches, tuple(pick.counts))
-    if pick_key not in grid:
-        grid.append(pick_key)
+    for key in [pick_key] + [tuple(json.loads(k)[:4]) + (tuple(json.loads(k)[4]),) for k in probe_steps]:
+        if key not in grid:
+            grid.append(key)
     measured: dict[str, list[tuple[float, float]]] = {}
-    for _ in range(args.rounds):
-        for pp, s, v, m, c in grid:
+    dumped: dict[str, list] = {}
+    for rnd in range(args.rounds):
+        order = list(grid)
+        random.Random(rnd).shuffle(order)  # the same order on every rank
+        for pp, s, v, m, c in order:
             key = json.dumps([pp, s, v, m, list(c)])
-            measured.setdefault(key, []).append(_measure(args, s, v, m, c, world // pp)[:2])
+            out = measure(args, s, v, m, c, world // pp)
+            measured.setdefault(key, []).append(out[:2])
+            if args.dump:
+                dumped.setdefault(key, []).append({"t": time.time(), "round": rnd, "steps": out[3], "records": out[2]})
             dist.barrier()
+    if args.dump:
+        every_dump: list = [None] * world
+        dist.all_gather_object(every_dump, dumped)
+        if rank == 0:
+            Path(f"{args.dump}.{args.model}{world}.json").write_text(json.dumps(
+                {"dumped": every_dump, "base": base.to_json(), "raw": raw.to_json(), "speeds": speeds,
+                 "batch": args.batch, "grid": grid}))
     everyone: list = [None] * world
     dist.all_gather_object(everyone, measured)
     rows = []
@@ -237,14 +150,19 @@ def worker(args: argparse.Namespace) -> None:
         key = json.dumps([pp, s, v, m, list(c)])
         # per round, the slowest rank's view; over rounds, the least disturbed
         per_round = [max(r[key][i] for r in everyone) for i in range(args.rounds)]
+        steps = sorted(x[0] for x in per_round)
         rows.append({"pp": pp, "dp": dp, "schedule": s, "v": v, "m": m, "counts": list(c),
                      "pred": pred.step_time, "pred_sched": pred.schedule_time, "pred_raw": pred_raw.step_time,
                      "meas": min(x[0] for x in per_round), "meas_sched": min(x[1] for x in per_round),
-                     "spread": max(x[0] for x in per_round) / min(x[0] for x in per_round),
+                     "spread": steps[-1] / steps[0], "floor": steps[min(1, len(steps) - 1)] / steps[0],
                      "pick": (pp, s, v, m, c) == pick_key})
+    # [the machine's drift]: the probe layouts' fastest round over their fastest step when calibrated
+    floors = {json.dumps([r["pp"], r["schedule"], r["v"], r["m"], r["counts"]]): r["meas"] for r in rows}
+    drift = statistics.geometric_mean([floors[k] / t for k, t in probe_steps.items()]) if probe_steps else 1.0
     if rank == 0:
-        Path(args.out).write_text(json.dumps({
+        Path(args.out).write_text(json.dumps({"drift": drift,
             "rows": rows, "speeds": speeds, "profile_s": profile_s, "search_s": search_s, "overhead": overhead,
+            "tiny_action": list(tiny), "fitted": fitted,
             "calibration": {r.what: [r.measured, r.predicted] for r in rows_cal},
             "step_overhead": base.step_overhead, "measured_step_costs": [raw.step_overhead, raw.microbatch_overhead],
             "link": [base.link_latency, base.link_bandwidth], "replayed": result.considered,
@@ -252,19 +170,23 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def _report(args: argparse.Namespace, model: str, ranks: int,
-            res: dict) -> tuple[float, float, float, float, float]:
+            res: dict) -> tuple[float, float, float, float, float, float]:
     rows = res["rows"]
     speeds = [round(s, 2) for s in res["speeds"]]
     vocab = 256 if model == "gpt" else 256 * args.heavy
     print(f"\n### {model}: GPT {args.layers} blocks, width {args.width}, vocab {vocab}, seq {args.seq}, batch "
           f"{args.batch}; {ranks} CPU ranks x 1 thread\nprofiled in {res['profile_s']:.1f} s (rank speeds {speeds}, "
           f"link {res['link'][0] * 1e6:.0f} us + {res['link'][1] / 1e9:.2f} GB/s, "
-          f"{res['overhead'] * 1e3:.2f} ms per action; per step {res['measured_step_costs'][0] * 1e3:.2f} ms "
+          f"{res['overhead'] * 1e3:.2f} ms per action on torch's bare stages, the strategy's on one tiny layer "
+          f"{sum(res['tiny_action']) * 1e3:.2f}; per step {res['measured_step_costs'][0] * 1e3:.2f} ms "
           f"+ {res['measured_step_costs'][1] * 1e3:.2f} ms per micro-batch), searched in {res['search_s']:.2f} s")
     if res["calibration"]:
         cal = ", ".join(f"{k} x{m / p:.2f}" if k != "bubble" else f"bubble {m:.0%} vs {p:.0%}"
                         for k, (m, p) in res["calibration"].items() if p)
-        print(f"probe runs (measured / profile-predicted): {cal}; trainer per step "
+        fit = "; ".join(f"m={m}: layers " + " ".join(f"{k} x{v:.2f}" for k, v in sorted(scales.items()))
+                        + f", per action {inside * 1e3:.2f} ms in + {around * 1e3:.2f} ms around its slices"
+                        for m, (scales, inside, around) in res["fitted"].items())
+        print(f"probe runs (measured / profile-predicted): {cal}\nfitted: {fit}; trainer per step "
               f"{res['step_overhead'] * 1e3:.1f} ms")
     print("\n| pp x dp | schedule | v | m | split | step meas ms | pred (profile only) | pred (calibrated) | error | "
           "schedule meas ms | schedule pred | error |")
@@ -290,9 +212,14 @@ def _report(args: argparse.Namespace, model: str, ranks: int,
     raw_error = max(abs(r["pred_raw"] - r["meas"]) / r["meas"] for r in rows)
     sched_error = max(abs(r["pred_sched"] - r["meas_sched"]) / r["meas_sched"] for r in rows)
     spread = max(r["spread"] for r in rows)
+    floor = max(r["floor"] for r in rows)
+    drifted = max(abs(r["pred"] * res["drift"] - r["meas"]) / r["meas"] for r in rows)
+    print(f"the probe layouts measured x{res['drift']:.2f} their speed at calibration; predictions x that: error max "
+          f"{drifted:.3f}")
     print(f"pick_vs_best={pick['meas'] / best:.3f} prediction_error_max={error:.3f} (profile only {raw_error:.3f}) "
-          f"schedule_prediction_error_max={sched_error:.3f} round_to_round_spread_max={spread:.2f}")
-    return pick["meas"] / best, error, sched_error, raw_error, spread
+          f"schedule_prediction_error_max={sched_error:.3f} round_to_round_spread_max={spread:.2f} "
+          f"floor_spread_max={floor:.2f}")
+    return pick["meas"] / best, error, sched_error, raw_error, spread, floor
 
 
 def main() -> None:
@@ -305,15 +232,18 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--microbatches", default="4,8")
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--passes", type=int, default=4, help="profiling sweeps (each layer: its fastest)")
+    p.add_argument("--probe-repeats", type=int, default=3, help="runs of each calibration probe")
     p.add_argument("--no-overhead", action="store_true", help="the cost model without the per-action cost")
     p.add_argument("--no-calibrate", action="store_true", help="plan from the layer profile alone (no probe runs)")
     p.add_argument("--no-step-costs", action="store_true",
                    help="the cost model without the measured fixed and per-micro-batch step costs")
     p.add_argument("--no-rebalance", action="store_true", help="skip the rebalancing run (rebalance_speedup)")
+    p.add_argument("--dump", help="also write every measured step and timeline to DUMP.<model><ranks>.json")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -330,6 +260,8 @@ def main() -> None:
     print(f"\n(total bench time {time.perf_counter() - t0:.0f} s, load average after {os.getloadavg()[0]:.2f})")
     # the same layout measured in two rounds differed by this factor: the floor of any error measured here
     print(f"round_to_round_spread_max={max(r[4] for r in results):.2f}")
+    # the two quietest rounds of one layout differed by this factor: how well its floor is pinned down
+    print(f"floor_spread_max={max(r[5] for r in results):.2f}")
     print(f"schedule_prediction_error_max={max(r[2] for r in results):.3f}")
     print(f"prediction_error_max_profile_only={max(r[3] for r in results):.3f}")
     print(f"planner_pick_vs_best={max(r[0] for r in results):.3f}")

@@ -22,8 +22,9 @@ from __future__ import annotations
 # two measured steps give both (:func:`solve_step_costs`). The cost model adds ``fixed`` to every step and
 # ``m x per_mb`` to the schedule (``ModelProfile.step_overhead`` / ``microbatch_overhead``). Not separated: a cost
 # per micro-batch that only some ranks pay (it is charged to the step, as if on its critical path).
+import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.schedules import compute_order, plan_schedule
 from lightning_pipe.schedules.simulate import compile_order, replay
+from lightning_pipe.trace.records import COMPUTE_KINDS, StepRecord
 
 
 def solve_action_cost(step_time: float, pipeline_size: int, microbatches: int, latency: float) -> float:
@@ -108,3 +110,121 @@ def solve_step_costs(schedule: str, pipeline_size: int, stages_per_rank: int, me
     slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
     slope = max(slope, 0.0)
     return max(my - slope * mx, 0.0), slope
+
+
+# [Note: the strategy's cost per action, from its own timeline]
+# ``measure_action_overhead`` times torch's bare stages on a 4-float layer. The strategy's actions cost more, and
+# by how much depends on the model: inside each compute slice beyond its layers' profiled time (the stage wrapper,
+# the random streams, the timeline's marks, the loss record, allocating the real activations, caches refilled when
+# the rank switches stage or micro-batch), and around it (posting the P2P batches of real tensors, bookkeeping).
+# The layers themselves also run at an in-run speed that differs from their isolated profile (hot caches there).
+# Both are read from recorded timelines, each action and each rank at its least-disturbed recorded step (contention
+# only adds time; give the fastest whole step alone where slow phases change within a step, or the fastest of each
+# action sums to a step no run takes: bench/planner.py does): the real model's probe runs (stages of different sizes, so a per-kind scale of the profiled layer
+# time and a constant per action can be told apart: :func:`fit_action_costs`), and the near-zero-compute runs
+# that solve the fixed and per-micro-batch step costs (:func:`action_cost_from_records`: the constant per action
+# at tiny sizes, so those runs' own actions are not mistaken for step costs). Around an action: the schedule's
+# wall time minus its compute slices and its blocking P2P waits (waiting is the replay's business: it follows
+# from the order, the costs and the link). The cost model charges the sum (in + around) per action, on the rank.
+def action_cost_from_records(records: Sequence[StepRecord],
+                             layer_time: Mapping[int, Mapping[str, float]]) -> tuple[float, float]:
+    """(seconds per action inside its compute slice, seconds per action around it) of the strategy's runtime, from
+    the recorded timelines of near-zero-compute runs ([Note: the strategy's cost per action, from its own
+    timeline]). ``records``: every rank's :class:`StepRecord` of runs at one or more micro-batch counts (``m`` is
+    read from the records: the forwards of a stage); ``layer_time``: m -> the per-kind (F, B, I, W) profiled time of
+    one probe layer at that micro-batch size, taken out of the slices. The host time around the slices is regressed
+    on each rank's number of actions across micro-batch counts (a per-step constant is no cost per action; with one
+    count it is shared out per action). Both results are floored at 0."""
+    inside: dict[tuple[int, int, int, str, int | None], float] = {}  # (m, rank, stage, kind, mb) -> least seconds
+    host: dict[tuple[int, int], tuple[int, float]] = {}  # (m, rank) -> (actions, least host seconds)
+    for rec in records:
+        forwards = {(sl.stage, sl.mb) for sl in rec.slices if sl.kind == "F"}
+        stages = {st for st, _ in forwards}
+        m = len(forwards) // max(len(stages), 1)
+        layers = layer_time.get(m, {})
+        actions, compute, waited = 0, 0, 0
+        spent: dict[tuple[int, int, int, str, int | None], float] = {}
+        for sl in rec.slices:
+            ns = sl.end_ns - sl.start_ns
+            if sl.kind in COMPUTE_KINDS:
+                compute += ns
+                actions += sl.kind != "L"
+                # the loss counts as part of its forward (the last layer is profiled with its loss)
+                key = (m, rec.rank, -1 if sl.stage is None else sl.stage, "F" if sl.kind == "L" else sl.kind, sl.mb)
+                spent[key] = spent.get(key, -layers.get(key[3], 0.0)) + ns / 1e9
+            elif sl.kind == "wait":
+                waited += ns
+        for key, seconds in spent.items():
+            inside[key] = min(inside.get(key, seconds), seconds)
+        if actions:
+            around = (rec.wall_ns - compute - waited) / 1e9
+            old = host.get((m, rec.rank))
+            host[(m, rec.rank)] = (actions, around if old is None else min(old[1], around))
+    if not inside:
+        raise ValueError("action_cost_from_records needs records with compute slices")
+    points = list(host.values())
+    xs = [float(n) for n, _ in points]
+    mx = statistics.fmean(xs)
+    var = sum((x - mx) ** 2 for x in xs)
+    if var > 0:  # the slope of host time over actions: a per-step constant is not a cost per action
+        my = statistics.fmean(y for _, y in points)
+        per_action = sum((x - mx) * (y - my) for x, (_, y) in zip(xs, points)) / var
+    else:
+        per_action = statistics.fmean(y / n for n, y in points)
+    return max(statistics.median(inside.values()), 0.0), max(per_action, 0.0)
+
+
+def fit_action_costs(runs: Sequence[tuple[Sequence[StepRecord], Mapping[tuple[int, str], float]]],
+                     ) -> tuple[dict[str, float], float, float]:
+    """From recorded runs of the real model ([Note: the strategy's cost per action, from its own timeline]):
+    (per kind F / B / I / W, the in-run scale of the profiled layer time; seconds per action inside its compute
+    slice; seconds per action of host work around it). ``runs``: each run's records (every rank) with, per
+    (stage, kind), the profiled layer time of one action of that stage. Each action is read at its least-disturbed
+    step and fitted as ``slice = scale[kind] x layer + inside`` (least squares over every action of every run: one
+    run's actions alone cannot tell a scale from a constant, stages of different sizes can); ``inside`` is floored
+    at 0 (then the scales alone are fitted). ``around``: per rank and step, the schedule's wall time minus its
+    compute slices and blocking P2P waits, per action; the least-disturbed step per rank, averaged over ranks and
+    runs. A per-step constant inside the schedule is charged per action here (small beside 16 or more actions)."""
+    xs: list[tuple[str, float]] = []
+    ys: list[float] = []
+    around: list[float] = []
+    for records, layer in runs:
+        least: dict[tuple[int, int, str, int | None], float] = {}
+        host: dict[int, float] = {}
+        for rec in records:
+            spent: dict[tuple[int, int, str, int | None], float] = {}
+            compute = waited = actions = 0
+            for sl in rec.slices:
+                ns = sl.end_ns - sl.start_ns
+                if sl.kind in COMPUTE_KINDS and sl.stage is not None:
+                    compute += ns
+                    actions += sl.kind != "L"
+                    key = (rec.rank, sl.stage, "F" if sl.kind == "L" else sl.kind, sl.mb)  # loss: part of its F
+                    spent[key] = spent.get(key, 0.0) + ns / 1e9
+                elif sl.kind == "wait":
+                    waited += ns
+            for key, seconds in spent.items():
+                least[key] = min(least.get(key, seconds), seconds)
+            if actions:
+                per = (rec.wall_ns - compute - waited) / 1e9 / actions
+                host[rec.rank] = min(host.get(rec.rank, per), per)
+        for (_, stage, kind, _), seconds in least.items():
+            if (stage, kind) in layer:
+                xs.append((kind, layer[(stage, kind)]))
+                ys.append(seconds)
+        around += host.values()
+    if not ys:
+        raise ValueError("fit_action_costs needs records with compute slices of profiled stages")
+    kinds = sorted({k for k, _ in xs})
+
+    def solve(intercept: bool) -> list[float]:
+        a = torch.tensor([[x if k == kind else 0.0 for kind in kinds] + ([1.0] if intercept else []) for k, x in xs],
+                         dtype=torch.float64)
+        coef = torch.linalg.lstsq(a, torch.tensor(ys, dtype=torch.float64).unsqueeze(1), driver="gelsd").solution
+        return [float(c) for c in coef.flatten()]
+
+    coef = solve(True)
+    if coef[-1] < 0:
+        coef = solve(False) + [0.0]
+    scales = {kind: max(c, 0.0) for kind, c in zip(kinds, coef)}
+    return scales, coef[-1], max(statistics.fmean(around), 0.0) if around else 0.0

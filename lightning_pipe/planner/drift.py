@@ -128,13 +128,19 @@ def calibrate(profile: ModelProfile, rows: Sequence[Drift]) -> ModelProfile:
         if r.what in FIELDS and r.predicted > overhead_ms:
             ratios[r.what] = max(r.measured - overhead_ms, 0.0) / (r.predicted - overhead_ms)
     ratios.setdefault("B", ratios.get("W", 1.0))
+    return scale_layers(profile, ratios)
+
+
+def scale_layers(profile: ModelProfile, ratios: Mapping[str, float], **changes: Any) -> ModelProfile:
+    """A copy of ``profile`` with each layer's F / B / I / W time times its kind's ratio (1 for a kind not given),
+    the ratios noted in ``meta["calibrated"]``, and any other field replaced (``changes``)."""
 
     def scaled(c: LayerCost) -> LayerCost:
         return dataclasses.replace(c, **{f: getattr(c, f) * ratios.get(k, 1.0) for k, f in FIELDS.items()})
 
     layers = {n: [scaled(c) for c in costs] for n, costs in profile.layers.items()}
     meta = {**profile.meta, "calibrated": {k: round(v, 4) for k, v in ratios.items()}}
-    return dataclasses.replace(profile, layers=layers, meta=meta)
+    return dataclasses.replace(profile, layers=layers, meta=meta, **changes)
 
 
 def merge(*tables: Sequence[Drift]) -> list[Drift]:

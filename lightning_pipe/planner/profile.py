@@ -56,7 +56,9 @@ class ModelProfile:
     meta: dict[str, Any] = field(default_factory=dict)
     action_overhead: float = 0.0
     """Seconds every schedule action costs on top of its layers' compute: the runtime's Python work and P2P
-    post/wait per stage call, measured on the running ranks (:func:`~lightning_pipe.planner.calibrate.measure_action_overhead`)."""
+    post/wait per stage call, measured on the running ranks (:func:`~lightning_pipe.planner.calibrate.measure_action_overhead`
+    on torch's bare stages, or :func:`~lightning_pipe.planner.calibrate.fit_action_costs` from the strategy's own
+    timeline at the model's sizes)."""
     step_overhead: float = 0.0
     """Seconds each training step costs outside the schedule and the optimizer (the trainer's loop, data loading,
     the loss broadcast, gradient hand-offs), measured with the strategy on a near-zero-compute model

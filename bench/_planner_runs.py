@@ -1,0 +1,173 @@
+"""The runs behind ``bench/planner.py`` (imported inside its rank workers): the two models, one measured layout, and
+the in-run calibration probes (the real model's per-action costs and layer scales, the tiny model's step costs)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+
+def gpt_model(args: argparse.Namespace):
+    import torch
+
+    from recipes.gpt.model import GPT
+
+    torch.manual_seed(0)
+    vocab = 256 if args.model == "gpt" else 256 * args.heavy
+    return GPT(vocab_size=vocab, block_size=args.seq, n_layer=args.layers, n_head=4, n_embd=args.width, dropout=0.0,
+               warmup_steps=5, max_steps=1000)
+
+
+def token_rows(args: argparse.Namespace, rows: int):
+    import torch
+
+    vocab = 256 if args.model == "gpt" else 256 * args.heavy
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab, (rows, args.seq + 1), generator=g)
+
+
+def measure(args: argparse.Namespace, schedule: str, v: int, m: int, counts: tuple[int, ...],
+             dp: int, probe: bool = False) -> tuple[float, float, list]:
+    """(fastest full training step, fastest schedule step) in seconds, as this rank measured them, and this rank's
+    recorded timeline (StepRecord dicts). The fastest of the steps: on a shared machine contention only ever adds
+    time, so the least-disturbed step is the closest to the layout's own cost (the profile is read the same way)."""
+    import lightning.pytorch as L
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from bench._models import residual_mlp
+    from bench._timing import StepClock
+    from lightning_pipe import PipelineStrategy, PipelineTimeline
+
+    rows = args.batch * (args.steps + args.warmup)
+    if probe:  # [Note: fixed and per-micro-batch step costs]: one tiny layer per stage, same trainer and callbacks
+        g = torch.Generator().manual_seed(0)
+        dataset = TensorDataset(torch.randn(rows, 4, generator=g), torch.randn(rows, 4, generator=g))
+    else:
+        tokens = token_rows(args, rows)
+        dataset = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    # each replica takes batch / dp rows per step (the same rows on every replica: only the time is measured)
+    data = DataLoader(dataset, batch_size=args.batch // dp, drop_last=True)
+    clock = StepClock()
+    timeline = PipelineTimeline(warmup_steps=args.warmup, log=False)
+    strategy = PipelineStrategy(schedule=schedule, microbatches=m, stages_per_rank=v, data_parallel_size=dp,
+                                partition=list(counts))
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]),
+                        max_steps=args.steps + args.warmup, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[clock, timeline],
+                        limit_val_batches=0, use_distributed_sampler=False)
+    trainer.fit(residual_mlp(4, sum(counts)) if probe else gpt_model(args), data)
+    return (min(clock.durations(args.warmup)), min(r.wall_ns / 1e9 for r in timeline.records),
+            [r.to_dict() for r in timeline.records], clock.durations(args.warmup))
+
+
+def least_outside(everyone: list) -> float:
+    """Seconds of the step outside the schedule at the least-disturbed step: per step, the slowest rank's full step
+    minus the slowest rank's schedule step, of the *same* step (the fastest full step and the fastest schedule step
+    are often different steps, and their difference then carries the noise of both)."""
+    clocks = [e[3] for e in everyone]
+    walls = [[r["end_ns"] - r["start_ns"] for r in sorted(e[2], key=lambda r: r["step"])] for e in everyone]
+    n = min(min(len(c) for c in clocks), min(len(w) for w in walls))
+    return min(max(c[j] for c in clocks) - max(w[j] for w in walls) / 1e9 for j in range(n))
+
+
+def calibrate(args: argparse.Namespace, base, speeds: list[float], pp: int, ms: list[int]):
+    """Probe runs of the real model (1F1B and ZB-V, uniform splits, pipeline ``pp``, at each micro-batch count,
+    ``--probe-repeats`` times each in alternating order) with PipelineTimeline, read at each probe's fastest step:
+    per micro-batch size the layers'
+    in-run scale per kind, and the strategy's cost per action at this model's sizes (the mean over the sizes) (:func:`~lightning_pipe.planner.calibrate.fit_action_costs`, each action read at its
+    least-disturbed repeat), and the trainer's own per-step cost (full step - schedule step - predicted optimizer and
+    all-reduce, of the same least-disturbed step). Also the profile's drift per kind, for the report."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from lightning_pipe.config import PipelineConfig
+    from lightning_pipe.layers.partition import uniform_counts
+    from lightning_pipe.planner import to_plan
+    from lightning_pipe.planner.calibrate import fit_action_costs
+    from lightning_pipe.planner.drift import drift_by_kind, merge, scale_layers
+    from lightning_pipe.planner.model import Candidate, CostModel, bounds_of, predict
+    from lightning_pipe.planner.search import SearchResult, slowness_per_pipeline_rank
+    from lightning_pipe.schedules import compute_order, plan_schedule
+    from lightning_pipe.schedules.simulate import compile_order
+    from lightning_pipe.trace.records import StepRecord
+
+    world, dp = dist.get_world_size(), dist.get_world_size() // pp
+    slowness = slowness_per_pipeline_rank(speeds, pp, dp)
+    probes = {}
+    for m in sorted(set(ms)):
+        for schedule, v in (("1f1b", 1), ("zbv", 2)):
+            plan = plan_schedule(PipelineConfig(schedule=schedule, microbatches=m, stages_per_rank=v), pp)
+            compiled = compile_order(compute_order(plan), plan.num_stages)
+            counts = tuple(uniform_counts(base.num_layers, plan.num_stages))
+            probes[(schedule, m)] = (v, compiled, counts, [(float("inf"), [])], [])
+    for rep in range(args.probe_repeats):
+        for schedule, m in sorted(probes, reverse=bool(rep % 2)):
+            v, compiled, counts, recs, outs = probes[(schedule, m)]
+            everyone: list = [None] * world
+            dist.all_gather_object(everyone, measure(args, schedule, v, m, counts, dp))
+            # the fastest whole step (every rank's record of it), as the grid's layouts are measured: the fastest
+            # of each action on its own sums to a step no run takes when slow phases come and go within a step
+            for j in range(min(min(len(e[2]), len(e[3])) for e in everyone)):
+                if max(e[3][j] for e in everyone) < recs[0][0]:
+                    recs[0] = (max(e[3][j] for e in everyone), [StepRecord.from_dict(e[2][j]) for e in everyone])
+            outs.append((least_outside(everyone), max(e[0] for e in everyone)))
+    # per micro-batch size: each size's layers were profiled at their own moment, and run at their own speed
+    layers, fits = dict(base.layers), {}
+    for m in sorted(set(ms)):
+        n = args.batch // dp // m
+        layers_only = CostModel(base, n, slowness, action_overhead=0.0)
+        fits[m] = fit_action_costs([(recs[0][1], layers_only.stage_costs(bounds_of(counts), compiled.stage_rank))
+                                    for (_, mm), (_, compiled, counts, recs, _) in probes.items() if mm == m])
+        layers[n] = scale_layers(dataclasses.replace(base, layers={n: base.layers[n]}), fits[m][0]).layers[n]
+    per_action = statistics.fmean(inside + around for _, inside, around in fits.values())
+    calibrated = dataclasses.replace(base, layers=layers, action_overhead=per_action)
+    tables, extra, steps = [], [], {}
+    for (schedule, m), (v, compiled, counts, recs, outs) in probes.items():
+        raw = predict(CostModel(base, args.batch / dp / m, slowness), compiled, counts, dp)
+        plan_json = to_plan(SearchResult([(Candidate(pp, dp, schedule, v, m, counts), raw)]), args.batch)
+        tables.append(drift_by_kind(plan_json, recs[0][1]))
+        pred = predict(CostModel(calibrated, args.batch / dp / m, slowness), compiled, counts, dp)
+        extra.append(min(o for o, _ in outs) - (pred.step_time - pred.schedule_time))  # beyond the fixed cost
+        steps[json.dumps([pp, schedule, v, m, list(counts)])] = min(t for _, t in outs)
+    step_overhead = max(base.step_overhead + statistics.median(extra), 0.0)
+    return dataclasses.replace(calibrated, step_overhead=step_overhead), merge(*tables), fits, steps
+
+
+def step_costs(args: argparse.Namespace, pp: int, ms: list[int],
+                latency: float) -> tuple[float, float, float, float]:
+    """The strategy's cost per action and its fixed and per-micro-batch step costs: 1F1B over one tiny layer per
+    stage at the grid's smallest and largest micro-batch counts, each run twice (m1, m2, m2, m1: a slow phase
+    meets both counts alike); the timelines give the cost per action ([Note: the strategy's cost per action, from
+    its own timeline]), then the slowest rank's fastest step per count the fixed and per-micro-batch costs
+    ([Note: fixed and per-micro-batch step costs]). Returns (fixed, per micro-batch, per action inside its slice,
+    per action around it), seconds."""
+    import torch
+    import torch.distributed as dist
+
+    from bench._models import residual_mlp
+    from lightning_pipe.planner import profile_model
+    from lightning_pipe.planner.calibrate import action_cost_from_records, solve_step_costs
+    from lightning_pipe.trace.records import StepRecord
+
+    world = dist.get_world_size()
+    counts = sorted({min(ms), max(ms)})
+    rows = {m: args.batch // (world // pp) // m for m in counts}
+    # the tiny layers' own time, so that only the step's host costs are left to solve for
+    tiny = profile_model(residual_mlp(4, 1), (torch.zeros(args.batch, 4), torch.zeros(args.batch, 4)),
+                         sorted(set(rows.values())), repeats=args.repeats)
+    layer_time = {m: {"F": tiny.layers[rows[m]][0].forward, "B": tiny.layers[rows[m]][0].backward} for m in counts}
+    measured: dict[int, float] = {}
+    records = []
+    for m in counts + counts[::-1]:
+        step, _, recs = measure(args, "1f1b", 1, m, tuple([1] * pp), world // pp, probe=True)[:3]
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, (step, recs))
+        measured[m] = min(measured.get(m, float("inf")), max(e[0] for e in everyone))
+        records += [StepRecord.from_dict(r) for e in everyone for r in e[1]]
+    inside, around = action_cost_from_records(records, layer_time)
+    fixed, per_mb = solve_step_costs("1f1b", pp, 1, measured, inside + around, latency, layer_time)
+    return fixed, per_mb, inside, around
