@@ -2,7 +2,8 @@
 
 A near-zero-compute layer list (17 ``Linear(8, 8)`` layers, batch 32, MSE loss, SGD) makes a step's time almost all
 host work: Python, autograd bookkeeping, the schedule's and our per-micro-batch logic. Three ways to train it with
-``m`` micro-batches per step, each timed as the median of 60 steps, for m = 1, 4, 16:
+``m`` micro-batches per step, each timed as the median of 60 steps, for m = 1, 4, 16, in ``--rounds`` interleaved
+rounds (the least disturbed round's median is kept: on a shared machine, contention only adds time):
 
 * ``plain``: one-device gradient accumulation (m forward/backward calls, one optimizer step);
 * ``torch-pp``: torch.distributed.pipelining's ``Schedule1F1B`` over one ``PipelineStage`` holding all 17 layers, in a
@@ -11,14 +12,12 @@ host work: Python, autograd bookkeeping, the schedule's and our per-micro-batch 
 * ``strategy``: ``Trainer(strategy=PipelineStrategy("1f1b", microbatches=m), devices=1)``: one stage, the same torch
   schedule underneath, plus Lightning's loop and our per-step and per-micro-batch work.
 
-The three ways run step by step in one Trainer run per ``m`` (:func:`paired`: after each strategy step a callback
-runs one step of each other way on the same batch), so that a slow phase of a shared machine slows all three alike.
 A least-squares line through t(m) gives the per-micro-batch slope and the fixed per-step cost (Lightning's loop is in
 the strategy's fixed cost). The same line through the number of function calls per step (``sys.setprofile``; a count,
 so the same on a busy machine) shows host work where timings are noise. Last lines: ``slope_ratio=<strategy /
 torch-pp>``, ``fixed_ratio`` and ``calls_slope_ratio``.
 
-    python bench/hostcost.py [--steps 60] [--microbatches 1 4 16]
+    python bench/hostcost.py [--steps 60] [--microbatches 1 4 16] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -82,103 +81,54 @@ def _median_gap(ends: list[float]) -> float:
     return statistics.median(b - a for a, b in list(zip(ends, ends[1:]))[WARMUP:])
 
 
-class Plain:
-    """One-device gradient accumulation: m forward/backward calls, one optimizer step."""
+def plain(m: int, steps: int) -> float:
+    import torch
 
-    def __init__(self, m: int) -> None:
-        import torch
-
-        self.m, self.module = m, _module()
-        self.opt = torch.optim.SGD(self.module.parameters(), lr=1e-3)
-
-    def step(self, x: Any, y: Any) -> None:
-        self.opt.zero_grad(set_to_none=True)
-        for xs, ys in zip(x.chunk(self.m), y.chunk(self.m)):
-            (self.module.loss_fn(self.module.layers(xs), ys) / self.m).backward()
-        self.opt.step()
-
-
-class TorchPP:
-    """torch.distributed.pipelining's ``Schedule1F1B`` over one stage holding every layer, looped as a user would."""
-
-    def __init__(self, m: int) -> None:
-        import torch
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
-        module = _module()
-        stage = PipelineStage(module.layers, 0, 1, torch.device("cpu"))
-        self.schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=lambda out, tgt: module.loss_fn(out, tgt) / m,
-                                     scale_grads=False)
-        self.opt = torch.optim.SGD(module.parameters(), lr=1e-3)
-
-    def step(self, x: Any, y: Any) -> None:
-        self.opt.zero_grad(set_to_none=True)
-        self.schedule.step(x, target=y, losses=[])
-        self.opt.step()
-
-
-def _loop(make: Any, m: int, steps: int) -> float:
-    loop = make(m)
+    module = _module()
+    opt = torch.optim.SGD(module.parameters(), lr=1e-3)
     ends = []
     for x, y in _batches(steps + WARMUP + 1):
-        loop.step(x, y)
+        opt.zero_grad(set_to_none=True)
+        for xs, ys in zip(x.chunk(m), y.chunk(m)):
+            (module.loss_fn(module.layers(xs), ys) / m).backward()
+        opt.step()
         ends.append(CLOCK())
     return _median_gap(ends)
 
 
-def plain(m: int, steps: int) -> float:
-    return _loop(Plain, m, steps)
-
-
 def torch_pp(m: int, steps: int) -> float:
-    return _loop(TorchPP, m, steps)
+    import torch
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-
-def _trainer(m: int, steps: int, callback: Any) -> Any:
-    import lightning.pytorch as L
-
-    from lightning_pipe import PipelineStrategy
-
-    return L.Trainer(strategy=PipelineStrategy("1f1b", microbatches=m), accelerator="cpu", devices=1,
-                     max_steps=steps + WARMUP + 1, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
-                     use_distributed_sampler=False)
+    module = _module()
+    stage = PipelineStage(module.layers, 0, 1, torch.device("cpu"))
+    schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=lambda out, tgt: module.loss_fn(out, tgt) / m,
+                            scale_grads=False)
+    opt = torch.optim.SGD(module.parameters(), lr=1e-3)
+    ends = []
+    for x, y in _batches(steps + WARMUP + 1):
+        opt.zero_grad(set_to_none=True)
+        schedule.step(x, target=y, losses=[])
+        opt.step()
+        ends.append(CLOCK())
+    return _median_gap(ends)
 
 
 def strategy(m: int, steps: int) -> float:
+    import lightning.pytorch as L
+
     from bench._timing import StepClock
+    from lightning_pipe import PipelineStrategy
 
     clock = StepClock()
     clock_now = CLOCK
     clock.on_train_batch_end = lambda *a: clock.ends.append(clock_now())  # type: ignore[method-assign]
-    _trainer(m, steps, clock).fit(_module(), _loader(_batches(steps + WARMUP + 1)))
+    trainer = L.Trainer(strategy=PipelineStrategy("1f1b", microbatches=m), accelerator="cpu", devices=1,
+                        max_steps=steps + WARMUP + 1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],
+                        use_distributed_sampler=False)
+    trainer.fit(_module(), _loader(_batches(steps + WARMUP + 1)))
     return _median_gap(clock.ends)
-
-
-def paired(m: int, steps: int) -> dict[str, float]:
-    """The three ways step by step, in one run: after each of the Trainer's batches a callback runs one torch-pp and
-    one plain step on the same batch, each timed on its own; the strategy's step is the time from the end of that
-    callback to the next batch's end. A slow phase of the machine then falls on all three ways alike. Medians."""
-    from lightning.pytorch.callbacks import Callback
-
-    others = {"torch-pp": TorchPP(m), "plain": Plain(m)}
-    times: dict[str, list[float]] = {"strategy": [], "torch-pp": [], "plain": []}
-
-    class Pairs(Callback):
-        last: float | None = None
-
-        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            start = CLOCK()
-            if self.last is not None:
-                times["strategy"].append(start - self.last)
-            for name, loop in others.items():
-                begin = CLOCK()
-                loop.step(*batch)
-                times[name].append(CLOCK() - begin)
-            self.last = CLOCK()
-
-    _trainer(m, steps, Pairs()).fit(_module(), _loader(_batches(steps + WARMUP + 1)))
-    return {name: statistics.median(ts[WARMUP:]) for name, ts in times.items()}
 
 
 def calls_per_step(run: Any, m: int, steps: int = 10) -> float:
@@ -214,6 +164,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--microbatches", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
+    p.add_argument("--rounds", type=int, default=3, help="runs of each way and m; the least disturbed is kept")
     args = p.parse_args()
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -230,11 +181,12 @@ def main() -> None:
 
     warnings.filterwarnings("ignore")
     ways = {"plain": plain, "torch-pp": torch_pp, "strategy": strategy}
-    times: dict[str, list[float]] = {name: [] for name in ways}
-    for m in args.microbatches:
-        medians = paired(m, args.steps)
-        for name in ways:
-            times[name].append(medians[name])
+    runs: dict[tuple[str, int], list[float]] = {}
+    for _ in range(args.rounds):  # the ways interleaved round by round: the least disturbed median of each
+        for m in args.microbatches:
+            for name, run in ways.items():
+                runs.setdefault((name, m), []).append(run(m, args.steps))
+    times = {name: [min(runs[name, m]) for m in args.microbatches] for name in ways}
     fits = {name: fit_line(args.microbatches, ts) for name, ts in times.items()}
     # (m = 4 and 16, the lower of two counts: a first run in a process can count one-off work)
     calls = {name: fit_line([4, 16], [min(calls_per_step(run, m) for _ in range(2)) for m in (4, 16)])
