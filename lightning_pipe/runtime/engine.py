@@ -321,7 +321,8 @@ class PipelineEngine:
                 stage.flush_update()
         self._mb_targets = self.shapes.planned = None
         self._pending_grads = [p.grad for p in self.parameters]
-        if overlap is None and self.grads.early_ties and self.dp_handoff.optimizer_step_follows:
+        if (overlap is None and self.grads.early_ties and self.dp_handoff.optimizer_step_follows
+                and not self.per_microbatch_updates):  # (PipeDream sums its ties in each micro-batch's update)
             # before the agreement, so both collectives meet at once ([Note: tied copies summed at the schedule's end])
             self.grads.sum_ties_early({id(p): g for p, g in zip(self.parameters, self._pending_grads)})
         for p, g in zip(self.parameters, saved):
