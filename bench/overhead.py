@@ -7,7 +7,7 @@ of that callback to the next batch's end (data loading, Lightning's loop, schedu
 everything a step costs), a hand-written step the callback's own step. Each side's median over ``--rounds`` fresh
 Trainers; last line: ``overhead_ratio=<strategy / hand-written>``.
 
-    python bench/overhead.py [--steps 30] [--rounds 2] [--schedule 1f1b] [--microbatches 4]
+    python bench/overhead.py [--steps 30] [--rounds 3] [--schedule 1f1b] [--microbatches 4]
 """
 
 from __future__ import annotations

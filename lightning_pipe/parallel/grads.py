@@ -70,7 +70,7 @@ class GradientSync:
         """Whether :meth:`sum_ties_early` may run (plain tensors: FSDP and tensor-parallel copies sum at the sync)."""
         self.tie_of = {id(param): tie_group.group for param, tie_group in self.ties}
         """``id(param)`` -> the group its tied copies sum over (parameters tied across ranks only)."""
-        self._launched: dict[int, tuple[Tensor, Any]] = {}  # id(param) -> (its fresh gradient, the all-reduce)
+        self._launched: dict[int, Any] = {}  # id(param) -> the all-reduce of its fresh gradient
         self._summed: dict[int, Tensor] = {}  # id(param) -> the .grad tensor known to hold the tie sum
 
     def sync(self, replicas: bool = True) -> None:
@@ -108,19 +108,21 @@ class GradientSync:
         for param, tie_group in self.ties:
             grad = fresh.get(id(param))
             if grad is not None:
-                self._launched[id(param)] = (grad, dist.all_reduce(grad, group=tie_group.group, async_op=True))
+                self._launched[id(param)] = dist.all_reduce(grad, group=tie_group.group, async_op=True)
 
     def finish_early_ties(self) -> set[int]:
         """Wait for the sums :meth:`sum_ties_early` launched (done by now: every rank has met at the agreement since);
         the ``id`` of each parameter whose fresh gradient is now the tie sum."""
         done = set(self._launched)
-        for _, work in self._launched.values():
+        for work in self._launched.values():
             work.wait()
         self._launched = {}
         return done
 
-    def add_tied(self, param: nn.Parameter, fresh: Tensor, fresh_summed: bool, group: Any) -> None:
-        """``param.grad += fresh`` for a tied parameter, keeping track of which ``.grad`` holds the tie sum."""
+    def add_tied(self, param: nn.Parameter, fresh: Tensor, fresh_summed: bool) -> None:
+        """``param.grad += fresh`` for a parameter tied across ranks (in :attr:`tie_of`), keeping track of which
+        ``.grad`` holds the tie sum."""
+        group = self.tie_of[id(param)]
         grad = param.grad
         if grad is None:
             param.grad = fresh

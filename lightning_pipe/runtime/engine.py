@@ -98,7 +98,8 @@ class PipelineEngine:
         # Deduplicated: a V schedule can put both ends of a tied weight on one rank (one object, two stages).
         self.parameters = list({id(p): p for sm in stage_modules for p in sm.parameters()}.values())
         self.grads = GradientSync(module, self.parameters, groups, device)
-        # [Note: what the overlapped sync averages] in dp_handoff.py; the strategy sets the two hints before each training batch.
+        # [Note: what the overlapped sync averages] in dp_handoff.py; the strategy sets the two hints before each
+        # training batch.
         # PipeDream averages each micro-batch's gradients in its own update (pipedream.stages.MicrobatchUpdate); FSDP
         # stages average in their own reduce-scatter ([Note: FSDP under the pipeline schedule] in fsdp.py).
         self.dp_handoff = DataParallelHandoff(
@@ -383,9 +384,8 @@ class PipelineEngine:
                 continue
             if factor is not None:
                 fresh.mul_(factor.to(fresh.dtype))
-            tie_group = tie_of.get(id(p)) if tie_of else None
-            if tie_group is not None:  # [Note: tied copies summed at the schedule's end] in parallel/grads.py
-                self.grads.add_tied(p, fresh, id(p) in summed, tie_group)
+            if id(p) in tie_of:  # [Note: tied copies summed at the schedule's end] in parallel/grads.py
+                self.grads.add_tied(p, fresh, id(p) in summed)
             elif p.grad is None:
                 p.grad = fresh
             else:

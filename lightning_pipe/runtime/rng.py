@@ -82,6 +82,17 @@ class StageStream:
         self.cpu_state = generator.get_state()
         generator.set_state(base)
 
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` drawing from this stream (as it already does while :meth:`hold` is in force).
+        Enter / leave rather than a context manager: this runs per micro-batch, and only swaps two generator states."""
+        if self.held:
+            return fn(*args, **kwargs)
+        base = self.enter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.leave(base)
+
     def hold(self) -> Any:
         """:meth:`enter` for a whole training step (a rank with one stage); returns what :meth:`release` restores."""
         base = self.enter()
@@ -163,11 +174,4 @@ class RankStreams:
 
     def run_loss(self, loss_fn: Callable[..., Any], *args: Any) -> Any:
         """``loss_fn(*args)`` drawing from the last stage's stream."""
-        stream = self.loss
-        if stream is None or stream.held:
-            return loss_fn(*args)
-        base = stream.enter()
-        try:
-            return loss_fn(*args)
-        finally:
-            stream.leave(base)
+        return loss_fn(*args) if self.loss is None else self.loss.run(loss_fn, *args)

@@ -97,15 +97,8 @@ class PipelineStage(CallHooks, ChunkShapes, _compat.GuardedPipelineStage):
 
     # ------------------------------------------------------------------ compute, in the stage's random stream
     def _in_stream(self, run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        # enter / leave rather than a context manager: this runs per micro-batch, and only swaps two generator states
         stream = self.random_stream
-        if stream is None or stream.held:  # held: entered for the whole step ([Note: random streams per stage])
-            return run(*args, **kwargs)
-        base = stream.enter()
-        try:
-            return run(*args, **kwargs)
-        finally:
-            stream.leave(base)
+        return run(*args, **kwargs) if stream is None else stream.run(run, *args, **kwargs)
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         return self._in_stream(super().forward_one_chunk, *args, **kwargs)

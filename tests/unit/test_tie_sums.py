@@ -68,7 +68,7 @@ def test_every_part_is_summed_once(ops: list[str], doubled: list[int]) -> None:
             if op == "early":
                 sync.sum_ties_early({id(param): fresh})
             summed = sync.finish_early_ties()
-            sync.add_tied(param, fresh, id(param) in summed, sync.tie_of[id(param)])
+            sync.add_tied(param, fresh, id(param) in summed)
         else:
             sync.sync(replicas=False)
             torch.testing.assert_close(param.grad, 2 * accumulated)
@@ -81,6 +81,6 @@ def test_one_collective_per_step_without_accumulation(doubled: list[int]) -> Non
         param.grad = None
         fresh = torch.ones(2, 2)
         sync.sum_ties_early({id(param): fresh})
-        sync.add_tied(param, fresh, id(param) in sync.finish_early_ties(), "ties")
+        sync.add_tied(param, fresh, id(param) in sync.finish_early_ties())
         sync.sync(replicas=False)
     assert len(doubled) == 3
