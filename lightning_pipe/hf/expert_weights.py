@@ -11,7 +11,7 @@ key the checkpoint lacks, :func:`expert_sources` names the per-expert keys and :
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -36,6 +36,19 @@ def expert_sources(key: str, experts: int, present: Callable[[str], bool]) -> li
         for names, block in _CONVENTIONS:
             sources = [[f"{layer}{block}experts.{e}.{names[i]}" for i in part] for e in range(experts)]
             if all(present(k) for group in sources for k in group):
+                return sources
+    return None
+
+
+def fused_sources(candidates: Sequence[str], base_prefix: str, experts: int,
+                  present: Callable[[str], bool]) -> list[list[str]] | None:
+    """:func:`expert_sources` for the first of a layer's candidate keys that a checkpoint holds per expert, each
+    candidate tried as it is and without the layer's ``base_prefix``."""
+    for candidate in candidates:
+        stripped = candidate[len(base_prefix):] if base_prefix and candidate.startswith(base_prefix) else candidate
+        for key in (candidate, stripped):
+            sources = expert_sources(key, experts, present)
+            if sources is not None:
                 return sources
     return None
 

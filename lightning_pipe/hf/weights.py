@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pipe._compat import transformers as _compat
-from lightning_pipe.hf.expert_weights import expert_sources, fuse, router_alias
+from lightning_pipe.hf.expert_weights import fuse, fused_sources, router_alias
 from lightning_pipe.hf.layers import HFLayer, _state_tensors, layers_from_config
 
 __all__ = [
@@ -169,10 +169,8 @@ def load_layer_weights_(layer: nn.Module, checkpoint: SafetensorsCheckpoint | st
         if key is None:  # a per-expert checkpoint of a fused MoE tensor, or Mixtral's router name
             key = checkpoint.resolve([a for a in map(router_alias, candidates) if a], base_prefix)
         if key is None and local in targets:
-            sources = next((s for c in candidates for p in (c, c[len(base_prefix):] if base_prefix
-                            and c.startswith(base_prefix) else c)
-                            if (s := expert_sources(p, targets[local].shape[0], checkpoint.weight_map.__contains__))),
-                           None)
+            sources = fused_sources(candidates, base_prefix, targets[local].shape[0],
+                                    checkpoint.weight_map.__contains__)
             if sources is not None:
                 fused[local] = sources
                 continue
