@@ -6,11 +6,14 @@ lightning_pipe`` with a message naming it (see the package docstring for the pol
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import lightning
+import torch
+from torchmetrics import Metric
 
 CHECKED_LIGHTNING = ("2.6",)
 
@@ -52,6 +55,8 @@ _Strategy = _resolve("lightning.pytorch.strategies", "Strategy")
 SignalConnector = _resolve("lightning.pytorch.trainer.connectors.signal_connector", "_SignalConnector")
 _ModelCheckpoint = _resolve("lightning.pytorch.callbacks", "ModelCheckpoint")
 _FitLoop = _resolve("lightning.pytorch.loops", "_FitLoop")
+# lightning/strategy.py: self.log's per-call move of its metric to the value's device (see fast_metric_moves).
+_ResultMetric = _resolve("lightning.pytorch.trainer.connectors.logger_connector.result", "_ResultMetric")
 
 # Private methods we override or call: (class, method name).
 PRIVATE_LIGHTNING_METHODS = (
@@ -63,6 +68,7 @@ PRIVATE_LIGHTNING_METHODS = (
     _method(_ModelCheckpoint, "_save_last_checkpoint"),  # lightning/faults.py: "last" on SIGTERM
     _method(_ModelCheckpoint, "_monitor_candidates"),  # lightning/faults.py
     _method(_FitLoop, "_should_accumulate"),  # lightning/strategy.py: does an optimizer step follow this batch?
+    _method(_ResultMetric, "to"),  # fast_metric_moves: a move to where the metric already is returns it as is
 )
 
 
@@ -105,6 +111,70 @@ def skip_sigterm_broadcast(trainer: Any) -> Callable[[], None]:
 
     def undo() -> None:
         vars(loop).pop("_broadcast_sigterm_tensor", None)
+
+    return undo
+
+
+# Note [self.log's move to the device it is on]
+# ``self.log(name, value)`` calls ``_ResultMetric.to(value.device)`` on every call, for a metric that is almost always
+# already there. Lightning 2.6 implements that move as ``apply_to_collection`` over the metric's whole ``__dict__``
+# (~50 attributes: its hooks' dicts, its defaults, its metadata dataclasses, which it rebuilds by deep copy): ~250 µs
+# and ~1,500 Python calls per logged value, the largest single item of a pipeline step's host work beyond torch's
+# (docs/performance.md). While a PipelineStrategy runs, a move to a device on which every tensor the move would reach
+# already lies returns the metric as it is (what the move computes, without the copies); any other move, and any
+# metric that holds another metric, takes Lightning's own path. The walk below reaches what ``apply_to_collection``
+# reaches (mappings, sequences, dataclass fields), so "already there" is exact, not assumed.
+
+
+def _already_on(values: Iterable[Any], device: torch.device) -> bool:
+    """Whether every tensor ``apply_to_collection`` would reach in ``values`` lies on ``device`` (and no Metric)."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if value.device != device:
+                return False
+        elif value is None or isinstance(value, (str, bytes, int, float)):
+            continue
+        elif isinstance(value, Metric):
+            return False  # a metric inside: moved by its own .to, Lightning's path
+        elif isinstance(value, Mapping):
+            if value and not _already_on(value.values(), device):
+                return False
+        elif isinstance(value, Sequence):
+            if value and not _already_on(value, device):
+                return False
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            if not _already_on([getattr(value, f.name, None) for f in dataclasses.fields(value)], device):
+                return False
+        # any other object: apply_to_collection leaves it as it is
+    return True
+
+
+def fast_metric_moves() -> Callable[[], None]:
+    """Make ``self.log``'s move of a metric to the device it is on free ([Note: self.log's move to the device it is
+    on]) until the returned undo runs. Nested installs are counted: the first undo that balances them restores."""
+    original = _ResultMetric.__dict__["to"]
+    if getattr(original, "_lightning_pipe_original", None) is not None:
+        original._lightning_pipe_installs += 1
+    else:
+        def to(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if (len(args) == 1 and not kwargs and isinstance(args[0], torch.device)
+                    and _already_on(self.__dict__.values(), args[0])):
+                return self
+            return original(self, *args, **kwargs)
+
+        to._lightning_pipe_original = original  # type: ignore[attr-defined]
+        to._lightning_pipe_installs = 1  # type: ignore[attr-defined]
+        _ResultMetric.to = to
+    installed = _ResultMetric.__dict__["to"]
+    done = [False]
+
+    def undo() -> None:
+        if done[0]:
+            return
+        done[0] = True
+        installed._lightning_pipe_installs -= 1
+        if installed._lightning_pipe_installs == 0 and _ResultMetric.__dict__.get("to") is installed:
+            _ResultMetric.to = installed._lightning_pipe_original
 
     return undo
 

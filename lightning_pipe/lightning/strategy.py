@@ -120,6 +120,7 @@ class PipelineStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = resolve_timeout(timeout)
         self._faults: PipelineFaults | None = None
+        self._undo_fast_log: Callable[[], None] | None = None
         self._start_method = start_method
         self.engine: PipelineEngine | None = None
         self.plan: SchedulePlan | None = None
@@ -228,6 +229,8 @@ class PipelineStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: Trainer) -> None:
         setup_pipeline(self, trainer)
+        if self._undo_fast_log is None:  # [Note: self.log's move to the device it is on] (_compat/lightning.py)
+            self._undo_fast_log = _compat.fast_metric_moves()
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -377,6 +380,9 @@ class PipelineStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         faults, self._faults = self._faults, None
+        undo_fast_log, self._undo_fast_log = self._undo_fast_log, None
+        if undo_fast_log is not None:
+            undo_fast_log()
         if faults is not None:
             faults.stop()
         if self.rebalancer is not None:
