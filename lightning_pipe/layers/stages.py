@@ -78,7 +78,7 @@ def _describe(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def run_layers(layers: nn.Module, inputs: Any, indices: Sequence[int] | None = None,
+def run_layers(layers: nn.Module | list[nn.Module], inputs: Any, indices: Sequence[int] | None = None,
                recompute_every: int | None = None, offload: LayerChoice | None = None,
                offload_stats: OffloadStats | None = None, calls: Sequence[Callable[..., Any]] | None = None) -> Any:
     """Run layers as a chain ([Note: the layer I/O contract]); ``indices`` are their places in the full list.
@@ -88,7 +88,7 @@ def run_layers(layers: nn.Module, inputs: Any, indices: Sequence[int] | None = N
     (for a recomputed one: its inputs) in host memory ([Note: activation offload]), counted in ``offload_stats``.
     ``calls`` runs in place of each layer (its compiled wrapper: [Note: compiled layers]).
     """
-    chain: list[nn.Module] = list(layers)  # type: ignore[call-overload]  # nn.Sequential / nn.ModuleList
+    chain: list[nn.Module] = layers if isinstance(layers, list) else list(layers)  # type: ignore[call-overload]
     run: Sequence[Callable[..., Any]] = chain if calls is None else calls
     indices = range(len(chain)) if indices is None else indices
     # A plain tensor (exactly torch.Tensor: no DTensor, no other subclass) always passes the check: the common case
@@ -161,8 +161,10 @@ class StageModule(nn.Module):
         """What runs for each layer under ``compile=`` ([Note: compiled layers]); kept outside the module tree."""
 
     def forward(self, *args: Any) -> Any:
-        return run_layers(self.layers, args[0] if len(args) == 1 else args, self.layer_indices, self.recompute_every,
-                          self.offload, self.offload_stats, self.compiled.calls(list(self.layers)))
+        layers = list(self.layers)
+        calls = self.compiled.calls(layers) if self.compiled.options is not None else None
+        return run_layers(layers, args[0] if len(args) == 1 else args, self.layer_indices, self.recompute_every,
+                          self.offload, self.offload_stats, calls)
 
 
 LayerList = nn.Sequential | nn.ModuleList

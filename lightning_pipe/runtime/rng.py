@@ -163,6 +163,8 @@ class RankStreams:
             stage.random_stream = StageStream(stage.stage_index, device)
         self.held = stages[0].random_stream if len(stages) == 1 else None
         self.loss = next((st.random_stream for st in stages if st.is_last), None) if len(stages) > 1 else None
+        """The stream the loss function runs in (the last stage's) where it must be entered around each call; None
+        where the held stream already is that one (or no stage here is last)."""
 
     def hold(self) -> Any:
         """Before the schedule's training step: what :meth:`release` takes."""
@@ -172,6 +174,3 @@ class RankStreams:
         if self.held is not None:
             self.held.release(base)
 
-    def run_loss(self, loss_fn: Callable[..., Any], *args: Any) -> Any:
-        """``loss_fn(*args)`` drawing from the last stage's stream."""
-        return loss_fn(*args) if self.loss is None else self.loss.run(loss_fn, *args)
