@@ -73,17 +73,17 @@ def _rank_server(env: dict[str, str]) -> Any:
     if os.environ.get("LIGHTNING_PIPE_TEST_SUBPROCESS_RANKS") == "1" or _server_env(env) != _SESSION_ENV:
         return None
     if _forkserver is None:
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["tests.distributed.zygote"])
-        saved = dict(os.environ)
+        _forkserver = multiprocessing.get_context("forkserver")
+        _forkserver.set_forkserver_preload(["tests.distributed.zygote"])
+    # Started here (or again, if it died) with the session's environment: Process.start would start it with ours.
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(_SESSION_ENV)
+    try:
+        multiprocessing.forkserver.ensure_running()  # a no-op while it runs
+    finally:
         os.environ.clear()
-        os.environ.update(_SESSION_ENV)
-        try:
-            multiprocessing.forkserver.ensure_running()  # the server (and its imports) get this environment
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
-        _forkserver = context
+        os.environ.update(saved)
     return _forkserver
 
 
