@@ -3,12 +3,15 @@
 Children run from the repo root with it on ``PYTHONPATH`` (``child_env``), so ``tests`` and ``recipes`` import there
 as they do under pytest (``pythonpath = ["."]``). Ranks get the usual ``RANK/LOCAL_RANK/WORLD_SIZE/MASTER_*``
 environment, so Lightning treats them as created externally (no re-run of pytest). A hang kills every rank and
-fails the test with each rank's last output.
+fails the test with each rank's last output. Ranks are forked from one server process that has already imported
+what a rank imports ([Note: forked ranks] in ``tests/distributed/zygote.py``).
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import socket
@@ -50,6 +53,63 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TEST_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+"""Set per launch and rank: the only variables in which a forked rank's environment may differ from its server's."""
+
+
+def _server_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k not in RANK_VARIABLES and k != "PYTEST_CURRENT_TEST"}
+
+
+# The environment the rank server starts with: this session's, taken when the tests are collected (before any test
+# sets a variable). A launch whose ranks would see another one starts plain processes.
+_SESSION_ENV = _server_env(child_env())
+_forkserver: Any = None
+
+
+def _rank_server(env: dict[str, str]) -> Any:
+    """The forkserver context for ranks with environment ``env``, or None: start plain processes."""
+    global _forkserver
+    if os.environ.get("LIGHTNING_PIPE_TEST_SUBPROCESS_RANKS") == "1" or _server_env(env) != _SESSION_ENV:
+        return None
+    if _forkserver is None:
+        _forkserver = multiprocessing.get_context("forkserver")
+        _forkserver.set_forkserver_preload(["tests.distributed.zygote"])
+    # Started here (or again, if it died) with the session's environment: Process.start would start it with ours.
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(_SESSION_ENV)
+    try:
+        multiprocessing.forkserver.ensure_running()  # a no-op while it runs
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return _forkserver
+
+
+class _ForkedRank:
+    """A rank forked by the rank server, seen through the part of ``subprocess.Popen`` that ``launch_runs`` uses."""
+
+    def __init__(self, context: Any, env: dict[str, str], out_dir: Path, log_path: Path) -> None:
+        from tests.distributed.zygote import run_rank
+
+        self.process = context.Process(target=run_rank, args=(env, str(REPO), str(out_dir), str(log_path)))
+        self.process.start()
+        self.pid: int = self.process.pid
+
+    def poll(self) -> int | None:
+        code: int | None = self.process.exitcode
+        return code
+
+    @property
+    def returncode(self) -> int | None:
+        return self.poll()
+
+    def wait(self) -> int | None:
+        self.process.join()
+        return self.poll()
+
+
 def launch(scenario: str, world_size: int, cases: Sequence[Case], out_dir: Path,
            timeout: float = 240.0) -> list[list[dict[str, Any]]]:
     """Run ``scenario`` for every case on ``world_size`` ranks; return each rank's results (rank order)."""
@@ -65,10 +125,16 @@ def launch_runs(world_size: int, runs: Sequence[Run], out_dir: Path, timeout: fl
     (out_dir / "runs.json").write_text(json.dumps(payload))
     scenario = ",".join(dict.fromkeys(name for name, _ in runs))  # for messages
     port = _free_port()
-    procs, logs = [], []
-    for rank in range(world_size):
-        env = child_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                        TEST_WORLD_SIZE=str(world_size), NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    envs = [child_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      TEST_WORLD_SIZE=str(world_size), NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            for rank in range(world_size)]
+    server = _rank_server(envs[0])
+    procs: list[Any] = []
+    logs = []
+    for rank, env in enumerate(envs):
+        if server is not None:
+            procs.append(_ForkedRank(server, env, out_dir, out_dir / f"rank{rank}.log"))
+            continue
         log = open(out_dir / f"rank{rank}.log", "w")
         logs.append(log)
         procs.append(subprocess.Popen(
@@ -90,7 +156,10 @@ def launch_runs(world_size: int, runs: Sequence[Run], out_dir: Path, timeout: fl
     finally:
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:  # a forked rank that has not started its session yet
+                    os.kill(p.pid, signal.SIGKILL)
                 p.wait()
         for log in logs:
             log.close()

@@ -24,7 +24,10 @@ from tests.models import ToyRegressor
 pytestmark = [pytest.mark.parity, pytest.mark.distributed]
 
 EXACT, RESHARD = 1e-6, 1e-5  # as tests/distributed/test_checkpoint.py
-STEP4 = "epoch=0-step=4.ckpt"
+# checkpoints: 2 epochs of 2 steps, resumed after the first (as test_tensor_parallel.py's FSDP_CKPT; the 8-step
+# default trained 8 + 4 + 4 + 4 steps across the two launches for the same checks)
+SHORT = {"steps": 4, "steps_per_epoch": 2}
+STEP2 = "epoch=0-step=2.ckpt"
 
 # Every case accumulates gradients and clips (by the global norm: each shard counted once).
 TRAINING = [
@@ -66,8 +69,8 @@ def pp2_fsdp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("fsdp")
     saved = root / "pp2_fsdp2"
     runs: list[tuple[str, Any]] = [("training", case) for case in TRAINING]
-    runs.append(("ckpt_train", CheckpointCase(fsdp=2, dir=str(saved), resume_from=str(saved / STEP4))))
-    runs.append(("ckpt_resume", CheckpointCase(dp=2, resume_from=str(saved / STEP4))))
+    runs.append(("ckpt_train", CheckpointCase(fsdp=2, dir=str(saved), resume_from=str(saved / STEP2), **SHORT)))
+    runs.append(("ckpt_resume", CheckpointCase(dp=2, resume_from=str(saved / STEP2), **SHORT)))
     runs += [("fsdp_counts", case) for case in COUNTS]
     runs += [("training", case) for case, _ in PRECISION]
     return {"root": root, "saved": saved, "results": launch_runs(4, runs, root / "out", timeout=500)}
@@ -120,15 +123,15 @@ def test_checkpoint_pp2_fsdp2_resumes_same_layout_replicas_and_one_device(pp2_fs
                                                                           tmp_path: Path) -> None:
     res, saved, n = pp2_fsdp2["results"], pp2_fsdp2["saved"], len(TRAINING)
     train, resume = n, n + 1
-    # the same layout: stopped at step 4 and resumed == uninterrupted (every rank's gathered parameters)
+    # the same layout: stopped at step 2 and resumed == uninterrupted (every rank's gathered parameters)
     for rank in res:
         full, resumed = rank[train]["full"], rank[train]["resumed"]
-        assert resumed["global_step"] == 8
+        assert resumed["global_step"] == 4
         assert_same(resumed["params"], full["params"], EXACT, "pp2 x fsdp2 resumed")
-        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][4:]), atol=EXACT,
+        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][2:]), atol=EXACT,
                                    rtol=0)
     # the checkpoint holds whole tensors (the layout-free format): what pp2 x dp2 starts from is the plain module's
-    params, optim = consolidated_state(saved / STEP4)
+    params, optim = consolidated_state(saved / STEP2)
     for dp_rank in range(2):
         assert_same(merge_replica(res, resume, dp_rank, key="start_params"), params, 0, "pp2 x dp2 loaded params")
         assert_same(merge_replica(res, resume, dp_rank, key="start_optim"), optim, 0,
@@ -137,7 +140,8 @@ def test_checkpoint_pp2_fsdp2_resumes_same_layout_replicas_and_one_device(pp2_fs
     uninterrupted = merge_replica(res, train, run="full")
     assert_same(merge_replica(res, resume), uninterrupted, RESHARD, "pp2 x fsdp2 -> pp2 x dp2")
     # one device, from the consolidated file
-    ref, _, _ = run_reference(CheckpointCase(fsdp=2), ckpt_lib.consolidate(saved / STEP4, tmp_path / "one.ckpt"))
+    ref, _, _ = run_reference(CheckpointCase(fsdp=2, **SHORT), ckpt_lib.consolidate(saved / STEP2, tmp_path / "one.ckpt"),
+                              steps=SHORT["steps"])
     assert_same(ref["params"], uninterrupted, RESHARD, "pp2 x fsdp2 -> one device")
 
 
@@ -156,18 +160,18 @@ def test_pipeline2_x_replicas2_x_fsdp2_matches_single_device(pp2_fsdp2: dict[str
     """HSDP on 8 ranks: reduce-scatter over the shard dimension, all-reduce over replicas. Its checkpoints (whole
     tensors gathered over the 2-D mesh) resume exactly, and a pipeline 2 x FSDP 2 checkpoint loads into it."""
     case = TrainingCase(schedule="1f1b", dp=2, fsdp=2, acc=2, clip=0.05, optimizer="adamw", validate=False)
-    saved, step2 = tmp_path / "hsdp", "epoch=0-step=2.ckpt"
+    saved = tmp_path / "hsdp"
     runs: list[tuple[str, Any]] = [
         ("training", case),
         ("ckpt_train", CheckpointCase(dp=2, fsdp=2, steps=4, steps_per_epoch=2, dir=str(saved),
-                                      resume_from=str(saved / step2))),
-        ("ckpt_resume", CheckpointCase(dp=2, fsdp=2, resume_from=str(pp2_fsdp2["saved"] / STEP4))),
+                                      resume_from=str(saved / STEP2))),
+        ("ckpt_resume", CheckpointCase(dp=2, fsdp=2, resume_from=str(pp2_fsdp2["saved"] / STEP2), **SHORT)),
     ]
     res = launch_runs(8, runs, tmp_path / "out", timeout=400)
     assert_case_parity(res, 0, case)
     for rank in res:
         assert_same(rank[1]["resumed"]["params"], rank[1]["full"]["params"], EXACT, "HSDP resumed")
-    params, optim = consolidated_state(pp2_fsdp2["saved"] / STEP4)
+    params, optim = consolidated_state(pp2_fsdp2["saved"] / STEP2)
     for dp_rank in range(4):
         assert_same(merge_replica(res, 2, dp_rank, key="start_params"), params, 0, "pp2 x fsdp2 -> HSDP params")
         assert_same(merge_replica(res, 2, dp_rank, key="start_optim"), optim, 0, "pp2 x fsdp2 -> HSDP optimizer")

@@ -116,39 +116,45 @@ DROPOUT = TrainingCase(model="gpt", n_layers=5, tied=True, optimizer="adamw", tp
 
 # Tensor parallel x FSDP (fsdp_size=2): one pipeline rank holding two stages (interleaved 1F1B), every layer split
 # over the tensor dimension, then sharded over dp_shard (a column-wise weight: FSDP's strided shard over the tensor
-# split). Every step is clipped (norms 3.1, 2.3, 1.9 on one device) and SGD moves by the clipped gradient itself, so
+# split). Four layers (two per stage: the column-wise input projection and an MLP block, an MLP block and the
+# replicated head): with pipeline 1 every rank holds every layer, and each one costs its collectives on every
+# micro-batch (8 layers: 60 of the launch's 140 s). Every step is clipped (norms 1.1, 1.9, 1.2 on one device) and
+# SGD moves by the clipped gradient itself, so
 # a norm that counts an element twice (or misses one) shows at 1e-4..1e-3 ([Note: counting sharded gradients] in
 # grads.py: counting FSDP's strided shard as replicated, or replicated gradients on every tensor rank, both fail).
 # Validation runs forward-only passes on the sharded stages, then predict and a second Trainer on the already split
 # and sharded module. Every rank but 0 starts from shifted parameters: only the broadcasts before the split
 # (data-parallel group, then tensor group) make them start as one device.
+FSDP_TP_LAYERS = 4
 FSDP_TRAINING = [
-    TrainingCase(model="tp", schedule="interleaved_1f1b", stages_per_rank=2, fsdp=2, tp=2, acc=2, clip=0.5,
-                 skewed_init=True, predict=True),
+    TrainingCase(model="tp", n_layers=FSDP_TP_LAYERS, schedule="interleaved_1f1b", stages_per_rank=2, fsdp=2, tp=2,
+                 acc=2, clip=0.5, skewed_init=True, predict=True),
     # V placement (both stages on the one pipeline rank) with its split input/weight backward; every layer recomputed
-    TrainingCase(model="tp", schedule="zbv", stages_per_rank=2, fsdp=2, tp=2, acc=2, clip=0.5, validate=False),
-    TrainingCase(model="tp", schedule="interleaved_1f1b", stages_per_rank=2, fsdp=2, tp=2, acc=2, clip=0.5,
-                 recompute="all", validate=False),
+    TrainingCase(model="tp", n_layers=FSDP_TP_LAYERS, schedule="zbv", stages_per_rank=2, fsdp=2, tp=2, acc=2,
+                 clip=0.5, validate=False),
+    TrainingCase(model="tp", n_layers=FSDP_TP_LAYERS, schedule="interleaved_1f1b", stages_per_rank=2, fsdp=2, tp=2,
+                 acc=2, clip=0.5, recompute="all", validate=False),
 ]
 # bf16-mixed: FSDP gathers the split weights in bf16 and reduces in fp32 (tolerance as tests/distributed/test_fsdp.py);
 # gathered again for each micro-batch's backward (fsdp_reshard_after_forward)
 FSDP_PRECISION = [
-    (TrainingCase(model="tp", precision="bf16-mixed", schedule="interleaved_1f1b", stages_per_rank=2, fsdp=2, tp=2,
-                  fsdp_reshard=True, acc=2, clip=0.05, validate=False), BF16_TOL),
+    (TrainingCase(model="tp", n_layers=FSDP_TP_LAYERS, precision="bf16-mixed", schedule="interleaved_1f1b",
+                  stages_per_rank=2, fsdp=2, tp=2, fsdp_reshard=True, acc=2, clip=0.05, validate=False), BF16_TOL),
     # 16-mixed: the local-parts scaler on 2-D DTensor gradients (scale starting at 2**10 as in BF16 below)
-    (TrainingCase(model="tp", precision="16-mixed", fp16_init_scale=2.0**10, schedule="interleaved_1f1b",
-                  stages_per_rank=2, fsdp=2, tp=2, acc=2, validate=False), FP16_TOL),
+    (TrainingCase(model="tp", n_layers=FSDP_TP_LAYERS, precision="16-mixed", fp16_init_scale=2.0**10,
+                  schedule="interleaved_1f1b", stages_per_rank=2, fsdp=2, tp=2, acc=2, validate=False), FP16_TOL),
 ]
 # (4 steps, saved every 2: half the suite time of the 8-step checkpoint cases)
 # FSDP's collectives stay once per layer per batch with split layers ([Note: FSDP under the pipeline schedule]): one
 # reduce-scatter per layer per batch, one all-gather per layer per batch (plus the first batch's shape inference)
 FSDP_COUNTS = FsdpCountCase(schedule="interleaved_1f1b", stages_per_rank=2, tp=2)
-FSDP_CKPT = CheckpointCase(schedule="interleaved_1f1b", stages_per_rank=2, fsdp=2, tp=2, steps=4, steps_per_epoch=2)
+FSDP_CKPT = CheckpointCase(schedule="interleaved_1f1b", stages_per_rank=2, fsdp=2, tp=2, n_layers=FSDP_TP_LAYERS,
+                           steps=4, steps_per_epoch=2)
 STEP2 = "epoch=0-step=2.ckpt"
-
-STEP4 = "epoch=0-step=4.ckpt"
-# the toy model's plain column-/row-wise splits; the GPT's strided q|k|v split (gathered back to the fused layout)
+# the toy model's plain column-/row-wise splits; the GPT's strided q|k|v split (gathered back to the fused layout);
+# 4 steps as FSDP_CKPT: 2 epochs of 2, stopped after the first (the 8-step default took 13 of the launch's 140 s)
 CHECKPOINT_MODELS = ("toy", "gpt")
+PP2_TP2_CKPT = {"tp": 2, "steps": 4, "steps_per_epoch": 2}
 
 
 @pytest.fixture(scope="module")
@@ -165,8 +171,8 @@ def pp2_tp2_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     add("training", *(("training", case) for case in TRAINING))
     add("errors", *(("training", case) for case, _ in ERRORS))
     for model in CHECKPOINT_MODELS:
-        add(f"ckpt_{model}", ("ckpt_train", CheckpointCase(tp=2, model=model, dir=str(root / model),
-                                                           resume_from=str(root / model / STEP4))))
+        add(f"ckpt_{model}", ("ckpt_train", CheckpointCase(model=model, dir=str(root / model),
+                                                           resume_from=str(root / model / STEP2), **PP2_TP2_CKPT)))
     add("dropout", ("training", DROPOUT))
     add("precision", *(("training", case) for case in BF16))
     add("versioned", *(("training", case) for case in VERSIONED))
@@ -177,7 +183,7 @@ def pp2_tp2_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     add("fsdp_training", *(("training", case) for case in FSDP_TRAINING))
     add("fsdp_precision", *(("training", case) for case, _ in FSDP_PRECISION))
     add("fsdp_ckpt", ("ckpt_train", replace(FSDP_CKPT, dir=str(fsdp_saved), resume_from=str(fsdp_saved / STEP2))))
-    add("fsdp_ckpt_resume", ("ckpt_resume", CheckpointCase(tp=2, steps=3, steps_per_epoch=2,
+    add("fsdp_ckpt_resume", ("ckpt_resume", CheckpointCase(tp=2, n_layers=FSDP_TP_LAYERS, steps=3, steps_per_epoch=2,
                                                            resume_from=str(fsdp_saved / STEP2))))
     add("fsdp_counts", ("fsdp_counts", FSDP_COUNTS))
     return {"root": root, "fsdp_saved": fsdp_saved, "at": at,
@@ -221,14 +227,14 @@ def test_checkpoint_pp2_tp2_resumes_and_loads_on_one_device(pp2_tp2_run: dict[st
                                                            model: str) -> None:
     res, saved = pp2_tp2_run["results"], pp2_tp2_run["root"] / model
     i = pp2_tp2_run["at"][f"ckpt_{model}"]
-    for rank in res:  # stopped at step 4 and resumed == uninterrupted (every rank's gathered parameters)
+    for rank in res:  # stopped at step 2 and resumed == uninterrupted (every rank's gathered parameters)
         full, resumed = rank[i]["full"], rank[i]["resumed"]
-        assert resumed["global_step"] == 8
+        assert resumed["global_step"] == 4
         assert_same(resumed["params"], full["params"], 1e-6, "pp2 x tp2 resumed")
     # the checkpoint holds whole tensors: one device resumes from the consolidated file and trains on the same
     uninterrupted = merge_replica(res, i, run="full")
-    case = CheckpointCase(tp=2, model=model)
-    ref, _, _ = run_reference(case, ckpt_lib.consolidate(saved / STEP4, tmp_path / "one.ckpt"))
+    case = CheckpointCase(model=model, **PP2_TP2_CKPT)
+    ref, _, _ = run_reference(case, ckpt_lib.consolidate(saved / STEP2, tmp_path / "one.ckpt"), steps=case.steps)
     assert_same(ref["params"], uninterrupted, 1e-5, "pp2 x tp2 -> one device")
 
 
@@ -290,7 +296,7 @@ def test_checkpoint_fsdp2_x_tp2_resumes_and_loads_anywhere(pp2_tp2_run: dict[str
     ref, _, _ = run_reference(FSDP_CKPT, consolidated, steps=FSDP_CKPT.steps)
     assert_same(ref["params"], uninterrupted, 1e-5, "fsdp2 x tp2 -> one device")
     # ... and pipeline 2 x tensor 2 (no FSDP) starts from exactly the plain module's parameters and optimizer state
-    model = TensorParallelRegressor(optimizer="adamw")
+    model = TensorParallelRegressor(n_layers=FSDP_TP_LAYERS, optimizer="adamw")
     state = ckpt_lib.consolidated(saved / STEP2)
     model.load_state_dict(state["state_dict"])
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)

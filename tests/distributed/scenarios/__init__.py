@@ -20,6 +20,7 @@ from tests.distributed.scenarios import (
     moe,
     pipedream,
     planner,
+    probe,
     rebalance,
     recipe,
     rng,
@@ -34,7 +35,8 @@ from tests.distributed.scenarios.training import TrainingCase
 
 Case = (TrainingCase | CheckpointCase | TraceCase | hardening.HardeningCase | planner.SlowRankCase | hf.HFCase
         | rebalance.RebalanceCase | fsdp.FsdpCountCase | frozen.FrozenCase | recipe.RecipeCase | rng.RngCase
-        | soak.SoakCase | syncs.SyncCase | moe.AuxCase | moe.MoECase | expert_parallel.ExpertCase)
+        | soak.SoakCase | syncs.SyncCase | moe.AuxCase | moe.MoECase | expert_parallel.ExpertCase
+        | probe.ProbeCase)
 
 
 class Scenario(NamedTuple):
@@ -71,6 +73,7 @@ SCENARIOS: dict[str, Scenario] = {
     "moe": Scenario(moe.MoECase, moe.run_moe),  # issue 25: test_aux_losses.py
     # issue 25: test_expert_parallel.py
     "expert_parallel": Scenario(expert_parallel.ExpertCase, expert_parallel.run_expert_parallel),
+    "probe": Scenario(probe.ProbeCase, probe.run_probe),  # test_launcher.py: a rank's state before any Trainer
 }
 
 __all__ = ["Case", "CheckpointCase", "Failure", "SCENARIOS", "Scenario", "TraceCase", "TrainingCase"]
