@@ -115,15 +115,15 @@ def skip_sigterm_broadcast(trainer: Any) -> Callable[[], None]:
     return undo
 
 
-# Note [self.log's move to the device it is on]
+# [Note: self.log's move to the device it is on]
 # ``self.log(name, value)`` calls ``_ResultMetric.to(value.device)`` on every call, for a metric that is almost always
 # already there. Lightning 2.6 implements that move as ``apply_to_collection`` over the metric's whole ``__dict__``
-# (~50 attributes: its hooks' dicts, its defaults, its metadata dataclasses, which it rebuilds by deep copy): ~250 µs
-# and ~1,500 Python calls per logged value, the largest single item of a pipeline step's host work beyond torch's
-# (docs/performance.md). While a PipelineStrategy runs, a move to a device on which every tensor the move would reach
-# already lies returns the metric as it is (what the move computes, without the copies); any other move, and any
-# metric that holds another metric, takes Lightning's own path. The walk below reaches what ``apply_to_collection``
-# reaches (mappings, sequences, dataclass fields), so "already there" is exact, not assumed.
+# (its hooks' dicts, its defaults, its metadata dataclasses, which it rebuilds by deep copy): per logged value, the
+# largest single item of a pipeline step's host work beyond torch's (measured in docs/performance.md). While a
+# PipelineStrategy runs, a move to a device on which every tensor the move would reach already lies returns the
+# metric as it is (what the move computes, without the copies); any other move, and any metric that holds another
+# metric, takes Lightning's own path. The walk below reaches what ``apply_to_collection`` reaches (mappings,
+# sequences, dataclass fields), so "already there" is exact, not assumed.
 
 
 def _already_on(values: Iterable[Any], device: torch.device) -> bool:
