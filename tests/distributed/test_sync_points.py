@@ -58,3 +58,6 @@ def test_no_sync_inside_the_training_step(tmp_path: Path) -> None:
                 f"rank {rank}, {case}: host-device syncs in a training step, per call site over {counted} batches "
                 f"(allowed: one read per batch at one of {sorted(ALLOWED)}): {result['ours']}")
             assert result["others"] == {}, f"rank {rank}, {case}: torch's / Lightning's own: {result['others']}"
+            # [Note: self.log's move to the device it is on]: on while the strategy runs, undone by its teardown
+            assert all(result["fast_log"]) and len(result["fast_log"]) == counted, (rank, case, result["fast_log"])
+            assert not result["fast_log_after"], (rank, case)

@@ -21,6 +21,7 @@ from typing import Any, TypedDict
 import lightning.pytorch as L
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
 from torch.utils.data import TensorDataset
 
 from lightning_pipe import PipelineStrategy
@@ -55,6 +56,8 @@ class SyncResult(TypedDict):
     ours: dict[str, int]  # "file:line function kind" -> calls during the counted steps, frames in lightning_pipe/
     others: dict[str, int]  # the same for calls made by torch's or Lightning's own frames
     counted_steps: int
+    fast_log: list[bool]  # per counted batch: self.log's fast metric move installed ([Note: self.log's move ...])
+    fast_log_after: bool  # still installed after fit (must not be: teardown undoes it)
 
 
 class SyncCounter:
@@ -107,10 +110,13 @@ class Arm(Callback):
 
     def __init__(self, counter: SyncCounter, warmup: int) -> None:
         self.counter, self.warmup, self.counted = counter, warmup, 0
+        self.fast_log: list[bool] = []
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self.counter.armed = batch_idx >= self.warmup
         self.counted += self.counter.armed
+        if self.counter.armed:
+            self.fast_log.append(fast_log_installed())
 
     def on_train_batch_end(self, *args: Any) -> None:
         self.counter.armed = False
@@ -133,6 +139,10 @@ def _data(case: SyncCase, n: int) -> TensorDataset:
     return TensorDataset(tokens[:, :-1], labels)
 
 
+def fast_log_installed() -> bool:
+    return hasattr(_ResultMetric.__dict__["to"], "_lightning_pipe_original")
+
+
 def run_syncs(case: SyncCase) -> SyncResult:
     torch.manual_seed(0)
     model = (QuietRegressor(n_layers=case.n_layers) if case.model == "toy"
@@ -148,4 +158,5 @@ def run_syncs(case: SyncCase) -> SyncResult:
                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[arm])
     with counter.patched():
         trainer.fit(model, loader(_data(case, batch * case.steps * case.acc * case.dp), batch))
-    return SyncResult(ours=dict(counter.ours), others=dict(counter.others), counted_steps=arm.counted)
+    return SyncResult(ours=dict(counter.ours), others=dict(counter.others), counted_steps=arm.counted,
+                      fast_log=arm.fast_log, fast_log_after=fast_log_installed())
