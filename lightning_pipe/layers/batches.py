@@ -176,8 +176,6 @@ _LOSS_RULE = ("Rule: loss_fn returns a scalar tensor (the mean over the batch's 
 
 def loss_parts(result: Any, owner: str) -> LossParts:
     """Read a ``loss_fn`` result ([Note: token-weighted loss]); anything else is refused naming ``owner``."""
-    if type(result) is Tensor and result.is_floating_point() and result.numel() == 1:  # a mean: per micro-batch
-        return LossParts(result.reshape(()))
     if isinstance(result, (Tensor, int, float)):
         return LossParts(_scalar(result, owner, "its loss"))
     if isinstance(result, (tuple, list)) and len(result) == 2:

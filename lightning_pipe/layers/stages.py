@@ -162,9 +162,8 @@ class StageModule(nn.Module):
 
     def forward(self, *args: Any) -> Any:
         layers = list(self.layers)
-        calls = self.compiled.calls(layers) if self.compiled.options is not None else None
         return run_layers(layers, args[0] if len(args) == 1 else args, self.layer_indices, self.recompute_every,
-                          self.offload, self.offload_stats, calls)
+                          self.offload, self.offload_stats, self.compiled.calls(layers))
 
 
 LayerList = nn.Sequential | nn.ModuleList

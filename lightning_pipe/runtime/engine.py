@@ -178,10 +178,9 @@ class PipelineEngine:
             target = select_rows(self._structured_target, target)
         elif self._mb_targets is not None:  # target: this micro-batch's index ([Note: micro-batches of ...])
             target = self._mb_targets[int(target.reshape(-1)[0])]
-        stream = self.streams.loss  # the last stage's, on a rank with several stages; else already in force
-        result = self.module.loss_fn(output, target) if stream is None else stream.run(self.module.loss_fn, output,
-                                                                                        target)
-        parts = loss_parts(result, self._owner)
+        loss_fn, stream = self.module.loss_fn, self.streams.loss  # stream: None where the held one is in force
+        parts = loss_parts(loss_fn(output, target) if stream is None else stream.run(loss_fn, output, target),
+                           self._owner)
         if not self._inferring:  # torch's shape inference calls the loss too: not one of the step's micro-batches
             self._records.append(parts.detached())
         if self.per_microbatch_updates:  # each update takes its own micro-batch's mean loss (schedules/pipedream/)

@@ -96,22 +96,17 @@ class PipelineStage(CallHooks, ChunkShapes, _compat.GuardedPipelineStage):
             self.submod.register_forward_hook(own_outputs)
 
     # ------------------------------------------------------------------ compute, in the stage's random stream
-    # (Per micro-batch: a stream held for the whole step, the common case of one stage per rank, costs no call.)
     def _in_stream(self, run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         stream = self.random_stream
-        return run(*args, **kwargs) if stream is None else stream.run(run, *args, **kwargs)
+        if stream is None or stream.held:  # held for the whole step (one stage per rank): nothing to enter
+            return run(*args, **kwargs)
+        return stream.run(run, *args, **kwargs)
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        stream = self.random_stream
-        if stream is None or stream.held:
-            return super().forward_one_chunk(*args, **kwargs)
-        return stream.run(super().forward_one_chunk, *args, **kwargs)
+        return self._in_stream(super().forward_one_chunk, *args, **kwargs)
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        stream = self.random_stream
-        if stream is None or stream.held:
-            return super().backward_one_chunk(*args, **kwargs)
-        return stream.run(super().backward_one_chunk, *args, **kwargs)
+        return self._in_stream(super().backward_one_chunk, *args, **kwargs)
 
     def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         return self._in_stream(super().backward_weight_one_chunk, *args, **kwargs)
