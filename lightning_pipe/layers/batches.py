@@ -191,7 +191,8 @@ def loss_parts(result: Any, owner: str) -> LossParts:
 
 def _scalar(value: Any, owner: str, what: str) -> Tensor:
     if isinstance(value, Tensor) and value.numel() == 1 and value.is_floating_point():
-        return value.reshape(())
+        # (a 0-dim loss as it is: a reshape would add a view, and its backward, per micro-batch)
+        return value if value.dim() == 0 else value.reshape(())
     hint = ""
     if isinstance(value, Tensor) and value.numel() > 1:
         hint = " Reduce per-sample losses: `losses.mean()`, or return `(losses.sum(), losses.numel())`."

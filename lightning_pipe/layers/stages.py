@@ -90,37 +90,53 @@ def run_layers(layers: nn.Module | list[nn.Module], inputs: Any, indices: Sequen
     """
     chain: list[nn.Module] = layers if isinstance(layers, list) else list(layers)  # type: ignore[call-overload]
     run: Sequence[Callable[..., Any]] = chain if calls is None else calls
-    indices = range(len(chain)) if indices is None else indices
-    # A plain tensor (exactly torch.Tensor: no DTensor, no other subclass) always passes the check: the common case
-    # costs one type() per layer, and the message is only formatted for the values that need the full check.
-    if type(inputs) is not torch.Tensor:
-        check_layer_io(inputs, f"The inputs of layer {indices[0]} (split_batch's inputs, or the previous stage's "
-                               "outputs) are")
+    special = (recompute_every is not None or bool(offload)) and torch.is_grad_enabled()
     hidden = inputs
-    recompute = recompute_every is not None and torch.is_grad_enabled()
-    offloading = bool(offload) and torch.is_grad_enabled()
-    for j, (index, layer) in enumerate(zip(indices, chain)):
-        args = (hidden,) if type(hidden) is torch.Tensor else layer_args(hidden)
-        checkpointed = recompute and j % recompute_every == 0  # type: ignore[operator]
+    # Per layer per micro-batch: what runs here is the loop's whole cost next to a bare `for layer: h = layer(h)`.
+    # A plain tensor (exactly torch.Tensor: no DTensor, no other subclass) always passes the check, so the common
+    # case costs one type() per layer; each value is checked once, as the next layer's input (the last as the
+    # chain's output), and a message is only formatted for a value that needs the full check.
+    for j, call in enumerate(run):
+        if type(hidden) is torch.Tensor:
+            args = (hidden,)
+        else:
+            check_layer_io(hidden, _producer(j, chain, indices))
+            args = layer_args(hidden)
         try:
-            if offloading and offload.picks(j, index):  # type: ignore[union-attr]
-                # outside the checkpoint: its inputs are saved under these hooks, its recomputation under its own
-                with HostOffload(layer, offload_stats):
-                    hidden = (checkpoint(records_once(run[j]), *args, use_reentrant=False) if checkpointed
-                              else run[j](*args))
-            elif checkpointed:
-                hidden = checkpoint(records_once(run[j]), *args, use_reentrant=False)
-            else:  # the common case: no context, no extra call (run per layer per micro-batch)
-                hidden = run[j](*args)
+            hidden = call(*args) if not special else _run_special(j, run, chain, indices, args, recompute_every,
+                                                                  offload, offload_stats)
         except IndexError as err:  # an embedding given a token id out of range: [Note: token ids out of range]
-            explained = explain_index_error(layer, index, args) if not isinstance(err, TokenIdError) else None
+            index = indices[j] if indices is not None else j
+            explained = explain_index_error(chain[j], index, args) if not isinstance(err, TokenIdError) else None
             if explained is None:
                 raise
             raise explained from None
-        if type(hidden) is not torch.Tensor:
-            check_layer_io(hidden, f"Layer {index} ({type(layer).__name__}) returned")
+    if type(hidden) is not torch.Tensor:
+        check_layer_io(hidden, _producer(len(run), chain, indices))
     return hidden
 
+
+def _producer(j: int, chain: Sequence[nn.Module], indices: Sequence[int] | None) -> str:
+    """What produced the input of layer ``j`` of the chain (``j == len(chain)``: the chain's output)."""
+    if j == 0:
+        first = indices[0] if indices else 0
+        return f"The inputs of layer {first} (split_batch's inputs, or the previous stage's outputs) are"
+    index = indices[j - 1] if indices is not None else j - 1
+    return f"Layer {index} ({type(chain[j - 1]).__name__}) returned"
+
+
+def _run_special(j: int, run: Sequence[Callable[..., Any]], chain: Sequence[nn.Module], indices: Sequence[int] | None,
+                 args: tuple[Any, ...], recompute_every: int | None, offload: LayerChoice | None,
+                 offload_stats: OffloadStats | None) -> Any:
+    """Layer ``j`` under recomputation and / or activation offload (grad enabled)."""
+    checkpointed = recompute_every is not None and j % recompute_every == 0
+    if offload and offload.picks(j, indices[j] if indices is not None else j):
+        # outside the checkpoint: its inputs are saved under these hooks, its recomputation under its own
+        with HostOffload(chain[j], offload_stats):
+            return checkpoint(records_once(run[j]), *args, use_reentrant=False) if checkpointed else run[j](*args)
+    if checkpointed:
+        return checkpoint(records_once(run[j]), *args, use_reentrant=False)
+    return run[j](*args)
 
 
 class RemoteLayer(nn.Module):
