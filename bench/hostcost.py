@@ -2,8 +2,9 @@
 
 A near-zero-compute layer list (17 ``Linear(8, 8)`` layers, batch 32, MSE loss, SGD) makes a step's time almost all
 host work: Python, autograd bookkeeping, the schedule's and our per-micro-batch logic. Three ways to train it with
-``m`` micro-batches per step, each timed as the median of 60 steps, for m = 1, 4, 16, in ``--rounds`` interleaved
-rounds (the least disturbed round's median is kept: on a shared machine, contention only adds time):
+``m`` micro-batches per step, for m = 1, 4, 16, interleaved step by step (:func:`paired`: a slow phase of a shared
+machine slows the three alike), each timed as the median of 60 steps, in ``--rounds`` rounds (the least disturbed
+round's median is kept: contention only adds time):
 
 * ``plain``: one-device gradient accumulation (m forward/backward calls, one optimizer step);
 * ``torch-pp``: torch.distributed.pipelining's ``Schedule1F1B`` over one ``PipelineStage`` holding all 17 layers, in a
@@ -77,58 +78,93 @@ def _loader(batches: list[tuple[Any, Any]]) -> Any:
     return DataLoader(TensorDataset(xs, ys), batch_size=BATCH, shuffle=False, drop_last=True)
 
 
-def _median_gap(ends: list[float]) -> float:
-    return statistics.median(b - a for a, b in list(zip(ends, ends[1:]))[WARMUP:])
+class Plain:
+    """One-device gradient accumulation: m forward/backward calls, one optimizer step."""
+
+    def __init__(self, m: int) -> None:
+        import torch
+
+        self.m, self.module = m, _module()
+        self.opt = torch.optim.SGD(self.module.parameters(), lr=1e-3)
+
+    def step(self, x: Any, y: Any) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        for xs, ys in zip(x.chunk(self.m), y.chunk(self.m)):
+            (self.module.loss_fn(self.module.layers(xs), ys) / self.m).backward()
+        self.opt.step()
 
 
-def plain(m: int, steps: int) -> float:
-    import torch
+class TorchPP:
+    """torch.distributed.pipelining's ``Schedule1F1B`` over one stage holding every layer, the loop as a user would
+    write it."""
 
-    module = _module()
-    opt = torch.optim.SGD(module.parameters(), lr=1e-3)
-    ends = []
-    for x, y in _batches(steps + WARMUP + 1):
-        opt.zero_grad(set_to_none=True)
-        for xs, ys in zip(x.chunk(m), y.chunk(m)):
-            (module.loss_fn(module.layers(xs), ys) / m).backward()
-        opt.step()
-        ends.append(CLOCK())
-    return _median_gap(ends)
+    def __init__(self, m: int) -> None:
+        import torch
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
+        module = _module()
+        stage = PipelineStage(module.layers, 0, 1, torch.device("cpu"))
+        self.schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=lambda out, tgt: module.loss_fn(out, tgt) / m,
+                                     scale_grads=False)
+        self.opt = torch.optim.SGD(module.parameters(), lr=1e-3)
 
-def torch_pp(m: int, steps: int) -> float:
-    import torch
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
-    module = _module()
-    stage = PipelineStage(module.layers, 0, 1, torch.device("cpu"))
-    schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=lambda out, tgt: module.loss_fn(out, tgt) / m,
-                            scale_grads=False)
-    opt = torch.optim.SGD(module.parameters(), lr=1e-3)
-    ends = []
-    for x, y in _batches(steps + WARMUP + 1):
-        opt.zero_grad(set_to_none=True)
-        schedule.step(x, target=y, losses=[])
-        opt.step()
-        ends.append(CLOCK())
-    return _median_gap(ends)
+    def step(self, x: Any, y: Any) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        self.schedule.step(x, target=y, losses=[])
+        self.opt.step()
 
 
-def strategy(m: int, steps: int) -> float:
+def _loop(way: type[Plain] | type[TorchPP]) -> Any:
+    def run(m: int, steps: int) -> None:
+        loop = way(m)
+        for x, y in _batches(steps + WARMUP + 1):
+            loop.step(x, y)
+
+    return run
+
+
+def _trainer(m: int, steps: int, callback: Any) -> Any:
     import lightning.pytorch as L
 
-    from bench._timing import StepClock
     from lightning_pipe import PipelineStrategy
 
-    clock = StepClock()
-    clock_now = CLOCK
-    clock.on_train_batch_end = lambda *a: clock.ends.append(clock_now())  # type: ignore[method-assign]
-    trainer = L.Trainer(strategy=PipelineStrategy("1f1b", microbatches=m), accelerator="cpu", devices=1,
-                        max_steps=steps + WARMUP + 1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],
-                        use_distributed_sampler=False)
-    trainer.fit(_module(), _loader(_batches(steps + WARMUP + 1)))
-    return _median_gap(clock.ends)
+    return L.Trainer(strategy=PipelineStrategy("1f1b", microbatches=m), accelerator="cpu", devices=1,
+                     max_steps=steps + WARMUP + 1, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+                     use_distributed_sampler=False)
+
+
+def strategy(m: int, steps: int) -> None:
+    from lightning.pytorch.callbacks import Callback
+
+    _trainer(m, steps, Callback()).fit(_module(), _loader(_batches(steps + WARMUP + 1)))
+
+
+def paired(m: int, steps: int) -> dict[str, float]:
+    """Median step time of each way at ``m``, the ways interleaved step by step: after each of the Trainer's
+    batches a callback runs one plain step and one torch-pp step on the same batch, so a slow phase of the machine
+    slows the three ways alike. A strategy step is the time from the end of that callback to the next batch's end
+    (Lightning's loop, data loading, schedule, optimizer)."""
+    from lightning.pytorch.callbacks import Callback
+
+    loops = {"plain": Plain(m), "torch-pp": TorchPP(m)}
+    times: dict[str, list[float]] = {"strategy": [], **{name: [] for name in loops}}
+
+    class Pairs(Callback):
+        last: float | None = None
+
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            start = CLOCK()
+            if self.last is not None:
+                times["strategy"].append(start - self.last)
+            for name, loop in loops.items():
+                began = CLOCK()
+                loop.step(*batch)
+                times[name].append(CLOCK() - began)
+            self.last = CLOCK()
+
+    _trainer(m, steps, Pairs()).fit(_module(), _loader(_batches(steps + WARMUP + 1)))
+    return {name: statistics.median(ts[WARMUP:]) for name, ts in times.items()}
 
 
 def calls_per_step(run: Any, m: int, steps: int = 10) -> float:
@@ -180,12 +216,12 @@ def main() -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
-    ways = {"plain": plain, "torch-pp": torch_pp, "strategy": strategy}
+    ways = {"plain": _loop(Plain), "torch-pp": _loop(TorchPP), "strategy": strategy}
     runs: dict[tuple[str, int], list[float]] = {}
-    for _ in range(args.rounds):  # the ways interleaved round by round: the least disturbed median of each
+    for _ in range(args.rounds):  # the least disturbed round's median of each way (contention only adds time)
         for m in args.microbatches:
-            for name, run in ways.items():
-                runs.setdefault((name, m), []).append(run(m, args.steps))
+            for name, t in paired(m, args.steps).items():
+                runs.setdefault((name, m), []).append(t)
     times = {name: [min(runs[name, m]) for m in args.microbatches] for name in ways}
     fits = {name: fit_line(args.microbatches, ts) for name, ts in times.items()}
     # (m = 4 and 16, the lower of two counts: a first run in a process can count one-off work)
