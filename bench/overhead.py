@@ -4,8 +4,9 @@ Same GPT-like model (recipes/gpt), same schedule, micro-batch count, optimizer a
 invocation. The two sides alternate step by step (:func:`paired`): a Trainer with the strategy trains, and after
 each of its batches a callback runs one hand-written step on the same batch. A strategy step is the time from the end
 of that callback to the next batch's end (data loading, Lightning's loop, schedule, gradient sync, optimizer step —
-everything a step costs), a hand-written step the callback's own step. Each side's median over ``--rounds`` fresh
-Trainers; last line: ``overhead_ratio=<strategy / hand-written>``.
+everything a step costs), a hand-written step the callback's own step, which takes the batch from a DataLoader of its
+own over the same data (a loop's data loading is part of its step on both sides, as in :func:`hand_written`). Each
+side's median over ``--rounds`` fresh Trainers; last line: ``overhead_ratio=<strategy / hand-written>``.
 
     python bench/overhead.py [--steps 30] [--rounds 3] [--schedule 1f1b] [--microbatches 4]
 """
@@ -132,6 +133,7 @@ def paired(args: argparse.Namespace) -> tuple[list[float], list[float]]:
     from lightning.pytorch.callbacks import Callback
 
     hand = HandWritten(args)
+    hand_batches = iter(_data(args.batch * (args.steps + args.warmup), args.batch))
 
     class Pairs(Callback):
         def __init__(self) -> None:
@@ -143,7 +145,7 @@ def paired(args: argparse.Namespace) -> tuple[list[float], list[float]]:
             start = time.perf_counter()
             if self.last is not None:
                 self.light.append(start - self.last)
-            hand.step(*batch)
+            hand.step(*next(hand_batches))  # the same batch, from its own loader: a user's loop fetches its data too
             self.last = time.perf_counter()
             self.hand.append(self.last - start)
 
