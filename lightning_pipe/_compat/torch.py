@@ -546,6 +546,34 @@ def initialize_stage(schedule: Any, args: tuple[Any, ...], target: Any) -> None:
         schedule._initialize_stage(args, {})
 
 
+_TAKES_RETURN_OUTPUTS: dict[Any, bool] = {}  # per schedule class (read once: the step runs every batch)
+
+
+def _step_takes_return_outputs(schedule_class: Any) -> bool:
+    takes = _TAKES_RETURN_OUTPUTS.get(schedule_class)
+    if takes is None:
+        try:
+            takes = "return_outputs" in inspect.signature(schedule_class.step).parameters
+        except (TypeError, ValueError, AttributeError):  # a step inspect cannot read: called as before
+            takes = False
+        _TAKES_RETURN_OUTPUTS[schedule_class] = takes
+    return takes
+
+
+def train_step_kwargs(schedule: Any) -> dict[str, Any]:
+    """Keyword arguments for a training ``schedule.step`` whose last-stage outputs nobody reads:
+    ``return_outputs=False`` where the schedule's ``step`` takes it (a public argument of torch's schedules; a
+    schedule of another runtime may not take it: then nothing).
+
+    [Note: no outputs kept by a training step]
+    By default torch's schedules keep every micro-batch's last-stage output (``save_forward_output``) until the next
+    step and concatenate them into the step's return value. A training step reads only the loss, so on the last stage
+    that kept the logits of all m micro-batches alive through the optimizer step, plus one more copy for the
+    concatenation: for a language model, m times a micro-batch's tokens x vocabulary. Forward-only passes
+    (evaluation, prediction) still return the outputs they are for."""
+    return {"return_outputs": False} if _step_takes_return_outputs(type(schedule)) else {}
+
+
 PRIVATE_TORCH_API.update({"_batch_p2p": _torch_schedules._batch_p2p,
                           "_wait_batch_p2p": _torch_schedules._wait_batch_p2p,
                           "PipelineScheduleSingle._initialize_stage":

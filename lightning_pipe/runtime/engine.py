@@ -258,7 +258,8 @@ class PipelineEngine:
 
     def _run_schedule(self, args: tuple[Tensor, ...], target: Tensor) -> None:
         """One training step of the schedule over this batch (inputs where a first stage is, target at a last)."""
-        self.schedule.step(*(args if self.has_first else ()), target=target if self.has_last else None)
+        self.schedule.step(*(args if self.has_first else ()), target=target if self.has_last else None,
+                           **_compat.train_step_kwargs(self.schedule))  # [Note: no outputs kept by a training step]
 
     def _train_step(self, module: PipelineModel, batch: Any) -> Tensor:
         inputs, target = module.split_batch(batch)

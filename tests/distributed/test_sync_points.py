@@ -12,11 +12,12 @@ requeue, the epoch's last batch), which decides on the host whether to stop: rea
 (Chimera), from the faults' own all-reduce (``watchdog.any_rank``). Nothing else
 of ours, and nothing of torch's or Lightning's own on this path. The first step is not counted (shape inference,
 the loss kind: [Note: the loss kind is read once]).
+
+The same runs show that no training step leaves its last stage's outputs behind ([Note: no outputs kept by a training
+step] in lightning_pipe/_compat/torch.py): the logits of every micro-batch, held through the optimizer step before.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 
@@ -44,9 +45,14 @@ def _site(key: str) -> tuple[str, str, str]:
     return where.rsplit(":", 1)[0], function, call
 
 
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict]]:
+    """One launch for the module's tests (within the first test's timeout)."""
+    return launch("syncs", 2, CASES, tmp_path_factory.mktemp("syncs"), timeout=280)
+
+
 @pytest.mark.timeout(300)
-def test_no_sync_inside_the_training_step(tmp_path: Path) -> None:
-    results = launch("syncs", 2, CASES, tmp_path, timeout=280)
+def test_no_sync_inside_the_training_step(results: list[list[dict]]) -> None:
     for rank, per_case in enumerate(results):
         for case, result in zip(CASES, per_case):
             counted = result["counted_steps"]
@@ -61,3 +67,13 @@ def test_no_sync_inside_the_training_step(tmp_path: Path) -> None:
             # [Note: self.log's move to the device it is on]: on while the strategy runs, undone by its teardown
             assert all(result["fast_log"]) and len(result["fast_log"]) == counted, (rank, case, result["fast_log"])
             assert not result["fast_log_after"], (rank, case)
+
+
+@pytest.mark.timeout(300)
+def test_a_training_step_keeps_no_outputs(results: list[list[dict]]) -> None:
+    for rank, per_case in enumerate(results):
+        for case, result in zip(CASES, per_case):
+            assert result["kept_outputs"] == [0] * result["counted_steps"], (
+                f"rank {rank}, {case}: last-stage outputs still held after each training batch "
+                f"({result['kept_outputs']}): a training step must not keep them (the schedule's step is called with "
+                "return_outputs=False where it takes it)")

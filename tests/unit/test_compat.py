@@ -249,3 +249,15 @@ def test_split_backward_gap_is_real_and_closed_from_2_13() -> None:
         assert error > 0.05, error  # what the gap says: wrong numbers, not rounding
     else:
         assert error < 1e-5, error
+
+
+def test_a_training_step_asks_for_no_outputs_where_the_schedule_takes_the_argument() -> None:
+    # [Note: no outputs kept by a training step]: torch's own schedules take return_outputs in every checked release
+    for cls in (torch_schedules.Schedule1F1B, torch_schedules.ScheduleGPipe, torch_schedules.ScheduleInterleaved1F1B,
+                torch_schedules.ScheduleZBVZeroBubble, torch_schedules._PipelineScheduleRuntime):
+        assert _compat.train_step_kwargs(object.__new__(cls)) == {"return_outputs": False}, cls
+
+    class Other:  # another runtime's step: called as before
+        def step(self, *args: object, target: object = None, **kwargs: object) -> None: ...
+
+    assert _compat.train_step_kwargs(Other()) == {}

@@ -58,6 +58,7 @@ class SyncResult(TypedDict):
     counted_steps: int
     fast_log: list[bool]  # per counted batch: self.log's fast metric move installed ([Note: self.log's move ...])
     fast_log_after: bool  # still installed after fit (must not be: teardown undoes it)
+    kept_outputs: list[int]  # per counted batch, after it: last-stage outputs the stages still hold
 
 
 class SyncCounter:
@@ -111,6 +112,7 @@ class Arm(Callback):
     def __init__(self, counter: SyncCounter, warmup: int) -> None:
         self.counter, self.warmup, self.counted = counter, warmup, 0
         self.fast_log: list[bool] = []
+        self.kept_outputs: list[int] = []
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self.counter.armed = batch_idx >= self.warmup
@@ -118,7 +120,10 @@ class Arm(Callback):
         if self.counter.armed:
             self.fast_log.append(fast_log_installed())
 
-    def on_train_batch_end(self, *args: Any) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.counter.armed:  # [Note: no outputs kept by a training step]
+            stages = trainer.strategy.engine.stages  # type: ignore[attr-defined]
+            self.kept_outputs.append(sum(len(getattr(stage, "output_chunks", ())) for stage in stages))
         self.counter.armed = False
 
 
@@ -159,4 +164,4 @@ def run_syncs(case: SyncCase) -> SyncResult:
     with counter.patched():
         trainer.fit(model, loader(_data(case, batch * case.steps * case.acc * case.dp), batch))
     return SyncResult(ours=dict(counter.ours), others=dict(counter.others), counted_steps=arm.counted,
-                      fast_log=arm.fast_log, fast_log_after=fast_log_installed())
+                      fast_log=arm.fast_log, fast_log_after=fast_log_installed(), kept_outputs=arm.kept_outputs)
