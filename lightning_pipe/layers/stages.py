@@ -90,6 +90,7 @@ def run_layers(layers: nn.Module | list[nn.Module], inputs: Any, indices: Sequen
     """
     chain: list[nn.Module] = layers if isinstance(layers, list) else list(layers)  # type: ignore[call-overload]
     run: Sequence[Callable[..., Any]] = chain if calls is None else calls
+    indices = range(len(chain)) if indices is None else indices
     special = (recompute_every is not None or bool(offload)) and torch.is_grad_enabled()
     hidden = inputs
     # Per layer per micro-batch: what runs here is the loop's whole cost next to a bare `for layer: h = layer(h)`.
@@ -103,11 +104,10 @@ def run_layers(layers: nn.Module | list[nn.Module], inputs: Any, indices: Sequen
             check_layer_io(hidden, _producer(j, chain, indices))
             args = layer_args(hidden)
         try:
-            hidden = call(*args) if not special else _run_special(j, run, chain, indices, args, recompute_every,
+            hidden = call(*args) if not special else _run_special(call, chain[j], j, indices[j], args, recompute_every,
                                                                   offload, offload_stats)
         except IndexError as err:  # an embedding given a token id out of range: [Note: token ids out of range]
-            index = indices[j] if indices is not None else j
-            explained = explain_index_error(chain[j], index, args) if not isinstance(err, TokenIdError) else None
+            explained = explain_index_error(chain[j], indices[j], args) if not isinstance(err, TokenIdError) else None
             if explained is None:
                 raise
             raise explained from None
@@ -116,27 +116,25 @@ def run_layers(layers: nn.Module | list[nn.Module], inputs: Any, indices: Sequen
     return hidden
 
 
-def _producer(j: int, chain: Sequence[nn.Module], indices: Sequence[int] | None) -> str:
+def _producer(j: int, chain: Sequence[nn.Module], indices: Sequence[int]) -> str:
     """What produced the input of layer ``j`` of the chain (``j == len(chain)``: the chain's output)."""
     if j == 0:
-        first = indices[0] if indices else 0
-        return f"The inputs of layer {first} (split_batch's inputs, or the previous stage's outputs) are"
-    index = indices[j - 1] if indices is not None else j - 1
-    return f"Layer {index} ({type(chain[j - 1]).__name__}) returned"
+        return (f"The inputs of layer {indices[0] if indices else 0} (split_batch's inputs, or the previous stage's "
+                "outputs) are")
+    return f"Layer {indices[j - 1]} ({type(chain[j - 1]).__name__}) returned"
 
 
-def _run_special(j: int, run: Sequence[Callable[..., Any]], chain: Sequence[nn.Module], indices: Sequence[int] | None,
-                 args: tuple[Any, ...], recompute_every: int | None, offload: LayerChoice | None,
-                 offload_stats: OffloadStats | None) -> Any:
-    """Layer ``j`` under recomputation and / or activation offload (grad enabled)."""
-    checkpointed = recompute_every is not None and j % recompute_every == 0
-    if offload and offload.picks(j, indices[j] if indices is not None else j):
+def _run_special(call: Callable[..., Any], layer: nn.Module, position: int, index: int, args: tuple[Any, ...],
+                 recompute_every: int | None, offload: LayerChoice | None, offload_stats: OffloadStats | None) -> Any:
+    """``call`` (layer ``index``, at ``position`` in its stage) under recomputation and / or activation offload."""
+    checkpointed = recompute_every is not None and position % recompute_every == 0
+    if offload and offload.picks(position, index):
         # outside the checkpoint: its inputs are saved under these hooks, its recomputation under its own
-        with HostOffload(chain[j], offload_stats):
-            return checkpoint(records_once(run[j]), *args, use_reentrant=False) if checkpointed else run[j](*args)
+        with HostOffload(layer, offload_stats):
+            return checkpoint(records_once(call), *args, use_reentrant=False) if checkpointed else call(*args)
     if checkpointed:
-        return checkpoint(records_once(run[j]), *args, use_reentrant=False)
-    return run[j](*args)
+        return checkpoint(records_once(call), *args, use_reentrant=False)
+    return call(*args)
 
 
 class RemoteLayer(nn.Module):
