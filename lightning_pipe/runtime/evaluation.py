@@ -54,6 +54,7 @@ def forward_only(engine: Any, args: tuple[Tensor, ...], mbs: Microbatches | None
         step_args = pad_rows(args, padded) if engine.has_first and mbs is None else ()
         dummy_target = torch.zeros(padded, device=engine.device) if engine.has_last else None
         out = engine.schedule.eval(*step_args, target=dummy_target)
+    release_outputs(engine.stages)
     engine.shapes.planned = None
     # FSDP: gathered weights would be stale after the next step ([Note: FSDP under the pipeline schedule])
     reshard(engine.stage_modules)
@@ -62,6 +63,22 @@ def forward_only(engine: Any, args: tuple[Tensor, ...], mbs: Microbatches | None
     if not engine.has_last:
         return None
     return out if mbs is not None else trim_rows(out, rows)
+
+
+def release_outputs(stages: list[Any]) -> None:
+    """Drop what torch's stages keep of a forward-only step once its result is in hand.
+
+    [Note: evaluation keeps no stage outputs]
+    Torch's stages keep every micro-batch's output (``output_chunks``, last stage) and its inputs and outputs for the
+    backward (``fwd_cache``) until the *next* step clears them; a forward-only step has no backward to pop them. So
+    while the last stage computed the eval loss, three copies of the batch's outputs coexisted: the chunks, the
+    merged batch ``eval`` returned, and the loss's temporaries (for a language model, logits-sized each); and every
+    stage held the batch's boundary activations through the rest of the validation step. ``clear_runtime_states``
+    (public, on every supported torch) is what the next step would run first; nothing reads the cleared state in
+    between: the merged result is a new tensor (``keep_chunks`` returns a new list).
+    """
+    for stage in stages:
+        stage.clear_runtime_states()
 
 
 def eval_loss(engine: Any, module: Any, batch: Any) -> Tensor:

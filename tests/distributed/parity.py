@@ -94,6 +94,8 @@ def assert_case_parity(results: Results, case_idx: int, case: TrainingCase) -> N
         # hooks fire as on one device: zero_grad per optimizer step, backward per batch
         assert r["calls"] == ref["calls"], (r["calls"], ref["calls"])
         assert r["meta_tensors"] == 0
+        # [Note: evaluation keeps no stage outputs]: nothing of a forward-only batch outlives it
+        assert not any(r.get("held_after_eval", ())), (case, r["held_after_eval"])
         if case.dp > 1 and case.fsdp == 1 and case.tp == 1 and case.dp_overlap is True and "dp_sync" in r:
             # every optimizer step's gradients were averaged during the schedule: no all-reduce after it
             steps = ref["calls"].get("on_before_optimizer_step", r["dp_sync"]["overlapped"])

@@ -106,6 +106,7 @@ class TrainingResult(TypedDict):
     per_edge_p2p: NotRequired[bool]  # pipeline only: torch 2.15 per-edge communicators in use
     offloaded_tensors: NotRequired[int]  # pipeline only: saved tensors this rank's offload hooks packed
     compiled_graphs: NotRequired[int]  # pipeline only: graphs Dynamo compiled in this process so far
+    held_after_eval: NotRequired[list[int]]  # pipeline only: per forward-only batch, stage state torch still held
 
 
 class NoLayerList(ToyRegressor):
@@ -265,6 +266,22 @@ class DataParallelSync(Callback):
         self.offloaded = sum(sm.offload_stats.tensors for sm in trainer.strategy.engine.stage_modules)  # type: ignore[attr-defined]
 
 
+class HeldAfterEval(Callback):
+    """After each validation / test / predict batch: how many micro-batch outputs and forward caches this rank's
+    stages still hold ([Note: evaluation keeps no stage outputs]; torch >= 2.15 names the cache
+    ``_forward_chunk_states``)."""
+
+    def __init__(self) -> None:
+        self.held: list[int] = []
+
+    def _count(self, trainer: L.Trainer, *args: Any) -> None:
+        self.held.append(sum(len(getattr(st, "output_chunks", ())) + len(getattr(st, "fwd_cache", None) or
+                                                                         getattr(st, "_forward_chunk_states", ()))
+                             for st in trainer.strategy.engine.stages))  # type: ignore[attr-defined]
+
+    on_validation_batch_end = on_test_batch_end = on_predict_batch_end = _count
+
+
 def _precision(case: TrainingCase, pipeline: bool) -> dict[str, Any]:
     """fp16 AMP on CPU: Lightning would switch "16-mixed" to bf16 on CPU, so pass the plugins explicitly."""
     if case.precision != "16-mixed":
@@ -314,8 +331,8 @@ def run_training(case: TrainingCase, pipeline: bool) -> TrainingResult:
     data = DATA.get(case.model, regression_data)(case.n_data)
     batch = case.batch * (1 if pipeline else case.dp * case.fsdp)
     recorder = LossRecorder()
-    dp_sync = DataParallelSync(case)
-    trainer = _trainer(case, pipeline, recorder, *([dp_sync] if pipeline else []))
+    dp_sync, held = DataParallelSync(case), HeldAfterEval()
+    trainer = _trainer(case, pipeline, recorder, *([dp_sync, held] if pipeline else []))
     # Lightning shuffles training data through its DistributedSampler; the reference walks the same order.
     train_loader = loader(data, batch) if pipeline else reference_train_loader(data, batch)
     trainer.fit(model, train_loader, loader(data, batch) if case.validate else None)
@@ -343,6 +360,7 @@ def run_training(case: TrainingCase, pipeline: bool) -> TrainingResult:
         # torch >= 2.15: one communicator per directed edge (the flag every PipelineStage reads when it is built)
         out["per_edge_p2p"] = bool(getattr(getattr(torch.distributed, "config", None), "pipeline_per_edge_p2p", False))
         out["offloaded_tensors"] = dp_sync.offloaded
+        out["held_after_eval"] = held.held
         out["compiled_graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         out["sharded_params"] = sum(isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)
                                     for p in model.parameters())
