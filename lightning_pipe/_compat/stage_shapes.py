@@ -30,7 +30,8 @@ import torch
 from torch.distributed.pipelining import schedules as _torch_schedules
 from torch.distributed.pipelining import stage as _torch_stage
 
-from lightning_pipe._compat.torch import METADATA_INFERENCE, TORCH_VERSION
+from lightning_pipe._compat.shape_inference import METADATA_INFERENCE, schedule_flags, schedule_stages
+from lightning_pipe._compat.torch_release import TORCH_VERSION
 
 SUPPORTED = METADATA_INFERENCE
 """Whether this torch's receive descriptors can be rewritten (2.12 and later)."""
@@ -148,21 +149,11 @@ class ChunkShapes:
 # gradient or not, backward descriptors or none); the engine keeps each structure's inferred state and puts it back
 # instead. Torch refills the stage's dicts and ``_StageMeta`` in place when it re-infers, so they are copied.
 _STAGE_STATE = ("args_recv_info", "act_send_info", "grad_recv_info", "grad_send_info", "_stage_meta", "chunks")
-_SCHEDULE_FLAGS = {_torch_schedules.PipelineScheduleMulti: ("_stages_forward_initialized",
-                                                            "_stages_backward_initialized"),
-                   _torch_schedules.PipelineScheduleSingle: ("_stage_forward_initialized",
-                                                             "_stage_backward_initialized")}
-
-
-def _schedule_stages(schedule: Any) -> list[Any]:
-    return list(schedule._stages) if hasattr(schedule, "_stages") else [schedule._stage]
-
-
 def inferred_state(schedule: Any) -> Any:
     """What torch inferred for the current structure: the schedule's flags and each stage's descriptors."""
-    flags = next(f for cls, f in _SCHEDULE_FLAGS.items() if isinstance(schedule, cls))
+    flags = schedule_flags(schedule)
     stages = [{name: copy.copy(getattr(st, name)) for name in _STAGE_STATE if hasattr(st, name)}
-              for st in _schedule_stages(schedule)]
+              for st in schedule_stages(schedule)]
     return {name: getattr(schedule, name) for name in flags}, stages
 
 
@@ -171,6 +162,6 @@ def restore_inferred_state(schedule: Any, state: Any) -> None:
     flags, stages = state
     for name, value in flags.items():
         setattr(schedule, name, value)
-    for st, saved in zip(_schedule_stages(schedule), stages, strict=True):
+    for st, saved in zip(schedule_stages(schedule), stages, strict=True):
         for name, value in saved.items():
             setattr(st, name, copy.copy(value))

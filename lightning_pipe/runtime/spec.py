@@ -62,7 +62,7 @@ class ScheduleSpec:
     with ``tensor_parallel_size > 1`` before any rank starts (``check_schedule_settings``)."""
     split_backward: bool = False
     """Runs torch's split input/weight backward (I/W actions): refused on a torch that computes it wrongly
-    ([Note: torch versions] in ``_compat/torch.py``). Custom action lists are checked by their actions."""
+    ([Note: torch versions] in ``_compat/torch_release.py``). Custom action lists are checked by their actions."""
 
 
 def placed_rank(placement: str, stage: int, pipeline_size: int) -> int:

@@ -189,7 +189,7 @@ def compute_order(plan: SchedulePlan) -> dict[int, list[Any]]:
 
 
 def check_torch_runs(plan: SchedulePlan) -> None:
-    """Refuse a plan whose actions this torch would run wrongly ([Note: torch versions] in ``_compat/torch.py``).
+    """Refuse a plan whose actions this torch would run wrongly ([Note: torch versions] in ``_compat/torch_release.py``).
 
     Called by the strategy once the plan is resolved (every rank, before any communication): it covers built-in,
     custom and extension schedules alike, by their actions rather than their names.

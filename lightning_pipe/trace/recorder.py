@@ -18,7 +18,7 @@ the record is first used). Records of different ranks are put on one axis throug
 (``time.time_ns``) read next to the monotonic clock when the recorder was made: exact between processes of one
 machine, as good as NTP between machines.
 
-The torch names wrapped here are listed in :mod:`lightning_pipe._compat.torch` (``TRACE_TORCH_API``) and resolved
+The torch names wrapped here are listed in :mod:`lightning_pipe._compat.trace_api` (``TRACE_TORCH_API``) and resolved
 at import: if torch renames one, `import lightning_pipe` fails naming it instead of silently tracing nothing. The
 private ones are swapped there too (``swapped_p2p``, ``swapped_compute_loss``): this module names none itself.
 
