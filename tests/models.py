@@ -239,6 +239,47 @@ class SkipRegressor(ToyRegressor):
         return (x, x.flip(-1)), y
 
 
+class CarryIn(nn.Module):
+    """First layer of :class:`SavedOutputRegressor`."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, width)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.fc(x)
+        return h, h
+
+
+class CarryBlock(nn.Module):
+    """``forward(h, carry) -> (tanh(fc(f)), f)`` with ``f = h + carry / 2``: the carried output ``f`` is also what
+    ``fc`` saved for its weight gradient (a residual stream passed along as Mamba-style blocks do)."""
+
+    def __init__(self, width: int, out: int | None = None) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, out or width)
+
+    def forward(self, h: torch.Tensor, carry: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        f = h + 0.5 * carry
+        return torch.tanh(self.fc(f)), f
+
+
+class SavedOutputRegressor(ToyRegressor):
+    """Every stage's outputs include a tensor saved inside the stage for a weight gradient, the last stage's too
+    (its output is ``(prediction, f)``; the loss reads both). A split backward detaches stage outputs in place after
+    the input gradient ([Note: split backward detaches stage outputs] in lightning_pipe/runtime/stage.py)."""
+
+    def __init__(self, n_layers: int = 8, width: int = WIDTH, **kwargs: Any) -> None:
+        super().__init__(n_layers=n_layers, width=width, **kwargs)
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(CarryIn(width), *(CarryBlock(width) for _ in range(n_layers - 2)),
+                                    CarryBlock(width, 4))
+
+    def loss_fn(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        prediction, f = output
+        return F.mse_loss(prediction, target) + 0.01 * f.pow(2).mean()
+
+
 class ViewIn(nn.Module):
     """First layer of :class:`ViewsRegressor`: a strided input in, the (expanded) mask passed along unchanged."""
 

@@ -234,6 +234,30 @@ def forward_only_actions(schedule: Any) -> Iterator[None]:
         schedule.pipeline_order_with_comms = full
 
 
+# --------------------------------------------------------------------------- split backward (runtime/stage.py)
+# [Note: split backward detaches stage outputs] in runtime/stage.py: a stage output handed to torch as an alias that
+# autograd does not count as a view, so torch's in-place detach of it leaves the original (and what saved it) alone.
+_unsafe_view = _resolve(torch.ops.aten, "_unsafe_view", "torch.ops.aten")
+PRIVATE_TORCH_API["aten._unsafe_view"] = _unsafe_view
+
+
+def detachable_alias(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s data (no copy) and autograd history under a new tensor that autograd does not count as a view:
+    an in-place ``detach_`` of the alias leaves ``tensor`` as it was. aten's ``_unsafe_view`` is the op ``reshape``
+    lowers to where a view must not be made."""
+    return _unsafe_view(tensor, tensor.shape)
+
+
+def runs_split_backward(schedule: Any) -> bool:
+    """Whether ``schedule``'s action lists (torch's ``pipeline_order``, every rank's) hold split input / weight
+    backward actions (I / W, alone or inside an overlapped pair). Torch's single-stage schedules have none."""
+    order = getattr(schedule, "pipeline_order", None)
+    if not isinstance(order, dict):
+        return False
+    return any(part.computation_type.value in ("I", "W") for actions in order.values() for action in actions
+               if action is not None for part in (action.sub_actions or (action,)))
+
+
 # --------------------------------------------------------------------------- failure propagation (watchdog.py)
 # The default process group's store (the rendezvous TCPStore every rank already shares) carries the first failure
 # of a run to the other ranks; torch has no public accessor for it.

@@ -154,7 +154,11 @@ class PipelineEngine:
                 sm, s, self.plan.num_stages, self.device, group=self.groups.pp, inference_guard=self._inference_guard)
             for sm, s in zip(stage_modules, local_stage_ids)
         ]
-        return stages, build_torch_schedule(self.plan, stages, self._schedule_loss)
+        schedule = build_torch_schedule(self.plan, stages, self._schedule_loss)
+        if _compat.runs_split_backward(schedule):  # [Note: split backward detaches stage outputs] in stage.py
+            for stage in stages:
+                stage.keep_saved_outputs()
+        return stages, schedule
 
     # ------------------------------------------------------------------ phase plumbing
     @contextlib.contextmanager

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from torch import Tensor
+
 from lightning_pipe._compat import torch as _compat
 from lightning_pipe._compat.stage_shapes import ChunkShapes
 from lightning_pipe.runtime.rng import StageStream
@@ -111,6 +113,12 @@ class PipelineStage(CallHooks, ChunkShapes, _compat.GuardedPipelineStage):
     def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         return self._in_stream(super().backward_weight_one_chunk, *args, **kwargs)
 
+    def keep_saved_outputs(self) -> None:
+        """Under a split backward: hand torch this stage's outputs as aliases it may detach in place
+        ([Note: split backward detaches stage outputs]). The first stage runs no input backward: nothing to do."""
+        if not self.is_first:
+            self.submod.register_forward_hook(detachable_outputs)
+
     def flush_update(self) -> None:
         """Apply an update that is due (per-micro-batch stages); called by the engine after each training step."""
 
@@ -150,6 +158,29 @@ class PipelineStage(CallHooks, ChunkShapes, _compat.GuardedPipelineStage):
             tag_receives(ops, self.grad_recv_info.get(bwd_chunk_id), self.stage_index, bwd_chunk_id,
                               "backward receive")
         return ops
+
+
+def detachable_outputs(module: Any, args: Any, output: Any) -> Any:
+    """Forward hook: each of the stage's outputs that autograd tracks, as an alias torch's in-place detach leaves
+    the original alone ([Note: split backward detaches stage outputs]); ``None`` (unchanged) when none is tracked.
+
+    [Note: split backward detaches stage outputs]
+    After a split backward's input half (I), torch frees the output side of the graph by detaching the stage's
+    outputs *in place* (``stage_backward_input``; on the last stage, ``backward_one_chunk``). The weight half (W)
+    runs later on the retained graph, and any node of it that saved one of those very tensors then fails ("Trying to
+    use a saved tensor that has been detached in-place"). That happens whenever a stage returns a tensor it also
+    fed to a layer with weights: ``f = h + carry; return fc(f), f`` (a residual stream carried along), or a last
+    layer returning ``(logits, hidden)``. So under a split backward the stage returns zero-copy aliases that
+    autograd does not count as views (``_compat.detachable_alias``): torch detaches the alias, the saved original
+    keeps its history, and the gradients flow through the alias unchanged. Views are left alone: torch skips them on
+    the last stage, and a non-last stage's views were already made tensors of their own (``own_outputs``, which
+    runs first)."""
+    tensors = output if isinstance(output, tuple) else (output,)
+    if not any(isinstance(t, Tensor) and t.requires_grad and t._base is None for t in tensors):
+        return None
+    aliased = tuple(_compat.detachable_alias(t) if isinstance(t, Tensor) and t.requires_grad and t._base is None
+                    else t for t in tensors)
+    return aliased if isinstance(output, tuple) else aliased[0]
 
 
 def _unzip(pairs: list[tuple[int, Any]]) -> tuple[list[int], list[Any]]:

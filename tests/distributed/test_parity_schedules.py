@@ -47,7 +47,10 @@ def test_loop_placement_schedules_match_single_device(tmp_path) -> None:
     cases = grid_cases(LOOP)
     cases += [TrainingCase(schedule="interleaved_1f1b", stages_per_rank=3, microbatches=4, acc=2, clip=0.05,
                            optimizer="adamw"),
-              TrainingCase(schedule="zb_h1", stages_per_rank=1, microbatches=4, acc=2, clip=0.05, optimizer="adamw")]
+              TrainingCase(schedule="zb_h1", stages_per_rank=1, microbatches=4, acc=2, clip=0.05, optimizer="adamw"),
+              # stage outputs that are also saved for a weight gradient inside the stage, under a split backward
+              TrainingCase(model="saved_outputs", schedule="zb_h1", stages_per_rank=2, microbatches=4, acc=2,
+                           clip=0.05, optimizer="adamw")]
     check_all(launch("training", 2, cases, tmp_path, timeout=540), cases)
 
 
@@ -63,7 +66,12 @@ def test_v_placement_schedules_match_single_device(tmp_path) -> None:
                            tied=True, check_grad_norms=False),
               TrainingCase(schedule="v_half", microbatches=4, acc=2, clip=0.05, tied=True, optimizer="adamw",
                            check_grad_norms=False),
-              TrainingCase(schedule="v_min", microbatches=4, predict=True)]
+              TrainingCase(schedule="v_min", microbatches=4, predict=True),
+              # the last stage's output (prediction, f) and every boundary carry a tensor saved for a weight
+              # gradient inside its stage ([Note: split backward detaches stage outputs])
+              TrainingCase(model="saved_outputs", schedule="zbv", stages_per_rank=2, microbatches=4, clip=0.05),
+              TrainingCase(model="saved_outputs", schedule="dualpipev", stages_per_rank=2, microbatches=4, acc=2,
+                           optimizer="adamw", validate=False)]
     results = launch("training", 2, cases, tmp_path, timeout=540)
     check_all(results, cases)
     assert results[0][0]["topology"] == (0, 0) and results[0][0]["predictions"].shape[0] == 22

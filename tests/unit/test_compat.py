@@ -261,3 +261,46 @@ def test_a_training_step_asks_for_no_outputs_where_the_schedule_takes_the_argume
         def step(self, *args: object, target: object = None, **kwargs: object) -> None: ...
 
     assert _compat.train_step_kwargs(Other()) == {}
+
+
+def _split_backward_of_saved_output(alias: bool) -> torch.Tensor:
+    """fc's weight gradient from torch's split backward of a stage returning ``(fc(f), f)``: ``f`` is an output and
+    what fc saved for its weight gradient."""
+    torch.manual_seed(0)
+    fc = torch.nn.Linear(6, 6)
+    x = torch.randn(4, 6).requires_grad_(True)
+    f = x * 2
+    outputs = [fc(f), f]
+    if alias:
+        outputs = [_compat.detachable_alias(t) for t in outputs]
+    _, groups = _compat.stage_backward_input(outputs, [torch.ones_like(t) for t in outputs], [x],
+                                             iter(fc.parameters()))
+    _compat.stage_backward_weight(iter(fc.parameters()), groups)
+    assert fc.weight.grad is not None
+    return fc.weight.grad
+
+
+def test_a_split_backward_keeps_what_the_stage_saved_when_its_outputs_are_aliases() -> None:
+    """[Note: split backward detaches stage outputs]: torch's input half detaches the outputs in place, so the
+    weight half fails on a saved output; handed aliases, it gets the plain autograd gradient (no copy made)."""
+    with pytest.raises(RuntimeError, match="detached in-place"):
+        _split_backward_of_saved_output(alias=False)
+    got = _split_backward_of_saved_output(alias=True)
+    torch.manual_seed(0)
+    fc = torch.nn.Linear(6, 6)
+    f = torch.randn(4, 6) * 2
+    fc(f).sum().backward()
+    torch.testing.assert_close(got, fc.weight.grad, rtol=0, atol=0)
+    t = torch.randn(3, 4, requires_grad=True) * 1
+    alias = _compat.detachable_alias(t)
+    assert alias._base is None and alias.data_ptr() == t.data_ptr() and alias.grad_fn is not None
+
+
+def test_split_backward_is_read_from_the_schedules_actions() -> None:
+    def order(*texts: str) -> SimpleNamespace:
+        return SimpleNamespace(pipeline_order={0: [_compat.parse_action(t) for t in texts], 1: [None]})
+
+    assert _compat.runs_split_backward(order("0F0", "0I0", "0W0"))
+    assert _compat.runs_split_backward(order("0F0", "(0F1;1I0)OVERLAP_F_B"))
+    assert not _compat.runs_split_backward(order("0F0", "0B0"))
+    assert not _compat.runs_split_backward(SimpleNamespace())  # a single-stage schedule: no action lists

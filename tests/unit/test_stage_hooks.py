@@ -43,3 +43,21 @@ def test_an_earlier_instance_attribute_is_put_back() -> None:
     assert stage.forward_one_chunk(0) == "earlier!"
     remove()
     assert stage.forward_one_chunk(0) == "earlier"
+
+
+def test_tracked_outputs_become_detachable_aliases_and_the_rest_stay() -> None:
+    """[Note: split backward detaches stage outputs]: the forward hook a stage gets under a split backward."""
+    import torch
+
+    from lightning_pipe.runtime.stage import detachable_outputs
+
+    x = torch.randn(4, 3, requires_grad=True)
+    tracked, mask, view = x * 2, torch.ones(4, 3), (x * 3)[:, :2]
+    assert detachable_outputs(torch.nn.Identity(), (), (mask, view)) is None  # nothing torch detaches wrongly
+    out = detachable_outputs(torch.nn.Identity(), (), (tracked, mask, view))
+    assert out[1] is mask and out[2] is view
+    assert out[0] is not tracked and out[0]._base is None and out[0].data_ptr() == tracked.data_ptr()
+    out[0].detach_()
+    assert tracked.grad_fn is not None  # the original keeps its history
+    single = detachable_outputs(torch.nn.Identity(), (), tracked)
+    assert isinstance(single, torch.Tensor) and single is not tracked
