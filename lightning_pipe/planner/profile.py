@@ -175,8 +175,11 @@ def profile_layer(layer: nn.Module, inputs: Any, loss: Callable[[Any], torch.Ten
             else:
                 if x_grad:  # the runtime skips I on stage 0 (no input gradient): its W is the whole backward
                     # torch detaches the outputs in place afterwards, which a view cannot take (a layer may return
-                    # one, e.g. a transformers block's reshaped hidden states): hand it copies, one cheap node more
-                    t_i, (_, groups) = _timed(device, _compat.stage_backward_input, [r.clone() for r in roots],
+                    # one, e.g. a transformers block's reshaped hidden states) and which would cut what the layer
+                    # saved of an output: hand it the aliases the runtime hands it ([Note: split backward detaches
+                    # stage outputs] in runtime/stage.py)
+                    t_i, (_, groups) = _timed(device, _compat.stage_backward_input,
+                                              [_compat.detachable_alias(r) for r in roots],
                                               grads, x_grad, iter(params))
                     t_w, _ = _timed(device, _compat.stage_backward_weight, iter(params), groups)
                 else:
