@@ -69,7 +69,6 @@ def dcp_load_everything(storage_reader: Any) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------- pipelining runtime
-
 # Private pieces used for custom action-list schedules and schedule plans as data.
 _WHERE = "torch.distributed.pipelining.schedules"
 PipelineScheduleRuntime = _resolve(_torch_schedules, "_PipelineScheduleRuntime", _WHERE)
@@ -182,7 +181,6 @@ def action_list_schedule(stages: list[Any], microbatches: int, loss_fn: Callable
     schedule.pipeline_order = {rank: list(acts) for rank, acts in actions.items()}
     schedule._prepare_schedule_with_comms(schedule.pipeline_order)
     return schedule
-
 
 
 # --------------------------------------------------------------------------- forward-only runs of action-list schedules
