@@ -176,6 +176,8 @@ _LOSS_RULE = ("Rule: loss_fn returns a scalar tensor (the mean over the batch's 
 
 def loss_parts(result: Any, owner: str) -> LossParts:
     """Read a ``loss_fn`` result ([Note: token-weighted loss]); anything else is refused naming ``owner``."""
+    if type(result) is Tensor and result.dim() == 0 and result.is_floating_point():  # the usual mean, per micro-batch
+        return LossParts(result)
     if isinstance(result, (Tensor, int, float)):
         return LossParts(_scalar(result, owner, "its loss"))
     if isinstance(result, (tuple, list)) and len(result) == 2:

@@ -98,20 +98,25 @@ class PipelineStage(CallHooks, ChunkShapes, _compat.GuardedPipelineStage):
             self.submod.register_forward_hook(own_outputs)
 
     # ------------------------------------------------------------------ compute, in the stage's random stream
-    def _in_stream(self, run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        stream = self.random_stream
-        if stream is None or stream.held:  # held for the whole step (one stage per rank): nothing to enter
-            return run(*args, **kwargs)
-        return stream.run(run, *args, **kwargs)
-
+    # A stream held for the whole step (one stage per rank) or none: nothing to enter, torch's method is called
+    # directly (no helper frame: these run once per action, bench/hostcost.py counts them).
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        return self._in_stream(super().forward_one_chunk, *args, **kwargs)
+        stream = self.random_stream
+        if stream is None or stream.held:
+            return super().forward_one_chunk(*args, **kwargs)
+        return stream.run(super().forward_one_chunk, *args, **kwargs)
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        return self._in_stream(super().backward_one_chunk, *args, **kwargs)
+        stream = self.random_stream
+        if stream is None or stream.held:
+            return super().backward_one_chunk(*args, **kwargs)
+        return stream.run(super().backward_one_chunk, *args, **kwargs)
 
     def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        return self._in_stream(super().backward_weight_one_chunk, *args, **kwargs)
+        stream = self.random_stream
+        if stream is None or stream.held:
+            return super().backward_weight_one_chunk(*args, **kwargs)
+        return stream.run(super().backward_weight_one_chunk, *args, **kwargs)
 
     def keep_saved_outputs(self) -> None:
         """Under a split backward: hand torch this stage's outputs as aliases it may detach in place
