@@ -246,14 +246,18 @@ def detachable_alias(tensor: torch.Tensor) -> torch.Tensor:
     return _unsafe_view(tensor, tensor.shape)
 
 
+def split_backward_actions(order: dict[int, list[Any]]) -> list[str]:
+    """The split input / weight backward actions (I / W, alone or inside an overlapped pair) of per-rank action
+    lists, as sorted strings (empty: a full backward only)."""
+    return sorted({str(part) for actions in order.values() for action in actions if action is not None
+                   for part in (action.sub_actions or (action,)) if part.computation_type.value in ("I", "W")})
+
+
 def runs_split_backward(schedule: Any) -> bool:
-    """Whether ``schedule``'s action lists (torch's ``pipeline_order``, every rank's) hold split input / weight
-    backward actions (I / W, alone or inside an overlapped pair). Torch's single-stage schedules have none."""
+    """Whether ``schedule``'s action lists (torch's ``pipeline_order``, every rank's) hold split backward actions.
+    Torch's single-stage schedules have none."""
     order = getattr(schedule, "pipeline_order", None)
-    if not isinstance(order, dict):
-        return False
-    return any(part.computation_type.value in ("I", "W") for actions in order.values() for action in actions
-               if action is not None for part in (action.sub_actions or (action,)))
+    return isinstance(order, dict) and bool(split_backward_actions(order))
 
 
 # --------------------------------------------------------------------------- failure propagation (watchdog.py)

@@ -175,9 +175,9 @@ class StageModule(nn.Module):
         """What runs for each layer under ``compile=`` ([Note: compiled layers]); kept outside the module tree."""
 
     def forward(self, *args: Any) -> Any:
-        layers, compiled = list(self.layers), self.compiled
+        layers = list(self.layers)
         return run_layers(layers, args[0] if len(args) == 1 else args, self.layer_indices, self.recompute_every,
-                          self.offload, self.offload_stats, None if compiled.options is None else compiled.calls(layers))
+                          self.offload, self.offload_stats, self.compiled.calls(layers))
 
 
 LayerList = nn.Sequential | nn.ModuleList

@@ -21,7 +21,12 @@ from lightning_pipe.parallel.topology import Topology
 from lightning_pipe.planner.auto import balance_on_ranks, plan_on_ranks
 from lightning_pipe.planner.model import ActivationPolicy
 from lightning_pipe.planner.plan import apply_plan, explain, load_plan, plan_name
-from lightning_pipe.schedules import SchedulePlan, check_schedule_settings, check_split_backward, compute_order
+from lightning_pipe.schedules import (
+    SchedulePlan,
+    check_schedule_settings,
+    check_split_backward,
+    split_backward_actions,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,8 +98,7 @@ def check_compiled_plan(config: PipelineConfig, plan: SchedulePlan) -> None:
     verified). Every rank, before any communication."""
     if config.compile is False:
         return
-    split = sorted({str(part) for actions in compute_order(plan).values() for a in actions if a is not None
-                    for part in (a.sub_actions or (a,)) if part.computation_type.value in ("I", "W")})
+    split = split_backward_actions(plan)
     if plan.spec.split_backward or split:
         actions = f", whose actions include {', '.join(split[:4])}, ..." if split else ""
         raise config_error(

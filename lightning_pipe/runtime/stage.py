@@ -98,25 +98,20 @@ class PipelineStage(CallHooks, ChunkShapes, _compat.GuardedPipelineStage):
             self.submod.register_forward_hook(own_outputs)
 
     # ------------------------------------------------------------------ compute, in the stage's random stream
-    # A stream held for the whole step (one stage per rank) or none: nothing to enter, torch's method is called
-    # directly (no helper frame: these run once per action, bench/hostcost.py counts them).
-    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+    def _in_stream(self, run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         stream = self.random_stream
-        if stream is None or stream.held:
-            return super().forward_one_chunk(*args, **kwargs)
-        return stream.run(super().forward_one_chunk, *args, **kwargs)
+        if stream is None or stream.held:  # held for the whole step (one stage per rank): nothing to enter
+            return run(*args, **kwargs)
+        return stream.run(run, *args, **kwargs)
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._in_stream(super().forward_one_chunk, *args, **kwargs)
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        stream = self.random_stream
-        if stream is None or stream.held:
-            return super().backward_one_chunk(*args, **kwargs)
-        return stream.run(super().backward_one_chunk, *args, **kwargs)
+        return self._in_stream(super().backward_one_chunk, *args, **kwargs)
 
     def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        stream = self.random_stream
-        if stream is None or stream.held:
-            return super().backward_weight_one_chunk(*args, **kwargs)
-        return stream.run(super().backward_weight_one_chunk, *args, **kwargs)
+        return self._in_stream(super().backward_weight_one_chunk, *args, **kwargs)
 
     def keep_saved_outputs(self) -> None:
         """Under a split backward: hand torch this stage's outputs as aliases it may detach in place
@@ -181,10 +176,10 @@ def detachable_outputs(module: Any, args: Any, output: Any) -> Any:
     the last stage, and a non-last stage's views were already made tensors of their own (``own_outputs``, which
     runs first)."""
     tensors = output if isinstance(output, tuple) else (output,)
-    if not any(isinstance(t, Tensor) and t.requires_grad and t._base is None for t in tensors):
+    tracked = [isinstance(t, Tensor) and t.requires_grad and t._base is None for t in tensors]
+    if not any(tracked):
         return None
-    aliased = tuple(_compat.detachable_alias(t) if isinstance(t, Tensor) and t.requires_grad and t._base is None
-                    else t for t in tensors)
+    aliased = tuple(_compat.detachable_alias(t) if alias else t for t, alias in zip(tensors, tracked))
     return aliased if isinstance(output, tuple) else aliased[0]
 
 

@@ -21,6 +21,7 @@ from lightning_pipe.schedules.registry import (
     get_schedule_spec,
     plan_schedule,
     register_schedule,
+    split_backward_actions,
 )
 from lightning_pipe.schedules.simulate import ScheduleDeadlock, SimulatedStep, simulate
 
@@ -47,4 +48,5 @@ __all__ = [
     "plan_schedule",
     "register_schedule",
     "simulate",
+    "split_backward_actions",
 ]

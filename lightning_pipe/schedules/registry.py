@@ -188,6 +188,12 @@ def compute_order(plan: SchedulePlan) -> dict[int, list[Any]]:
     return {rank: [a for a in actions if a is None or _compat.is_compute(a)] for rank, actions in order.items()}
 
 
+def split_backward_actions(plan: SchedulePlan) -> list[str]:
+    """The plan's split input / weight backward actions (I / W) as sorted strings, read from its compute order:
+    built-in, custom and extension schedules alike."""
+    return _compat.split_backward_actions(compute_order(plan))
+
+
 def check_torch_runs(plan: SchedulePlan) -> None:
     """Refuse a plan whose actions this torch would run wrongly ([Note: torch versions] in ``_compat/torch_release.py``).
 
@@ -196,7 +202,6 @@ def check_torch_runs(plan: SchedulePlan) -> None:
     """
     if _compat.torch_gap("split_backward") is None:
         return
-    split = sorted({str(part) for actions in compute_order(plan).values() for a in actions if a is not None
-                    for part in (a.sub_actions or (a,)) if part.computation_type.value in ("I", "W")})
+    split = split_backward_actions(plan)
     if split:
         check_split_backward(f"schedule={plan.spec.name!r}, whose actions include {', '.join(split[:4])}, ...")
