@@ -116,7 +116,15 @@ class HFCausalLM(PipelineModule):
         stays inside each document, as ``model(input_ids, position_ids=..., use_cache=False)`` computes. Labels
         ``-100`` on each document's first token keep the shifted loss from predicting across documents."""
         if isinstance(batch, Mapping) and "input_ids" in batch:
-            input_ids = batch["input_ids"]
+            input_ids, labels = batch["input_ids"], batch.get("labels")
+            if isinstance(labels, Tensor) and isinstance(input_ids, Tensor) and labels.shape != input_ids.shape:
+                # on every rank, before the schedule: a mismatch would otherwise surface as a loss error on the
+                # last stage only, after the other ranks started the step
+                raise ValueError(
+                    f"{type(self).__name__}: a batch's 'labels' must have the shape of its 'input_ids' (one label per "
+                    f"token; the loss shifts them itself, as transformers' models do); got input_ids "
+                    f"{tuple(input_ids.shape)} and labels {tuple(labels.shape)}. Pad or truncate both alike in the "
+                    "collator (e.g. DataCollatorForLanguageModeling / DataCollatorForSeq2Seq).")
             mask, position_ids = batch.get("attention_mask"), batch.get("position_ids")
             if position_ids is not None and mask is None:
                 # packed rows, as transformers' DataCollatorWithFlattening gives them ([Note: packed rows] in
@@ -124,14 +132,14 @@ class HFCausalLM(PipelineModule):
                 seq_idx = batch.get("seq_idx")
                 if seq_idx is None:
                     seq_idx = documents_from_positions(position_ids)
-                return (input_ids, torch.ones_like(input_ids), position_ids, seq_idx), batch.get("labels")
+                return (input_ids, torch.ones_like(input_ids), position_ids, seq_idx), labels
             if mask is None:
                 inputs: Any = input_ids
             elif position_ids is None:
                 inputs = (input_ids, mask)
             else:
                 inputs = (input_ids, mask, position_ids)
-            return inputs, batch.get("labels")
+            return inputs, labels
         return super().split_batch(batch)
 
     def loss_fn(self, logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:

@@ -361,6 +361,9 @@ def test_module_splits_collator_batches_and_builds_from_a_directory(tmp_path):
         ref = model(**batch)
         torch.testing.assert_close(module.compute_loss(batch), ref.loss, atol=1e-5, rtol=0)
         torch.testing.assert_close(module.compute_output(batch), ref.logits, atol=1e-5, rtol=0)
+    # labels of another length than the tokens: refused on every rank, before any schedule runs
+    with pytest.raises(ValueError, match=r"'labels' must have the shape of its 'input_ids'.*labels \(\d+, \d+\)"):
+        module.split_batch({**batch, "labels": labels[:, :-2]})
 
     seeded = [HFCausalLM(config=make_config("gpt2"), seed=3) for _ in range(2)]
     for m in seeded:
