@@ -14,19 +14,34 @@ round's median is kept: contention only adds time):
   schedule underneath, plus Lightning's loop and our per-step and per-micro-batch work.
 
 A least-squares line through t(m) gives the per-micro-batch slope and the fixed per-step cost (Lightning's loop is in
-the strategy's fixed cost). The same line through the number of function calls per step (``sys.setprofile``; a count,
-so the same on a busy machine) shows host work where timings are noise. Last lines: ``slope_ratio=<strategy /
-torch-pp>``, ``fixed_ratio`` and ``calls_slope_ratio``.
+the strategy's fixed cost). The row ``strategy: training step`` is the part of the strategy's step inside the engine's
+training step (the schedule with our per-micro-batch work, and our work before and after it; timed by a wrapper
+in this process, never in the library): what the strategy's step adds per micro-batch outside it is Lightning's
+fixed per-step work running slower after a longer step, not work done per micro-batch (measured in
+docs/performance.md, stop 19). The same line through the number of function calls per step (``sys.setprofile``; a
+count, so the same on a busy machine) shows host work where timings are noise. Last lines: ``slope_ratio=<strategy /
+torch-pp>``, ``step_slope_ratio=<strategy's training step / torch-pp>``, ``fixed_ratio`` and ``calls_slope_ratio``.
+
+``--instructions`` counts instead, with valgrind's callgrind (installed separately; about 10 minutes on 2 cores): the
+instructions each way executes per micro-batch, from whole runs at m = 1 and m = 16 in fresh processes (their
+difference over the extra micro-batches; setup cancels). An exact count of the host work, C++ included, that no
+machine noise moves; last line ``instructions_slope_ratio=<strategy / torch-pp>``. What a count cannot show is what
+the same instructions cost in time (caches, memory), which the timed slope includes.
 
     python bench/hostcost.py [--steps 60] [--microbatches 1 4 16] [--rounds 3]
+    python bench/hostcost.py --instructions [--steps 20]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 LAYERS, WIDTH, BATCH, WARMUP = 17, 8, 32, 5
+STEP = "strategy: training step"
 CLOCK = time.process_time
 """Step times are CPU time of this process by default (``--clock wall``: wall time): on a shared machine the
 process's CPU time is its host work, not counting the time it waits for a core."""
@@ -147,8 +163,18 @@ def paired(m: int, steps: int) -> dict[str, float]:
     (Lightning's loop, data loading, schedule, optimizer)."""
     from lightning.pytorch.callbacks import Callback
 
-    loops = {"plain": Plain(m), "torch-pp": TorchPP(m)}
-    times: dict[str, list[float]] = {"strategy": [], **{name: [] for name in loops}}
+    from lightning_pipe.runtime.engine import PipelineEngine
+
+    loops: dict[str, Plain | TorchPP] = {"plain": Plain(m), "torch-pp": TorchPP(m)}
+    times: dict[str, list[float]] = {"strategy": [], STEP: [], **{name: [] for name in loops}}
+    train_step = PipelineEngine._train_step
+
+    def timed_train_step(engine: Any, *args: Any) -> Any:  # this process only (restored below)
+        began = CLOCK()
+        try:
+            return train_step(engine, *args)
+        finally:
+            times[STEP].append(CLOCK() - began)
 
     class Pairs(Callback):
         last: float | None = None
@@ -163,7 +189,11 @@ def paired(m: int, steps: int) -> dict[str, float]:
                 times[name].append(CLOCK() - began)
             self.last = CLOCK()
 
-    _trainer(m, steps, Pairs()).fit(_module(), _loader(_batches(steps + WARMUP + 1)))
+    setattr(PipelineEngine, "_train_step", timed_train_step)  # noqa: B010 (a method swapped for this run)
+    try:
+        _trainer(m, steps, Pairs()).fit(_module(), _loader(_batches(steps + WARMUP + 1)))
+    finally:
+        setattr(PipelineEngine, "_train_step", train_step)  # noqa: B010
     return {name: statistics.median(ts[WARMUP:]) for name, ts in times.items()}
 
 
@@ -195,47 +225,97 @@ def fit_line(ms: list[int], ts: list[float]) -> tuple[float, float]:
     return slope, mean_t - slope * mean_m
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--microbatches", type=int, nargs="+", default=[1, 4, 16])
-    p.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
-    p.add_argument("--rounds", type=int, default=3, help="runs of each way and m; the least disturbed is kept")
-    args = p.parse_args()
-    global CLOCK
-    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
+def _setup() -> None:
+    """One process of world size 1 (torch-pp's stage needs a process group; the strategy reuses it)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    import warnings
+
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=0, world_size=1)  # torch-pp's stage needs one; the strategy reuses it
-    import warnings
-
+    dist.init_process_group("gloo", rank=0, world_size=1)
     warnings.filterwarnings("ignore")
-    ways = {"plain": _loop(Plain), "torch-pp": _loop(TorchPP), "strategy": strategy}
+
+
+WAYS = {"plain": _loop(Plain), "torch-pp": _loop(TorchPP), "strategy": strategy}
+
+
+def instructions(way: str, m: int, steps: int, out: Path) -> int:
+    """Instructions a fresh process executes running ``way`` at ``m`` for ``steps`` (+ warm-up) steps, all threads,
+    counted by callgrind (this file's ``--one`` mode under valgrind)."""
+    cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out / f'{way}.{m}.out'}", sys.executable,
+           __file__, "--one", way, str(m), "--steps", str(steps)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    found = re.search(r"I\s+refs:\s+([\d,]+)", done.stderr)
+    if done.returncode != 0 or found is None:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return int(found.group(1).replace(",", ""))
+
+
+def count_instructions(steps: int) -> None:
+    """Instructions per micro-batch of torch-pp and the strategy: (count at m = 16 - count at m = 1) over the extra
+    micro-batches, two processes at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if shutil.which("valgrind") is None:
+        raise SystemExit("--instructions needs valgrind (e.g. `apt install valgrind`)")
+    runs = [(way, m) for way in ("torch-pp", "strategy") for m in (1, 16)]
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(2) as pool:
+        counts = dict(zip(runs, pool.map(lambda run: instructions(run[0], run[1], steps, Path(tmp)), runs)))
+    extra = 15 * (steps + WARMUP + 1)  # micro-batches the m = 16 run adds
+    per = {way: (counts[way, 16] - counts[way, 1]) / extra for way in ("torch-pp", "strategy")}
+    print("| way | instructions at m=1 | at m=16 | per micro-batch |")
+    print("|---|---|---|---|")
+    for way, value in per.items():
+        print(f"| {way} | {counts[way, 1]:,} | {counts[way, 16]:,} | {value:,.0f} |")
+    print(f"layers={LAYERS} width={WIDTH} batch={BATCH} steps={steps} (+{WARMUP + 1} warm-up; callgrind, all threads)")
+    print(f"instructions_slope_ratio={per['strategy'] / per['torch-pp']:.3f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 60; 20 with --instructions)")
+    p.add_argument("--microbatches", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
+    p.add_argument("--rounds", type=int, default=3, help="runs of each way and m; the least disturbed is kept")
+    p.add_argument("--instructions", action="store_true", help="count instructions with valgrind instead of timing")
+    p.add_argument("--one", nargs=2, metavar=("WAY", "M"), help=argparse.SUPPRESS)  # one run (under valgrind)
+    args = p.parse_args()
+    if args.instructions:
+        count_instructions(args.steps or 20)
+        return
+    steps = args.steps or 60
+    _setup()
+    if args.one:
+        WAYS[args.one[0]](int(args.one[1]), steps)
+        return
+    global CLOCK
+    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     runs: dict[tuple[str, int], list[float]] = {}
     for _ in range(args.rounds):  # the least disturbed round's median of each way (contention only adds time)
         for m in args.microbatches:
-            for name, t in paired(m, args.steps).items():
+            for name, t in paired(m, steps).items():
                 runs.setdefault((name, m), []).append(t)
-    times = {name: [min(runs[name, m]) for m in args.microbatches] for name in ways}
+    times = {name: [min(runs[name, m]) for m in args.microbatches] for name in [*WAYS, STEP]}
     fits = {name: fit_line(args.microbatches, ts) for name, ts in times.items()}
     # (m = 4 and 16, the lower of two counts: a first run in a process can count one-off work)
     calls = {name: fit_line([4, 16], [min(calls_per_step(run, m) for _ in range(2)) for m in (4, 16)])
-             for name, run in ways.items()}
+             for name, run in WAYS.items()}
     cols = " | ".join(f"m={m} (ms)" for m in args.microbatches)
     print(f"| way | {cols} | per micro-batch (us) | fixed per step (ms) | calls per micro-batch | calls per step |")
     print("|---" * (len(args.microbatches) + 5) + "|")
     for name, ts in times.items():
-        (slope, fixed), (call_slope, call_fixed) = fits[name], calls[name]
+        slope, fixed = fits[name]
+        counted = " | ".join(f"{c:.0f}" for c in calls[name]) if name in calls else " | "
         print(f"| {name} | " + " | ".join(f"{t * 1e3:.2f}" for t in ts)
-              + f" | {slope * 1e6:.0f} | {fixed * 1e3:.2f} | {call_slope:.0f} | {call_fixed:.0f} |")
-    print(f"layers={LAYERS} width={WIDTH} batch={BATCH} steps={args.steps} (median step time, {args.clock} clock)")
+              + f" | {slope * 1e6:.0f} | {fixed * 1e3:.2f} | {counted} |")
+    print(f"layers={LAYERS} width={WIDTH} batch={BATCH} steps={steps} (median step time, {args.clock} clock)")
     print(f"slope_ratio={fits['strategy'][0] / fits['torch-pp'][0]:.3f}")
+    print(f"step_slope_ratio={fits[STEP][0] / fits['torch-pp'][0]:.3f}")
     print(f"fixed_ratio={fits['strategy'][1] / fits['torch-pp'][1]:.3f}")
     print(f"calls_slope_ratio={calls['strategy'][0] / calls['torch-pp'][0]:.3f}")
 
