@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.nn.utils.parametrizations import weight_norm
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 from lightning_pipe import PipelineModule
@@ -278,6 +279,29 @@ class SavedOutputRegressor(ToyRegressor):
     def loss_fn(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         prediction, f = output
         return F.mse_loss(prediction, target) + 0.01 * f.pow(2).mean()
+
+
+class NormedBlock(nn.Module):
+    """A residual block whose weight is reparametrised with ``weight_norm``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = weight_norm(nn.Linear(width, width))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.fc(h))
+
+
+class WeightNormRegressor(ToyRegressor):
+    """Every layer's weight reparametrised with ``torch.nn.utils.parametrizations.weight_norm`` (as audio models'
+    convolutions are): the trained parameters (``parametrizations.weight.original0/1``) are not the weights the
+    layers use, which are computed in each forward, so inside the weight half of a split backward too."""
+
+    def __init__(self, n_layers: int = 8, width: int = WIDTH, **kwargs: Any) -> None:
+        super().__init__(n_layers=n_layers, width=width, **kwargs)
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(weight_norm(nn.Linear(4, width)), *(NormedBlock(width) for _ in range(n_layers - 2)),
+                                    weight_norm(nn.Linear(width, 4), dim=None))
 
 
 class ViewIn(nn.Module):

@@ -26,6 +26,7 @@ from tests.models import (
     SavedOutputRegressor,
     TensorParallelRegressor,
     ToyRegressor,
+    WeightNormRegressor,
     loader,
     reference_train_loader,
     regression_data,
@@ -224,7 +225,7 @@ MODELS: dict[str, Callable[[TrainingCase], L.LightningModule]] = {
     "toy": toy(ToyRegressor), "no_layers": toy(NoLayerList), "meta": toy(MetaBuiltRegressor), "gpt": tiny_gpt,
     "tp": toy(TensorParallelRegressor), "gpt_split_head": gpt_splitting_its_head, "llama": tiny_llama,
     "tp_hook_fails": tp_hook_failing_first, "gpt_packed": tiny_gpt, "llama_packed": tiny_llama,
-    "saved_outputs": toy(SavedOutputRegressor)}
+    "saved_outputs": toy(SavedOutputRegressor), "weight_norm": toy(WeightNormRegressor)}
 TOKEN_WEIGHTED = frozenset({"gpt_packed", "llama_packed"})
 """Models whose data has -100 targets (a token-weighted loss with uneven counts per micro-batch and replica)."""
 DATA: dict[str, Callable[[int], Any]] = {"gpt": token_data, "gpt_split_head": token_data,
