@@ -304,6 +304,71 @@ class WeightNormRegressor(ToyRegressor):
                                     weight_norm(nn.Linear(width, 4), dim=None))
 
 
+class ToSequence(nn.Module):
+    """``(B, 4) -> (B, 4, width)``: four time steps for the recurrent layers of :class:`RecurrentRegressor`."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc, self.width = nn.Linear(4, 4 * width), width
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).view(x.shape[0], 4, self.width)
+
+
+class LSTMBlock(nn.Module):
+    """An LSTM with a residual; its ``(h, c)`` state stays inside the layer."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(width, width, batch_first=True)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(h)
+        return out + h
+
+
+class GRUSummary(nn.Module):
+    """A bidirectional GRU: its outputs and its final states as one ``(B, width)`` summary, two tensors onward."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gru = nn.GRU(width, width // 2, batch_first=True, bidirectional=True)
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out, last = self.gru(h)
+        return out, last.transpose(0, 1).reshape(h.shape[0], -1)
+
+
+class SummaryMix(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor, summary: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(h + self.fc(summary)[:, None])
+
+
+class SequenceHead(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, 4)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.fc(h.mean(1))
+
+
+class RecurrentRegressor(ToyRegressor):
+    """LSTM and bidirectional-GRU layers (torch's fused recurrent kernels, on meta tensors for the stage shapes too)
+    over four time steps; the GRU hands the next layer its outputs and a summary of its final states."""
+
+    def __init__(self, n_layers: int = 8, width: int = WIDTH, **kwargs: Any) -> None:
+        super().__init__(n_layers=n_layers, width=width, **kwargs)
+        torch.manual_seed(0)
+        blocks = [LSTMBlock(width) for _ in range(n_layers - 4)]
+        self.layers = nn.Sequential(ToSequence(width), blocks[0], GRUSummary(width), SummaryMix(width), *blocks[1:],
+                                    SequenceHead(width))
+
+
 class ViewIn(nn.Module):
     """First layer of :class:`ViewsRegressor`: a strided input in, the (expanded) mask passed along unchanged."""
 

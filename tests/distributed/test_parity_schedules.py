@@ -53,7 +53,10 @@ def test_loop_placement_schedules_match_single_device(tmp_path) -> None:
                            clip=0.05, optimizer="adamw"),
               # weights computed from reparametrised parameters (weight_norm) in every forward
               TrainingCase(model="weight_norm", schedule="interleaved_1f1b", stages_per_rank=2, microbatches=4,
-                           clip=0.05, optimizer="adamw")]
+                           clip=0.05, optimizer="adamw"),
+              # LSTM / GRU layers, a (outputs, summary) pair across a stage boundary
+              TrainingCase(model="recurrent", schedule="interleaved_1f1b", stages_per_rank=2, microbatches=4, acc=2,
+                           clip=0.05)]
     check_all(launch("training", 2, cases, tmp_path, timeout=540), cases)
 
 
@@ -76,7 +79,9 @@ def test_v_placement_schedules_match_single_device(tmp_path) -> None:
               TrainingCase(model="saved_outputs", schedule="dualpipev", stages_per_rank=2, microbatches=4, acc=2,
                            optimizer="adamw", validate=False),
               # weight_norm: the weight half (W) differentiates through the reparametrisation
-              TrainingCase(model="weight_norm", schedule="zbv", stages_per_rank=2, microbatches=4, acc=2, clip=0.05)]
+              TrainingCase(model="weight_norm", schedule="zbv", stages_per_rank=2, microbatches=4, acc=2, clip=0.05),
+              # the weight half (W) through LSTM / GRU weights
+              TrainingCase(model="recurrent", schedule="zbv", stages_per_rank=2, microbatches=4, acc=2, clip=0.05)]
     results = launch("training", 2, cases, tmp_path, timeout=540)
     check_all(results, cases)
     assert results[0][0]["topology"] == (0, 0) and results[0][0]["predictions"].shape[0] == 22
