@@ -71,13 +71,16 @@ class HandWritten:
 
         cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[args.schedule]
         self.schedule = cls(stage, n_microbatches=args.microbatches, loss_fn=loss_fn, scale_grads=False)
+        self.stage_mod = stage_mod
         self.opt = torch.optim.AdamW(list(stage_mod.parameters()), lr=1e-3)
         self.tied = model.layers[0].wte.weight  # held by the first and the last rank
 
-    def step(self, x, y) -> None:
+    def step(self, x, y, opt: Any = None) -> None:
+        """One training step; ``opt`` steps in place of the raw optimizer (Lightning's wrapper in the floor)."""
         import torch.distributed as dist
 
-        self.opt.zero_grad(set_to_none=True)
+        opt = self.opt if opt is None else opt
+        opt.zero_grad(set_to_none=True)
         if self.rank == 0:
             self.schedule.step(x)
         elif self.rank == self.world - 1:
@@ -86,7 +89,7 @@ class HandWritten:
             self.schedule.step()
         if self.tied.grad is not None:
             dist.all_reduce(self.tied.grad)
-        self.opt.step()
+        opt.step()
 
 
 def hand_written(args: argparse.Namespace, on_step: Callable[[int], None] | None = None) -> list[float]:
@@ -105,13 +108,18 @@ def hand_written(args: argparse.Namespace, on_step: Callable[[int], None] | None
     return times[args.warmup - 1:]
 
 
-def _trainer(args: argparse.Namespace, callback: Any) -> Any:
+def _trainer(args: argparse.Namespace, callback: Any, stock: bool = False) -> Any:
+    """The strategy's Trainer, or with ``stock`` Lightning's own single-device strategy in each rank process (the
+    Lightning floor: :class:`LightningFloor` brings its own process group and pipeline)."""
     import lightning.pytorch as L
+    import torch
+    from lightning.pytorch.strategies import SingleDeviceStrategy
 
     from lightning_pipe import PipelineStrategy
 
-    return L.Trainer(strategy=PipelineStrategy(schedule=args.schedule, microbatches=args.microbatches),
-                     accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]),
+    strategy = (SingleDeviceStrategy(torch.device("cpu")) if stock
+                else PipelineStrategy(schedule=args.schedule, microbatches=args.microbatches))
+    return L.Trainer(strategy=strategy, accelerator="cpu", devices=1 if stock else int(os.environ["WORLD_SIZE"]),
                      max_steps=args.steps + args.warmup, logger=False, enable_checkpointing=False,
                      enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
                      use_distributed_sampler=False)  # same batches, in the same order, as the hand-written loop
@@ -126,10 +134,34 @@ def through_lightning(args: argparse.Namespace, on_step: Callable[[int], None] |
     return clock.durations(args.warmup)
 
 
-def paired(args: argparse.Namespace) -> tuple[list[float], list[float]]:
-    """(strategy steps, hand-written steps), alternating step by step: after each training batch of the Trainer, a
+def _floor_module(args: argparse.Namespace) -> Any:
+    """The Lightning floor: :class:`HandWritten`'s step as the ``training_step`` of a plain LightningModule (manual
+    optimization), what a user who hand-writes torch's pipeline inside Lightning runs. Against the hand-written loop
+    it costs what Lightning's loop costs around the same step; no strategy can go below it."""
+    import lightning.pytorch as L
+
+    class LightningFloor(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.hand = HandWritten(args)
+            self.stage = self.hand.stage_mod  # registered, as a user's module holds its layers
+
+        def configure_optimizers(self) -> Any:
+            return self.hand.opt
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            # Lightning's wrapper steps the optimizer, as in a user's manual-optimization step (it counts the step)
+            self.hand.step(*batch, opt=self.optimizers())
+
+    return LightningFloor()
+
+
+def paired(args: argparse.Namespace, floor: bool = False) -> tuple[list[float], list[float]]:
+    """(Trainer steps, hand-written steps), alternating step by step: after each training batch of the Trainer, a
     callback runs one hand-written step on the same batch. A slow phase of the machine (seconds long on a shared
-    VM) then slows both sides of a pair alike, where blocks of steps per side would charge it to one."""
+    VM) then slows both sides of a pair alike, where blocks of steps per side would charge it to one. The Trainer
+    runs the strategy, or with ``floor`` the hand-written step in a stock Trainer (:func:`_floor_module`)."""
     from lightning.pytorch.callbacks import Callback
 
     hand = HandWritten(args)
@@ -150,7 +182,8 @@ def paired(args: argparse.Namespace) -> tuple[list[float], list[float]]:
             self.hand.append(self.last - start)
 
     pairs = Pairs()
-    _trainer(args, pairs).fit(_model(), _data(args.batch * (args.steps + args.warmup), args.batch))
+    _trainer(args, pairs, stock=floor).fit(_floor_module(args) if floor else _model(),
+                                           _data(args.batch * (args.steps + args.warmup), args.batch))
     skip = args.warmup - 1
     return pairs.light[skip:], pairs.hand[skip + 1:]
 
@@ -158,13 +191,18 @@ def paired(args: argparse.Namespace) -> tuple[list[float], list[float]]:
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    results: dict[str, list[float]] = {"hand": [], "lightning": []}
+    results: dict[str, list[float]] = {"hand": [], "lightning": [], "floor": [], "floor_hand": []}
     dist.init_process_group("gloo")
-    for _ in range(args.rounds):
+    for _ in range(args.rounds):  # the strategy's and the floor's rounds alternate
         light, hand = paired(args)
         results["lightning"] += light
         results["hand"] += hand
         dist.barrier()
+        if not args.no_floor:
+            light, hand = paired(args, floor=True)
+            results["floor"] += light
+            results["floor_hand"] += hand
+            dist.barrier()
     if int(os.environ["RANK"]) == 0:
         Path(args.out).write_text(json.dumps(results))
 
@@ -185,6 +223,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_arguments(p, steps=30)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--no-floor", action="store_true", help="skip the Lightning floor's rounds")
     args = p.parse_args()
     if args.worker:
         return worker(args)
@@ -194,6 +233,13 @@ def main() -> None:
     print(f"| hand-written torch.distributed.pipelining | {hand * 1e3:.1f} | {len(times['hand'])} |")
     print(f"| Trainer(strategy=PipelineStrategy) | {light * 1e3:.1f} | {len(times['lightning'])} |")
     pairs = statistics.median(a / b for a, b in zip(times["lightning"], times["hand"]))
+    if times["floor"]:
+        floor, floor_hand = statistics.median(times["floor"]), statistics.median(times["floor_hand"])
+        print(f"| Lightning floor: the hand-written step in a stock Trainer | {floor * 1e3:.1f} | "
+              f"{len(times['floor'])} |")
+        print(f"| hand-written, paired with the floor's rounds | {floor_hand * 1e3:.1f} | {len(times['floor_hand'])} |")
+        print(f"lightning_floor_ratio={floor / floor_hand:.3f} (the floor over the hand-written loop of its rounds; "
+              f"the strategy over the floor: {(light / hand) / (floor / floor_hand):.3f})")
     print(f"schedule={args.schedule} microbatches={args.microbatches} ranks=2 batch={args.batch} "
           f"rounds={args.rounds}; median of the per-step ratios {pairs:.3f}")
     print(f"overhead_ratio={light / hand:.3f}")
