@@ -45,6 +45,11 @@ def counts_here(grad: Tensor, coords: Mapping[str, int]) -> bool:
     return all(coord == 0 or dim in split for dim, coord in coords.items())
 
 
+FOLD_MAX_ELEMENTS = 1 << 18
+"""Tied gradients up to this many elements in all ride the step's agreement ([Note: tie sums in the agreement]):
+2 MiB as float64, where a collective's fixed cost still outweighs the transfer (gloo on CPU, NCCL alike)."""
+
+
 class GradientSync:
     """This rank's parameters and the collectives over them."""
 
@@ -70,7 +75,10 @@ class GradientSync:
         """Whether :meth:`sum_ties_early` may run (plain tensors: FSDP and tensor-parallel copies sum at the sync)."""
         self.tie_of = {id(param): tie_group.group for param, tie_group in self.ties}
         """``id(param)`` -> the group its tied copies sum over (parameters tied across ranks only)."""
+        self._foldable = (getattr(groups, "ties_span_world", False) and groups.experts is None
+                          and sum(p.numel() for p, _ in self.ties) <= FOLD_MAX_ELEMENTS)
         self._launched: dict[int, Any] = {}  # id(param) -> the all-reduce of its fresh gradient
+        self._folded: list[tuple[int, Tensor]] = []  # (id(param), fresh gradient) in the agreement's payload
         self._summed: dict[int, Tensor] = {}  # id(param) -> the .grad tensor known to hold the tie sum
 
     def sync(self, replicas: bool = True) -> None:
@@ -110,13 +118,46 @@ class GradientSync:
             if grad is not None:
                 self._launched[id(param)] = dist.all_reduce(grad, group=tie_group.group, async_op=True)
 
+    @property
+    def fold_ties(self) -> bool:
+        """Whether the early tie sums may ride the step's agreement ([Note: tie sums in the agreement])."""
+        return self.early_ties and self._foldable
+
+    # [Note: tie sums in the agreement]
+    # Launched early, the tie sum still is a collective of its own: on a CPU host its fixed cost (a gloo round trip
+    # and the wake-up of the ranks blocked in it, ~1 ms here whatever the size up to a few hundred KiB) dwarfs the
+    # transfer, and the agreement queued behind it waits for it (docs/performance.md). Where every tie group is the
+    # whole world (one pipeline, each tied weight held by every rank: the pipeline-2 GPT) the sums can ride the
+    # agreement's SUM all-reduce instead, as float64: a sum of two float32 (or bfloat16) values computed in float64
+    # and rounded back is the correctly rounded sum — double rounding is innocuous for addition when the wide format
+    # has at least 2p + 2 bits (53 >= 2 * 24 + 2) — so two copies sum bit for bit as gloo or NCCL sum them; more
+    # copies sum more accurately than a float32 chain. The payload doubles in float64, so only small ties ride along
+    # (FOLD_MAX_ELEMENTS): a large embedding's all-reduce is bandwidth-bound, and on its own it overlaps the
+    # agreement. Every rank decides alike: the ties, their order and their sizes are the same on every rank.
+    def fold_payload(self, fresh: Mapping[int, Tensor]) -> Tensor:
+        """The agreement's extra payload (float64) holding this batch's fresh tied gradients (``fresh``: by
+        ``id(param)``, one for every tied parameter), in :attr:`ties` order; :meth:`unfold` reads its sum back."""
+        self._folded = [(id(param), fresh[id(param)]) for param, _ in self.ties]
+        return torch.cat([grad.reshape(-1).double() for _, grad in self._folded])
+
+    def unfold(self, summed: Tensor) -> None:
+        """Each fresh tied gradient of :meth:`fold_payload` becomes its slice of the world's sum (then reported by
+        :meth:`finish_early_ties` as summed)."""
+        offset = 0
+        for key, grad in self._folded:
+            n = grad.numel()
+            grad.copy_(summed[offset:offset + n].view(grad.shape))
+            offset += n
+            self._launched[key] = None
+
     def finish_early_ties(self) -> set[int]:
         """Wait for the sums :meth:`sum_ties_early` launched (done by now: every rank has met at the agreement since);
-        the ``id`` of each parameter whose fresh gradient is now the tie sum."""
+        the ``id`` of each parameter whose fresh gradient is now the tie sum (those :meth:`unfold` summed too)."""
         done = set(self._launched)
         for work in self._launched.values():
-            work.wait()
-        self._launched = {}
+            if work is not None:
+                work.wait()
+        self._launched, self._folded = {}, []
         return done
 
     def add_tied(self, param: nn.Parameter, fresh: Tensor, fresh_summed: bool) -> None:

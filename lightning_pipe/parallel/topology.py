@@ -190,10 +190,14 @@ class ProcessGroups:
                     self.dp = group
         # Tied parameters held by several pipeline ranks: one group per tie and replica, over the holding ranks.
         self.tied: list[TieGroup] = []
+        self.ties_span_world = d == 1 and tp == 1 and mesh is None
+        """Every tie group is the whole world (one pipeline, each tie held by every rank): the same ties, in the
+        same order, on every rank ([Note: tie sums in the agreement] in parallel/grads.py)."""
         for tie in tied:
             holders = sorted({r for i in tie.layer_indices for r in ranks_of_stage(stage_of(ranges, i))})
             if len(holders) < 2:
                 continue
+            self.ties_span_world = self.ties_span_world and len(holders) == p
             mine = None
             for dp_rank in range(d):
                 for t in range(tp):

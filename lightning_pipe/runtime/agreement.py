@@ -12,7 +12,9 @@ all-reduce over the world of a small float64 vector:
   reads exactly what the broadcast gave it (a mean loss has count -1, as before);
 * the replicas' target count is the sum of the count column over the data-parallel indices at this rank's tensor
   rank: the sum the count all-reduce computed;
-* the flags, as 0 / 1: a sum > 0 is "set on some rank", what the MAX computed.
+* the flags, as 0 / 1: a sum > 0 is "set on some rank", what the MAX computed;
+* where every tie group is the world, the tied copies' fresh gradients ([Note: tie sums in the agreement] in
+  parallel/grads.py).
 
 Every rank of the world runs the same training steps (that is what the flags check), so every rank reaches this
 all-reduce at the same point where it reached the broadcast before. The agreed flags stay a tensor until the adapter
@@ -30,24 +32,30 @@ from torch import Tensor
 from lightning_pipe.parallel.topology import Topology
 
 
-def agree_step(local: Tensor, is_last: bool, flags: Sequence[bool],
-               topology: Topology) -> tuple[Tensor, Tensor, Tensor]:
+def agree_step(local: Tensor, is_last: bool, flags: Sequence[bool], topology: Topology,
+               extra: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``local``: this rank's ``(value, count)`` (float64; read only where ``is_last``). Returns this pipeline's
-    ``(value, count)``, the count summed over the replicas, and the flags set on any rank (bool tensor)."""
+    ``(value, count)``, the count summed over the replicas, and the flags set on any rank (bool tensor). ``extra``
+    (float64, 1-D, the same length on every rank) rides along: summed over the world, in place."""
     tp = topology.tensor_parallel_size
     slots = topology.dp_degree * tp
     mine = topology.dp_rank * tp + topology.tp_rank
-    packed = torch.zeros(2 * slots + len(flags), dtype=torch.float64, device=local.device)
+    n_flags = 2 * slots + len(flags)
+    packed = torch.zeros(n_flags + (0 if extra is None else extra.numel()), dtype=torch.float64, device=local.device)
     if is_last:
         packed[2 * mine:2 * mine + 2] = local
     if flags:
-        packed[2 * slots:] = torch.tensor([1.0 if f else 0.0 for f in flags], dtype=torch.float64,
-                                          device=local.device)
+        packed[2 * slots:n_flags] = torch.tensor([1.0 if f else 0.0 for f in flags], dtype=torch.float64,
+                                                 device=local.device)
+    if extra is not None:
+        packed[n_flags:] = extra
     dist.all_reduce(packed)
+    if extra is not None:
+        extra.copy_(packed[n_flags:])
     pairs = packed[:2 * slots].view(topology.dp_degree, tp, 2)
     own = pairs[topology.dp_rank, topology.tp_rank].clone()
     total = pairs[:, topology.tp_rank, 1].sum()
-    return own, total, packed[2 * slots:] > 0
+    return own, total, packed[2 * slots:n_flags] > 0
 
 
 __all__ = ["agree_step"]

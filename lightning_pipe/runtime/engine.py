@@ -329,20 +329,42 @@ class PipelineEngine:
                 stage.flush_update()
         self._mb_targets = self.shapes.planned = None
         self._pending_grads = [p.grad for p in self.parameters]
+        tie_payload = None
         if (overlap is None and self.grads.early_ties and self.dp_handoff.optimizer_step_follows
                 and not self.per_microbatch_updates):  # (PipeDream sums its ties in each micro-batch's update)
-            # before the agreement, so both collectives meet at once ([Note: tied copies summed at the schedule's end])
-            self.grads.sum_ties_early({id(p): g for p, g in zip(self.parameters, self._pending_grads)})
+            if self.grads.fold_ties and self._agrees:  # [Note: tie sums in the agreement] in parallel/grads.py
+                tie_payload = self.grads.fold_payload(self._fresh_ties())
+            else:  # before the agreement, so both meet at once ([Note: tied copies summed at the schedule's end])
+                self.grads.sum_ties_early({id(p): g for p, g in zip(self.parameters, self._pending_grads)})
         for p, g in zip(self.parameters, saved):
             p.grad = g
-        loss, global_count = self._step_loss()
+        loss, global_count = self._step_loss(tie_payload)
         self._grad_factor = None
         if global_count is not None:  # [Note: token-weighted loss]
             self._grad_factor = elements * self.groups.topology.dp_degree / global_count.clamp_min(1)
         return loss + self.aux.end(self.plan.microbatches, global_count, self.device)
 
-    def _step_loss(self) -> tuple[Tensor, Tensor | None]:
-        """This replica's batch loss (on every rank) and, for a (sum, count) loss, the count over all replicas."""
+    @property
+    def _agrees(self) -> bool:
+        """Whether a training step ends in the agreement's all-reduce (runtime/agreement.py), the same on every rank."""
+        return self.step_flags is not None and self.groups.topology.world_size > 1
+
+    def _fresh_ties(self) -> dict[int, Tensor]:
+        """This batch's gradient of every tied parameter, by ``id``; zeros (then pending like any other) where this
+        rank's copy got none, so every rank's payload has the same layout."""
+        pending, fresh = self._pending_grads, {}
+        assert pending is not None  # set by _train_step right before
+        for i, p in enumerate(self.parameters):
+            if id(p) in self.grads.tie_of:
+                grad = pending[i]
+                if grad is None:
+                    grad = pending[i] = torch.zeros_like(p)
+                fresh[id(p)] = grad
+        return fresh
+
+    def _step_loss(self, tie_payload: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """This replica's batch loss (on every rank) and, for a (sum, count) loss, the count over all replicas;
+        ``tie_payload`` (:meth:`GradientSync.fold_payload`) rides the agreement."""
         packed = torch.zeros(2, dtype=torch.float64, device=self.device)  # (mean, -1) or (sum, count)
         if self.has_last:
             records, m = self._records, self.plan.microbatches
@@ -357,8 +379,11 @@ class PipelineEngine:
                 packed[0] = torch.stack([r.value.double() for r in records]).sum()
                 packed[1] = torch.stack([r.count for r in records]).sum()  # type: ignore[misc]
         count: Tensor | None = None
-        if self.step_flags is not None and self.groups.topology.world_size > 1:
-            packed, count, self._agreed = agree_step(packed, self.has_last, self.step_flags(), self.groups.topology)
+        if self._agrees:
+            packed, count, self._agreed = agree_step(packed, self.has_last, self.step_flags(),  # type: ignore[misc]
+                                                     self.groups.topology, extra=tie_payload)
+            if tie_payload is not None:
+                self.grads.unfold(tie_payload)
         elif self.plan.pipeline_size > 1:
             dist.broadcast(packed, group=self.groups.pp, group_src=self.last_pp_rank)
         if not self._loss_kind.learn(packed[1] >= 0, len(self._records)):  # no host read after the first step

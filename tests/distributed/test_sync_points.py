@@ -1,4 +1,5 @@
-"""No host-device sync inside the training step (issue 22.4), under every built-in schedule.
+"""No host-device sync inside the training step (issue 22.4), under every built-in schedule; and one collective per
+training batch where nothing asks for more.
 
 Each case trains a few steps on 2 real ranks while ``Tensor.item`` / ``tolist`` / ``cpu`` / ``numpy`` /
 ``__bool__`` / ``__float__`` / ``__int__`` and CUDA's synchronize / event and stream queries are counted per call
@@ -37,6 +38,8 @@ CASES = [SyncCase(schedule=s, stages_per_rank=2 if s in V_PLACED else None) for 
     # overlapped with the schedule (pipeline size 1 here: the replicas' target counts, the gradient factor)
     SyncCase(schedule="1f1b", acc=2, clip=0.05),
     SyncCase(schedule="gpipe", model="lm_pair", n_layers=6, dp=2, acc=2, clip=0.05),
+    # the embedding and head tied across the two ranks: their sum rides the agreement
+    SyncCase(schedule="1f1b", model="lm_tied", n_layers=6),
 ]
 
 
@@ -77,3 +80,19 @@ def test_a_training_step_keeps_no_outputs(results: list[list[dict]]) -> None:
                 f"rank {rank}, {case}: last-stage outputs still held after each training batch "
                 f"({result['kept_outputs']}): a training step must not keep them (the schedule's step is called with "
                 "return_outputs=False where it takes it)")
+
+
+
+@pytest.mark.timeout(300)
+def test_one_collective_per_training_step(results: list[list[dict]]) -> None:
+    """[Note: one collective at the step's end]: without clipping, accumulation or replicas a training batch ends in
+    the agreement's all-reduce and nothing else, tied weights included ([Note: tie sums in the agreement]). Chimera
+    reduces its loss over its two pipelines apart (three per batch)."""
+    for rank, per_case in enumerate(results):
+        for case, result in zip(CASES, per_case):
+            if case.clip is not None or case.acc > 1 or case.dp > 1:
+                continue
+            per_batch = 3 if case.schedule == "chimera" else 1
+            assert result["collectives"] == {"all_reduce": per_batch * result["counted_steps"]}, (
+                f"rank {rank}, {case}: collectives over {result['counted_steps']} training batches: "
+                f"{result['collectives']} (expected {per_batch} all-reduce per batch)")

@@ -16,19 +16,22 @@ from lightning_pipe.runtime import agreement
 
 
 def _simulate(monkeypatch: pytest.MonkeyPatch, topologies: list[Topology], local: dict[int, torch.Tensor],
-              last: set[int], flags: dict[int, list[bool]]) -> dict[int, Any]:
+              last: set[int], flags: dict[int, list[bool]],
+              extra: dict[int, torch.Tensor] | None = None) -> dict[int, Any]:
     sent: dict[int, torch.Tensor] = {}
     rank = {"now": 0}
     monkeypatch.setattr(agreement.dist, "all_reduce", lambda t: sent.__setitem__(rank["now"], t.clone()))
     for topo in topologies:  # pass 1: what each rank contributes
         rank["now"] = topo.global_rank
-        agreement.agree_step(local[topo.global_rank], topo.global_rank in last, flags[topo.global_rank], topo)
+        agreement.agree_step(local[topo.global_rank], topo.global_rank in last, flags[topo.global_rank], topo,
+                             extra=None if extra is None else extra[topo.global_rank].clone())
     total = torch.stack(list(sent.values())).sum(0)
     monkeypatch.setattr(agreement.dist, "all_reduce", lambda t: t.copy_(total))
     out = {}
     for topo in topologies:  # pass 2: what each rank reads
         out[topo.global_rank] = agreement.agree_step(local[topo.global_rank], topo.global_rank in last,
-                                                     flags[topo.global_rank], topo)
+                                                     flags[topo.global_rank], topo,
+                                                     extra=None if extra is None else extra[topo.global_rank])
     return out
 
 
@@ -61,7 +64,19 @@ def test_a_mean_loss_keeps_its_marker(monkeypatch: pytest.MonkeyPatch) -> None:
         assert torch.equal(own, mean) and agreed.numel() == 0
 
 
-@pytest.mark.parametrize("phase,folded", itertools.product(["train", "validate"], [True, False]))
+def test_an_extra_payload_is_summed_over_the_world_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: tie sums in the agreement]: the tied gradients ride along without touching the loss or the flags."""
+    topologies = [Topology.create(2, 1, r) for r in range(2)]
+    mean = torch.tensor([2.5, -1.0], dtype=torch.float64)
+    extra = {r: torch.arange(5, dtype=torch.float64) * (r + 1) for r in range(2)}
+    out = _simulate(monkeypatch, topologies, {0: torch.zeros(2, dtype=torch.float64), 1: mean}, {1},
+                    {0: [True], 1: [False]}, extra)
+    for r, (own, _, agreed) in out.items():
+        assert torch.equal(own, mean) and agreed.tolist() == [True]
+        assert torch.equal(extra[r], torch.arange(5, dtype=torch.float64) * 3)
+
+
+@pytest.mark.parametrize("phase,folded", list(itertools.product(["train", "validate"], [True, False])))
 def test_faults_read_the_flags_agreed_with_the_loss(monkeypatch: pytest.MonkeyPatch, phase: str, folded: bool) -> None:
     """In training the flags come with the step's loss (no all-reduce of their own); evaluation, or an engine that
     did not fold them (Chimera's own loss reduction), still runs the faults' all-reduce."""

@@ -84,3 +84,43 @@ def test_one_collective_per_step_without_accumulation(doubled: list[int]) -> Non
         sync.add_tied(param, fresh, id(param) in sync.finish_early_ties())
         sync.sync(replicas=False)
     assert len(doubled) == 3
+
+
+def test_folded_sums_count_as_summed(doubled: list[int]) -> None:
+    """[Note: tie sums in the agreement]: a fresh gradient whose sum came back in the agreement's payload is summed
+    once and never again (no collective of its own at the sync)."""
+    sync, param = _sync()
+    for _ in range(2):
+        param.grad = None
+        fresh = torch.full((2, 2), 3.0)
+        payload = sync.fold_payload({id(param): fresh})
+        assert payload.dtype == torch.float64 and payload.numel() == 4
+        sync.unfold(payload * 2)  # the world's sum of two equal copies
+        sync.add_tied(param, fresh, id(param) in sync.finish_early_ties())
+        sync.sync(replicas=False)
+        torch.testing.assert_close(param.grad, torch.full((2, 2), 6.0))
+    assert doubled == []
+
+
+def test_ties_fold_only_where_every_tie_group_is_the_world() -> None:
+    sync, _ = _sync()
+    assert not sync.fold_ties  # the stand-in groups do not say their ties span the world
+    sync.groups.ties_span_world = True  # type: ignore[attr-defined]
+    module = nn.Linear(2, 2, bias=False)
+    folding = GradientSync(module, list(module.parameters()), sync.groups, torch.device("cpu"))
+    assert folding.fold_ties
+    folding.early_ties = False  # Chimera, FSDP, tensor parallel: the sums run in the sync
+    assert not folding.fold_ties
+    big = nn.Linear(grads_module.FOLD_MAX_ELEMENTS, 2, bias=False)  # above the size where the transfer dominates
+    assert not GradientSync(big, list(big.parameters()), sync.groups, torch.device("cpu")).fold_ties
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_pair_summed_in_float64_rounds_as_the_pair_summed_in_its_dtype(dtype: torch.dtype) -> None:
+    """Double rounding is innocuous for addition when the wide format has >= 2p + 2 bits: two copies summed through
+    the float64 payload give the gradient a float32 / bfloat16 all-reduce would, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    scale = torch.exp2(torch.randint(-40, 40, (200_000,), generator=g).float()) if dtype != torch.float16 else 1.0
+    a = (torch.randn(200_000, generator=g) * scale).to(dtype)
+    b = (torch.randn(200_000, generator=g) * scale.flip(0) if dtype != torch.float16 else torch.randn(200_000, generator=g)).to(dtype)
+    assert torch.equal((a.double() + b.double()).to(dtype), a + b)

@@ -153,8 +153,9 @@ class ChimeraEngine(PipelineEngine):
     def _run_schedule(self, args: tuple[Tensor, ...], target: Tensor) -> None:
         self.schedule.step(*args, target=target)
 
-    def _step_loss(self) -> tuple[Tensor, Tensor | None]:
-        """This replica's batch loss from both last stages (rank p-1: down, rank 0: up), on every rank."""
+    def _step_loss(self, tie_payload: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """This replica's batch loss from both last stages (rank p-1: down, rank 0: up), on every rank (its ties
+        sum in the sync: ``tie_payload`` is always ``None``)."""
         # (sum of means, number of means, sum of (sum, count) sums, their counts, number of pairs)
         packed = torch.zeros(5, dtype=torch.float64, device=self.device)
         self._loss_kind.check(self._records, self._owner)  # [Note: the loss kind is read once]

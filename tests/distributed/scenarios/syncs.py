@@ -20,6 +20,7 @@ from typing import Any, TypedDict
 
 import lightning.pytorch as L
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
 from torch.utils.data import TensorDataset
@@ -31,6 +32,8 @@ PACKAGE = str(Path(__file__).resolve().parents[3] / "lightning_pipe")
 
 # (owner, attribute): what makes the host wait for the device's queue to drain (up to that tensor)
 TENSOR_SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+               "all_to_all_single", "barrier", "all_gather_object", "broadcast_object_list", "reduce")
 CUDA_SYNCS = ((torch.cuda, "synchronize"), (torch.cuda.Event, "query"), (torch.cuda.Event, "synchronize"),
               (torch.cuda.Stream, "synchronize"), (torch.cuda.Stream, "query"))
 
@@ -39,7 +42,8 @@ CUDA_SYNCS = ((torch.cuda, "synchronize"), (torch.cuda.Event, "query"), (torch.c
 class SyncCase:
     """``steps`` training steps of a quiet ToyRegressor; the first ``warmup`` (shape inference) are not counted."""
 
-    model: str = "toy"  # "toy" (a mean loss) or "lm_pair" (a token model's (sum, count) loss)
+    model: str = "toy"  # "toy" (a mean loss), "lm_pair" (a token model's (sum, count) loss), "lm_tied" (its
+    # embedding and head tied: across the ranks at pipeline 2)
     schedule: str = "1f1b"
     microbatches: int = 4
     dp: int = 1
@@ -59,6 +63,7 @@ class SyncResult(TypedDict):
     fast_log: list[bool]  # per counted batch: self.log's fast metric move installed ([Note: self.log's move ...])
     fast_log_after: bool  # still installed after fit (must not be: teardown undoes it)
     kept_outputs: list[int]  # per counted batch, after it: last-stage outputs the stages still hold
+    collectives: dict[str, int]  # torch.distributed collective -> calls during the counted steps (P2P not counted)
 
 
 class SyncCounter:
@@ -67,7 +72,18 @@ class SyncCounter:
     def __init__(self) -> None:
         self.ours: Counter[str] = Counter()
         self.others: Counter[str] = Counter()
+        self.collectives: Counter[str] = Counter()
         self.armed = False
+
+    def _wrap_collective(self, name: str, original: Any) -> Any:
+        counter = self
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if counter.armed:
+                counter.collectives[name] += 1
+            return original(*args, **kwargs)
+
+        return counted
 
     def _wrap(self, kind: str, original: Any) -> Any:
         counter = self
@@ -86,9 +102,12 @@ class SyncCounter:
     def patched(self) -> Iterator[SyncCounter]:
         targets = [(torch.Tensor, name) for name in TENSOR_SYNCS] + list(CUDA_SYNCS)
         saved = [(owner, name, owner.__dict__.get(name)) for owner, name in targets]
+        saved += [(dist, name, getattr(dist, name)) for name in COLLECTIVES]
         try:
             for owner, name in targets:
                 setattr(owner, name, self._wrap(name, getattr(owner, name)))
+            for name in COLLECTIVES:
+                setattr(dist, name, self._wrap_collective(name, getattr(dist, name)))
             yield self
         finally:
             for owner, name, original in saved:
@@ -152,6 +171,8 @@ def run_syncs(case: SyncCase) -> SyncResult:
     torch.manual_seed(0)
     model = (QuietRegressor(n_layers=case.n_layers) if case.model == "toy"
              else QuietLM(n_layers=case.n_layers, loss="sum_count"))
+    if case.model == "lm_tied":  # the head's (vocab, width) weight is the embedding's
+        model.layers[-1].weight = model.layers[0].weight
     batch = case.microbatches * 2
     counter = SyncCounter()
     arm = Arm(counter, case.warmup * case.acc)
@@ -164,4 +185,5 @@ def run_syncs(case: SyncCase) -> SyncResult:
     with counter.patched():
         trainer.fit(model, loader(_data(case, batch * case.steps * case.acc * case.dp), batch))
     return SyncResult(ours=dict(counter.ours), others=dict(counter.others), counted_steps=arm.counted,
-                      fast_log=arm.fast_log, fast_log_after=fast_log_installed(), kept_outputs=arm.kept_outputs)
+                      fast_log=arm.fast_log, fast_log_after=fast_log_installed(), kept_outputs=arm.kept_outputs,
+                      collectives=dict(counter.collectives))
