@@ -8,7 +8,12 @@ everything a step costs), a hand-written step the callback's own step, which tak
 own over the same data (a loop's data loading is part of its step on both sides, as in :func:`hand_written`). Each
 side's median over ``--rounds`` fresh Trainers; last line: ``overhead_ratio=<strategy / hand-written>``.
 
-    python bench/overhead.py [--steps 30] [--rounds 3] [--schedule 1f1b] [--microbatches 4]
+Each strategy round is followed by a round of the *Lightning floor* (unless ``--no-floor``): the same hand-written
+step as the ``training_step`` of a plain LightningModule in a stock Trainer (manual optimization), paired the same
+way. ``lightning_floor_ratio=`` is what Lightning's loop alone costs around torch's pipeline, the bound no strategy
+can go below; the strategy over the floor is what this library adds.
+
+    python bench/overhead.py [--steps 30] [--rounds 3] [--schedule 1f1b] [--microbatches 4] [--no-floor]
 """
 
 from __future__ import annotations
