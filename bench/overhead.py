@@ -8,12 +8,13 @@ everything a step costs), a hand-written step the callback's own step, which tak
 own over the same data (a loop's data loading is part of its step on both sides, as in :func:`hand_written`). Each
 side's median over ``--rounds`` fresh Trainers; last line: ``overhead_ratio=<strategy / hand-written>``.
 
-Each strategy round is followed by a round of the *Lightning floor* (unless ``--no-floor``): the same hand-written
-step as the ``training_step`` of a plain LightningModule in a stock Trainer (manual optimization), paired the same
-way. ``lightning_floor_ratio=`` is what Lightning's loop alone costs around torch's pipeline, the bound no strategy
-can go below; the strategy over the floor is what this library adds.
+Each strategy round is followed by a round of the *Lightning floor* (``--floor``): the same hand-written step as the
+``training_step`` of a plain LightningModule in a stock Trainer, paired the same way, with automatic optimization
+(``auto``, the default: the path a strategy user's module takes) or manual (``manual``; ``both``; ``none``).
+``lightning_floor_ratio_<kind>=`` is what Lightning's loop alone costs around torch's pipeline, the bound no
+strategy can go below; the strategy over the floor is what this library adds.
 
-    python bench/overhead.py [--steps 30] [--rounds 3] [--schedule 1f1b] [--microbatches 4] [--no-floor]
+    python bench/overhead.py [--steps 30] [--rounds 3] [--schedule 1f1b] [--microbatches 4] [--floor auto]
 """
 
 from __future__ import annotations
@@ -80,12 +81,10 @@ class HandWritten:
         self.opt = torch.optim.AdamW(list(stage_mod.parameters()), lr=1e-3)
         self.tied = model.layers[0].wte.weight  # held by the first and the last rank
 
-    def step(self, x, y, opt: Any = None) -> None:
-        """One training step; ``opt`` steps in place of the raw optimizer (Lightning's wrapper in the floor)."""
+    def run(self, x, y) -> None:
+        """The schedule's forward and backward over the batch and the tied weight's gradient sum (no optimizer)."""
         import torch.distributed as dist
 
-        opt = self.opt if opt is None else opt
-        opt.zero_grad(set_to_none=True)
         if self.rank == 0:
             self.schedule.step(x)
         elif self.rank == self.world - 1:
@@ -94,6 +93,12 @@ class HandWritten:
             self.schedule.step()
         if self.tied.grad is not None:
             dist.all_reduce(self.tied.grad)
+
+    def step(self, x, y, opt: Any = None) -> None:
+        """One training step; ``opt`` steps in place of the raw optimizer (Lightning's wrapper in the floor)."""
+        opt = self.opt if opt is None else opt
+        opt.zero_grad(set_to_none=True)
+        self.run(x, y)
         opt.step()
 
 
@@ -139,34 +144,56 @@ def through_lightning(args: argparse.Namespace, on_step: Callable[[int], None] |
     return clock.durations(args.warmup)
 
 
-def _floor_module(args: argparse.Namespace) -> Any:
-    """The Lightning floor: :class:`HandWritten`'s step as the ``training_step`` of a plain LightningModule (manual
-    optimization), what a user who hand-writes torch's pipeline inside Lightning runs. Against the hand-written loop
-    it costs what Lightning's loop costs around the same step; no strategy can go below it."""
+def _floor_module(args: argparse.Namespace, kind: str) -> Any:
+    """The Lightning floor: :class:`HandWritten`'s step as the ``training_step`` of a plain LightningModule, what a
+    user who hand-writes torch's pipeline inside Lightning runs. Against the hand-written loop it costs what
+    Lightning's loop costs around the same step; no strategy can go below it.
+
+    ``manual``: manual optimization (Lightning's optimizer wrapper steps). ``auto``: automatic optimization, the
+    path a strategy user's module takes (Lightning's closure, its zero_grad, backward and optimizer-step hooks): the
+    schedule's gradients are held across Lightning's zero_grad, which runs between ``training_step`` and
+    ``backward``, and put back in the ``backward`` hook, as the strategy does ([Note: gradients across Lightning's
+    zero_grad] in lightning_pipe/runtime/engine.py)."""
     import lightning.pytorch as L
+    import torch
 
     class LightningFloor(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.automatic_optimization = False
+            self.automatic_optimization = kind == "auto"
             self.hand = HandWritten(args)
             self.stage = self.hand.stage_mod  # registered, as a user's module holds its layers
+            self.held: list[Any] = []
+            self.done = torch.zeros((), requires_grad=True)  # what training_step returns: the step already ran
 
         def configure_optimizers(self) -> Any:
             return self.hand.opt
 
-        def training_step(self, batch: Any, batch_idx: int) -> None:
-            # Lightning's wrapper steps the optimizer, as in a user's manual-optimization step (it counts the step)
-            self.hand.step(*batch, opt=self.optimizers())
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            if not self.automatic_optimization:
+                # Lightning's wrapper steps the optimizer, as in a user's manual step (it counts the step)
+                self.hand.step(*batch, opt=self.optimizers())
+                return None
+            params = list(self.stage.parameters())
+            for p in params:
+                p.grad = None
+            self.hand.run(*batch)
+            self.held = [p.grad for p in params]
+            return self.done
+
+        def backward(self, loss: Any, *args: Any, **kwargs: Any) -> None:
+            for p, g in zip(self.stage.parameters(), self.held):
+                p.grad = g
 
     return LightningFloor()
 
 
-def paired(args: argparse.Namespace, floor: bool = False) -> tuple[list[float], list[float]]:
+def paired(args: argparse.Namespace, floor: str | None = None) -> tuple[list[float], list[float]]:
     """(Trainer steps, hand-written steps), alternating step by step: after each training batch of the Trainer, a
     callback runs one hand-written step on the same batch. A slow phase of the machine (seconds long on a shared
     VM) then slows both sides of a pair alike, where blocks of steps per side would charge it to one. The Trainer
-    runs the strategy, or with ``floor`` the hand-written step in a stock Trainer (:func:`_floor_module`)."""
+    runs the strategy, or with ``floor`` (``"auto"`` / ``"manual"``) the hand-written step in a stock Trainer
+    (:func:`_floor_module`)."""
     from lightning.pytorch.callbacks import Callback
 
     hand = HandWritten(args)
@@ -187,7 +214,7 @@ def paired(args: argparse.Namespace, floor: bool = False) -> tuple[list[float], 
             self.hand.append(self.last - start)
 
     pairs = Pairs()
-    _trainer(args, pairs, stock=floor).fit(_floor_module(args) if floor else _model(),
+    _trainer(args, pairs, stock=floor is not None).fit(_floor_module(args, floor) if floor else _model(),
                                            _data(args.batch * (args.steps + args.warmup), args.batch))
     skip = args.warmup - 1
     return pairs.light[skip:], pairs.hand[skip + 1:]
@@ -196,17 +223,20 @@ def paired(args: argparse.Namespace, floor: bool = False) -> tuple[list[float], 
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    results: dict[str, list[float]] = {"hand": [], "lightning": [], "floor": [], "floor_hand": []}
+    floors = {"both": ["auto", "manual"], "none": []}.get(args.floor, [args.floor])
+    results: dict[str, list[float]] = {"hand": [], "lightning": []}
+    for kind in floors:
+        results[kind], results[f"{kind}_hand"] = [], []
     dist.init_process_group("gloo")
-    for _ in range(args.rounds):  # the strategy's and the floor's rounds alternate
+    for _ in range(args.rounds):  # the strategy's and the floors' rounds alternate
         light, hand = paired(args)
         results["lightning"] += light
         results["hand"] += hand
         dist.barrier()
-        if not args.no_floor:
-            light, hand = paired(args, floor=True)
-            results["floor"] += light
-            results["floor_hand"] += hand
+        for kind in floors:
+            light, hand = paired(args, floor=kind)
+            results[kind] += light
+            results[f"{kind}_hand"] += hand
             dist.barrier()
     if int(os.environ["RANK"]) == 0:
         Path(args.out).write_text(json.dumps(results))
@@ -228,7 +258,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_arguments(p, steps=30)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--no-floor", action="store_true", help="skip the Lightning floor's rounds")
+    p.add_argument("--floor", default="auto", choices=["auto", "manual", "both", "none"],
+                   help="the Lightning floor's rounds: automatic optimization (the strategy's path), manual, both, none")
     args = p.parse_args()
     if args.worker:
         return worker(args)
@@ -238,13 +269,15 @@ def main() -> None:
     print(f"| hand-written torch.distributed.pipelining | {hand * 1e3:.1f} | {len(times['hand'])} |")
     print(f"| Trainer(strategy=PipelineStrategy) | {light * 1e3:.1f} | {len(times['lightning'])} |")
     pairs = statistics.median(a / b for a, b in zip(times["lightning"], times["hand"]))
-    if times["floor"]:
-        floor, floor_hand = statistics.median(times["floor"]), statistics.median(times["floor_hand"])
-        print(f"| Lightning floor: the hand-written step in a stock Trainer | {floor * 1e3:.1f} | "
-              f"{len(times['floor'])} |")
-        print(f"| hand-written, paired with the floor's rounds | {floor_hand * 1e3:.1f} | {len(times['floor_hand'])} |")
-        print(f"lightning_floor_ratio={floor / floor_hand:.3f} (the floor over the hand-written loop of its rounds; "
-              f"the strategy over the floor: {(light / hand) / (floor / floor_hand):.3f})")
+    for kind in ("auto", "manual"):
+        if kind not in times:
+            continue
+        floor, floor_hand = statistics.median(times[kind]), statistics.median(times[f"{kind}_hand"])
+        print(f"| Lightning floor ({kind} optimization): the hand-written step in a stock Trainer | "
+              f"{floor * 1e3:.1f} | {len(times[kind])} |")
+        print(f"| hand-written, paired with that floor's rounds | {floor_hand * 1e3:.1f} | {len(times[f'{kind}_hand'])} |")
+        print(f"lightning_floor_ratio_{kind}={floor / floor_hand:.3f} (the floor over the hand-written loop of its "
+              f"rounds; the strategy over the floor: {(light / hand) / (floor / floor_hand):.3f})")
     print(f"schedule={args.schedule} microbatches={args.microbatches} ranks=2 batch={args.batch} "
           f"rounds={args.rounds}; median of the per-step ratios {pairs:.3f}")
     print(f"overhead_ratio={light / hand:.3f}")
