@@ -165,6 +165,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.all_gather_object(gathered, result)
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(gathered))
+    dist.destroy_process_group()  # gloo's threads stopped before exit, not torn down by it
 
 
 def report(ranks: list[dict[str, Any]]) -> str:

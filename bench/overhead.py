@@ -240,6 +240,7 @@ def worker(args: argparse.Namespace) -> None:
             dist.barrier()
     if int(os.environ["RANK"]) == 0:
         Path(args.out).write_text(json.dumps(results))
+    dist.destroy_process_group()  # gloo's threads stopped before exit, not torn down by it
 
 
 def add_run_arguments(p: argparse.ArgumentParser, steps: int) -> None:
