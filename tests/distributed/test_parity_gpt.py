@@ -19,6 +19,9 @@ PACKED = dict(GPT, model="gpt_packed", dp=2)
 
 CASES = {
     2: [TrainingCase(schedule="1f1b", clip=1.0, **GPT),
+        # accumulation: the tie sum rides the agreement only on the batch the optimizer step follows (the first
+        # batch's part is summed then), [Note: tie sums in the agreement]
+        TrainingCase(schedule="1f1b", acc=2, **GPT),
         # V placement: both ends of the tied weight on rank 0 (one object, two stages)
         TrainingCase(schedule="zbv", stages_per_rank=2, acc=2, **GPT),
         # built on the meta device; both ends of the tie on rank 0 must be re-tied after allocation
