@@ -124,9 +124,9 @@ class GradientSync:
         return self.early_ties and self._foldable
 
     # [Note: tie sums in the agreement]
-    # Launched early, the tie sum still is a collective of its own: on a CPU host its fixed cost (a gloo round trip
-    # and the wake-up of the ranks blocked in it, ~1 ms here whatever the size up to a few hundred KiB) dwarfs the
-    # transfer, and the agreement queued behind it waits for it (docs/performance.md). Where every tie group is the
+    # Launched early, the tie sum still is a collective of its own: for a small tie its fixed cost (a round trip and
+    # the wake-up of the ranks blocked in it) outweighs the transfer, and the agreement queued behind it waits for it
+    # (measured in docs/performance.md, stop 20), a second meeting point per step. Where every tie group is the
     # whole world (one pipeline, each tied weight held by every rank: the pipeline-2 GPT) the sums can ride the
     # agreement's SUM all-reduce instead, as float64: a sum of two float32 (or bfloat16) values computed in float64
     # and rounded back is the correctly rounded sum — double rounding is innocuous for addition when the wide format
