@@ -124,3 +124,16 @@ def test_a_pair_summed_in_float64_rounds_as_the_pair_summed_in_its_dtype(dtype: 
     a = (torch.randn(200_000, generator=g) * scale).to(dtype)
     b = (torch.randn(200_000, generator=g) * scale.flip(0) if dtype != torch.float16 else torch.randn(200_000, generator=g)).to(dtype)
     assert torch.equal((a.double() + b.double()).to(dtype), a + b)
+
+
+def test_a_copy_without_gradient_sends_zeros_and_receives_the_sum() -> None:
+    """Every rank's payload has the same layout: a tied copy that got no gradient this batch (a layer that skipped
+    its weight) contributes zeros, and the sum it gets back is pending like any other gradient."""
+    from lightning_pipe.runtime.engine import PipelineEngine
+
+    tied, other = nn.Parameter(torch.ones(2, 3)), nn.Parameter(torch.ones(4))
+    engine = SimpleNamespace(parameters=[other, tied], _pending_grads=[torch.ones(4), None],
+                             grads=SimpleNamespace(tie_of={id(tied): "ties"}))
+    fresh = PipelineEngine._fresh_ties(engine)  # type: ignore[arg-type]
+    assert list(fresh) == [id(tied)] and torch.equal(fresh[id(tied)], torch.zeros(2, 3))
+    assert engine._pending_grads[1] is fresh[id(tied)]  # the sum lands where apply_pending_grads reads it
