@@ -75,7 +75,7 @@ class GradientSync:
         """Whether :meth:`sum_ties_early` may run (plain tensors: FSDP and tensor-parallel copies sum at the sync)."""
         self.tie_of = {id(param): tie_group.group for param, tie_group in self.ties}
         """``id(param)`` -> the group its tied copies sum over (parameters tied across ranks only)."""
-        self._foldable = (getattr(groups, "ties_span_world", False) and groups.experts is None
+        self._foldable = (groups.ties_span_world and groups.experts is None
                           and sum(p.numel() for p, _ in self.ties) <= FOLD_MAX_ELEMENTS)
         self._launched: dict[int, Any] = {}  # id(param) -> the all-reduce of its fresh gradient
         self._folded: list[tuple[int, Tensor]] = []  # (id(param), fresh gradient) in the agreement's payload
