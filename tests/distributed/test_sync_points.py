@@ -82,7 +82,6 @@ def test_a_training_step_keeps_no_outputs(results: list[list[dict]]) -> None:
                 "return_outputs=False where it takes it)")
 
 
-
 @pytest.mark.timeout(300)
 def test_one_collective_per_training_step(results: list[list[dict]]) -> None:
     """[Note: one collective at the step's end]: without clipping, accumulation or replicas a training batch ends in

@@ -120,9 +120,10 @@ def test_a_pair_summed_in_float64_rounds_as_the_pair_summed_in_its_dtype(dtype: 
     """Double rounding is innocuous for addition when the wide format has >= 2p + 2 bits: two copies summed through
     the float64 payload give the gradient a float32 / bfloat16 all-reduce would, bit for bit."""
     g = torch.Generator().manual_seed(0)
-    scale = torch.exp2(torch.randint(-40, 40, (200_000,), generator=g).float()) if dtype != torch.float16 else 1.0
+    span = 8 if dtype == torch.float16 else 40  # exponents apart, within the dtype's range
+    scale = torch.exp2(torch.randint(-span, span, (200_000,), generator=g).float())
     a = (torch.randn(200_000, generator=g) * scale).to(dtype)
-    b = (torch.randn(200_000, generator=g) * scale.flip(0) if dtype != torch.float16 else torch.randn(200_000, generator=g)).to(dtype)
+    b = (torch.randn(200_000, generator=g) * scale.flip(0)).to(dtype)
     assert torch.equal((a.double() + b.double()).to(dtype), a + b)
 
 
