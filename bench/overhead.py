@@ -214,8 +214,9 @@ def paired(args: argparse.Namespace, floor: str | None = None) -> tuple[list[flo
             self.hand.append(self.last - start)
 
     pairs = Pairs()
-    _trainer(args, pairs, stock=floor is not None).fit(_floor_module(args, floor) if floor else _model(),
-                                           _data(args.batch * (args.steps + args.warmup), args.batch))
+    module = _floor_module(args, floor) if floor else _model()
+    _trainer(args, pairs, stock=floor is not None).fit(module, _data(args.batch * (args.steps + args.warmup),
+                                                                     args.batch))
     skip = args.warmup - 1
     return pairs.light[skip:], pairs.hand[skip + 1:]
 
@@ -240,7 +241,7 @@ def worker(args: argparse.Namespace) -> None:
             dist.barrier()
     if int(os.environ["RANK"]) == 0:
         Path(args.out).write_text(json.dumps(results))
-    dist.destroy_process_group()  # gloo's threads stopped before exit, not torn down by it
+    dist.destroy_process_group()  # its last collective, a barrier, holds no tensor (cf. bench/breakdown.py exit)
 
 
 def add_run_arguments(p: argparse.ArgumentParser, steps: int) -> None:
