@@ -28,6 +28,7 @@ from lightning_pipe.lightning.preflight import (
 from lightning_pipe.lightning.rebalancing import check_before_split
 from lightning_pipe.lightning.rebalancing import start as start_rebalancing
 from lightning_pipe.parallel.fsdp import ShardingOptions
+from lightning_pipe.parallel.group_cache import agree_on_kept_groups
 from lightning_pipe.runtime.build import PipelineLayout, build_engine
 from lightning_pipe.runtime.engine import PipelineEngine
 from lightning_pipe.schedules import plan_schedule
@@ -82,6 +83,7 @@ def check_rank_optimizers(strategy: Any) -> None:
 def _build_engine(strategy: Any, module: LightningModule) -> PipelineEngine:
     assert strategy.plan is not None, "set_world_ranks resolves the plan before setup"
     topology = strategy._topology()
+    agree_on_kept_groups(strategy.root_device)  # [Note: process groups are reused] in parallel/group_cache.py
     layout: PipelineLayout | None = getattr(module, "_pipeline_layout", None)
     engine, layout = build_engine(module, strategy.pipeline_config, strategy.plan, topology, strategy.root_device,
                                   layout, sharding=_sharding_options(strategy))

@@ -33,6 +33,7 @@ from lightning_pipe.lightning.precision import PipelinePrecision, to_pipeline_pr
 from lightning_pipe.lightning.preflight import check_compiled_plan, resolve_settings
 from lightning_pipe.lightning.rebalancing import StrategyRebalancer
 from lightning_pipe.lightning.setup import check_rank_optimizers, setup_pipeline
+from lightning_pipe.parallel.group_cache import forget_groups
 from lightning_pipe.parallel.topology import Topology
 from lightning_pipe.planner.plan import apply_plan
 from lightning_pipe.rebalance import check_rebalance
@@ -374,6 +375,7 @@ class PipelineStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        forget_groups()  # a message may be in flight: [Note: process groups are reused] in parallel/group_cache.py
         if self._faults is not None:
             self._faults.on_exception(exception)
 

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_pipe.config import config_error
+from lightning_pipe.parallel.group_cache import shared_group
 from lightning_pipe.parallel.topology import Topology
 from lightning_pipe.trace.spans import span
 
@@ -123,13 +124,13 @@ class ExpertGroups:
         for pp_rank in range(topology.pipeline_size):
             for g in range(topology.dp_degree // size):
                 ranks = [topology.rank_of(d, pp_rank) for d in layout.group_dp_ranks(g)]
-                group = dist.new_group(ranks)
+                group = shared_group(ranks, "expert_exchange")
                 if pp_rank == topology.pp_rank and g == layout.group_index:
                     self.exchange = group
             if topology.dp_degree // size > 1:
                 for i in range(size):
                     ranks = [topology.rank_of(d, pp_rank) for d in layout.replica_dp_ranks(i)]
-                    group = dist.new_group(ranks)
+                    group = shared_group(ranks, "expert_replicas")
                     if pp_rank == topology.pp_rank and i == layout.expert_rank:
                         self.replicas = group
 

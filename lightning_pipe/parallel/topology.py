@@ -16,11 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_pipe.config import config_error
 from lightning_pipe.layers.partition import stage_of
 from lightning_pipe.layers.stages import TiedParameter
+from lightning_pipe.parallel.group_cache import shared_group, shared_mesh
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ def build_mesh(topology: Topology, device_type: str) -> DeviceMesh:
     if topology.tensor_parallel_size > 1:
         shape, names = (*shape, topology.tensor_parallel_size), (*names, TENSOR)
         expected.append(topology.tp_rank)
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    mesh = shared_mesh(device_type, shape, names)  # [Note: process groups are reused] in group_cache.py
     # The mesh must agree with the Topology's arithmetic, which the samplers, checkpoints and groups use.
     coords = list(mesh.get_coordinate() or ())
     if coords != expected:  # pragma: no cover - a torch change in mesh layout
@@ -180,12 +181,12 @@ class ProcessGroups:
         # (pipeline rank, tensor rank). Every rank creates every group, in the same order.
         for dp_rank in range(d):
             for t in range(tp):
-                group = dist.new_group(topology.pp_group_ranks(dp_rank, t))
+                group = shared_group(topology.pp_group_ranks(dp_rank, t), "pipeline")
                 if dp_rank == topology.dp_rank and t == topology.tp_rank:
                     self.pp = group
         for pp_rank in range(p):
             for t in range(tp):
-                group = dist.new_group(topology.dp_group_ranks(pp_rank, t)) if d > 1 else None
+                group = shared_group(topology.dp_group_ranks(pp_rank, t), "replicas") if d > 1 else None
                 if pp_rank == topology.pp_rank and t == topology.tp_rank:
                     self.dp = group
         # Tied parameters held by several pipeline ranks: one group per tie and replica, over the holding ranks.
@@ -193,7 +194,7 @@ class ProcessGroups:
         self.ties_span_world = d == 1 and tp == 1 and mesh is None
         """Every tie group is the whole world (one pipeline, each tie held by every rank): the same ties, in the
         same order, on every rank ([Note: tie sums in the agreement] in parallel/grads.py)."""
-        for tie in tied:
+        for i, tie in enumerate(tied):
             holders = sorted({r for i in tie.layer_indices for r in ranks_of_stage(stage_of(ranges, i))})
             if len(holders) < 2:
                 continue
@@ -202,7 +203,7 @@ class ProcessGroups:
             for dp_rank in range(d):
                 for t in range(tp):
                     ranks = [topology.rank_of(dp_rank, h, t) for h in holders]
-                    group = dist.new_group(ranks)
+                    group = shared_group(ranks, f"tie{i}")
                     if topology.global_rank in ranks:
                         mine = group
             if mine is not None:

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.launcher import launch
-from tests.distributed.scenarios.soak import SoakCase
+from tests.distributed.launcher import launch, launch_runs
+from tests.distributed.parity import assert_case_parity
+from tests.distributed.scenarios import TrainingCase
+from tests.distributed.scenarios.soak import RefitCase, SoakCase
 
 pytestmark = [pytest.mark.distributed]
 
@@ -52,3 +54,26 @@ def test_soak_nothing_grows_per_step(tmp_path: Path, monkeypatch: pytest.MonkeyP
         slope = theil_sen([(s["step"], s["rss"]) for s in samples])
         print(f"rank {rank}: RSS slope {slope * 1000 / 2**20:.2f} MiB per 1000 steps, {summary}")
         assert slope < RSS_LIMIT, f"RSS grows by {slope * 1000 / 2**20:.1f} MiB per 1000 steps: {summary}"
+
+
+@pytest.mark.timeout(240)
+def test_fits_in_one_process_reuse_their_process_groups_and_stay_exact(tmp_path: Path) -> None:
+    """[Note: process groups are reused]: a fit leaves no process group behind (before: 2 gloo groups, 6 threads and
+    10 file descriptors per fit on each of 2 ranks); a fit that ended in an exception makes every rank start afresh
+    once; then a tied interleaved run on the kept groups still matches one device."""
+    refit = RefitCase()
+    exact = TrainingCase(schedule="interleaved_1f1b", tied=True, optimizer="adamw", acc=2, clip=0.05,
+                         check_grad_norms=False)
+    results = launch_runs(2, [("refit", refit), ("training", exact)], tmp_path, timeout=200)
+    for rank, (result, _) in enumerate(results):
+        fits = result["fits"]
+        summary = f"rank {rank}: {fits}"
+        assert [f["ok"] for f in fits] == [i != refit.fail_at for i in range(len(fits))], summary
+        before, after = fits[: refit.fail_at], fits[refit.fail_at + 1:]
+        # one group for every fit before the failure, a fresh one after it, kept from then on
+        assert len({f["pipeline_group"] for f in before}) == 1, summary
+        assert len({f["pipeline_group"] for f in after}) == 1, summary
+        assert after[0]["pipeline_group"] != before[0]["pipeline_group"], summary
+        for run in (before, after):  # nothing grows from fit to fit (the forgotten groups are left, once)
+            assert all(f["os_threads"] <= run[0]["os_threads"] and f["fds"] <= run[0]["fds"] for f in run), summary
+    assert_case_parity(results, 1, exact)

@@ -33,6 +33,7 @@ from lightning_pipe.layers.batches import LossParts
 from lightning_pipe.layers.stages import StageModule
 from lightning_pipe.parallel.dtensor import local as local_part
 from lightning_pipe.parallel.grads import GradientSync, all_reduce_coalesced
+from lightning_pipe.parallel.group_cache import shared_group
 from lightning_pipe.parallel.topology import ProcessGroups
 from lightning_pipe.runtime.engine import PipelineEngine, PipelineModel
 from lightning_pipe.runtime.spec import SchedulePlan
@@ -131,11 +132,11 @@ class ChimeraEngine(PipelineEngine):
         for dp_rank in range(topo.data_parallel_size):
             for t in range(topo.tensor_parallel_size):
                 ranks = topo.pp_group_ranks(dp_rank, t)
-                up_group = dist.new_group(ranks)
+                up_group = shared_group(ranks, "chimera_up")
                 if dp_rank == topo.dp_rank and t == topo.tp_rank:
                     self.up_group = up_group
                 for i in range(p // 2):
-                    pair = dist.new_group([ranks[i], ranks[p - 1 - i]])
+                    pair = shared_group([ranks[i], ranks[p - 1 - i]], "chimera_pair")
                     if topo.global_rank in (ranks[i], ranks[p - 1 - i]):
                         self.pair_group = pair
         r = topo.pp_rank

@@ -35,7 +35,7 @@ from tests.distributed.scenarios.training import TrainingCase
 
 Case = (TrainingCase | CheckpointCase | TraceCase | hardening.HardeningCase | planner.SlowRankCase | hf.HFCase
         | rebalance.RebalanceCase | fsdp.FsdpCountCase | frozen.FrozenCase | recipe.RecipeCase | rng.RngCase
-        | soak.SoakCase | syncs.SyncCase | moe.AuxCase | moe.MoECase | expert_parallel.ExpertCase
+        | soak.SoakCase | soak.RefitCase | syncs.SyncCase | moe.AuxCase | moe.MoECase | expert_parallel.ExpertCase
         | probe.ProbeCase)
 
 
@@ -68,6 +68,7 @@ SCENARIOS: dict[str, Scenario] = {
     "recipe": Scenario(recipe.RecipeCase, recipe.run_recipe),  # issue 23: tests/recipes/test_every_schedule.py
     "rng": Scenario(rng.RngCase, rng.run_pipeline),  # issue 23: test_random_streams.py
     "soak": Scenario(soak.SoakCase, soak.run_soak),  # issue 23: test_soak.py
+    "refit": Scenario(soak.RefitCase, soak.run_refit),  # test_soak.py: process groups reused across fits
     "syncs": Scenario(syncs.SyncCase, syncs.run_syncs),  # issue 22.4: test_sync_points.py
     "aux_toy": Scenario(moe.AuxCase, moe.run_toy),  # issue 25: test_aux_losses.py
     "moe": Scenario(moe.MoECase, moe.run_moe),  # issue 25: test_aux_losses.py

@@ -1,4 +1,5 @@
-"""``soak`` (issue 23): a few hundred tiny training steps with the timeline on, sampling what a leak would grow.
+"""``soak`` (issue 23): a few hundred tiny training steps with the timeline on, sampling what a leak would grow;
+``refit``: several fits in one process, sampling what each fit would leave behind.
 
 Each rank samples, every ``every`` steps: resident memory (``/proc/self/statm``, after ``gc.collect`` and
 ``malloc_trim``), open file descriptors, threads (Python's and the OS's), live tensors and the objects the garbage
@@ -89,3 +90,53 @@ def run_soak(case: SoakCase) -> SoakResult:
     data = regression_data(8 * case.batches_per_epoch)
     trainer.fit(model, loader(data, 8), loader(data, 8))
     return SoakResult(samples=sampler.samples)
+
+
+@dataclass(frozen=True)
+class RefitCase:
+    """Several fits in one process, each a fresh module and Trainer; the fit at ``fail_at`` ends in an exception on
+    every rank (a batch that cannot split into the micro-batches) ([Note: process groups are reused])."""
+
+    schedules: tuple[str, ...] = ("1f1b", "gpipe", "1f1b", "interleaved_1f1b", "1f1b")
+    fail_at: int = 2
+    expect_error: bool = False
+
+
+class Fit(TypedDict):
+    schedule: str
+    ok: bool
+    pipeline_group: int  # id() of the pipeline's process group in that fit
+    os_threads: int
+    fds: int
+
+
+class RefitResult(TypedDict):
+    fits: list[Fit]
+
+
+class _GroupSeen(Callback):
+    def __init__(self) -> None:
+        self.group = 0
+
+    def on_fit_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.group = id(trainer.strategy.engine.groups.pp)
+
+
+def run_refit(case: RefitCase) -> RefitResult:
+    fits: list[Fit] = []
+    for i, schedule in enumerate(case.schedules):
+        torch.manual_seed(0)
+        seen = _GroupSeen()
+        trainer = L.Trainer(strategy=PipelineStrategy(schedule=schedule, microbatches=4), accelerator="cpu",
+                            devices=int(os.environ["TEST_WORLD_SIZE"]), max_steps=2, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=[seen])
+        ok = True
+        try:
+            trainer.fit(ToyRegressor(n_layers=8, tied=True), loader(regression_data(48), 6 if i == case.fail_at else 8))
+        except ValueError:  # PipelineConfigError: 6 rows do not split into 4 micro-batches, on every rank
+            ok = False
+        gc.collect()
+        fits.append(Fit(schedule=schedule, ok=ok, pipeline_group=seen.group, os_threads=_os_threads(),
+                        fds=len(os.listdir("/proc/self/fd"))))
+    return RefitResult(fits=fits)

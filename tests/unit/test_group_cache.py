@@ -1,0 +1,61 @@
+"""[Note: process groups are reused]: one group per (purpose, ranks) for the default group's lifetime, dropped on every
+rank when any rank's run ended in an exception (a world of one here; tests/distributed/test_soak.py runs 2 ranks)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_pipe.parallel import group_cache
+
+
+def _start() -> None:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+@pytest.fixture
+def world() -> Iterator[None]:
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    _start()
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        group_cache.agree_on_kept_groups(torch.device("cpu"))  # nothing initialised: clears the stale mark only
+
+
+def test_a_group_is_kept_per_purpose_and_ranks(world: None) -> None:
+    pipeline = group_cache.shared_group([0], "pipeline")
+    assert group_cache.shared_group([0], "pipeline") is pipeline
+    other = group_cache.shared_group([0], "chimera_up")  # the same ranks, another use: a group of its own
+    assert other is not pipeline
+    assert dist.get_process_group_ranks(other) == [0]
+
+
+def test_a_failed_run_on_any_rank_makes_the_next_setup_start_afresh(world: None) -> None:
+    kept = group_cache.shared_group([0], "pipeline")
+    group_cache.agree_on_kept_groups(torch.device("cpu"))  # nothing failed: kept
+    assert group_cache.shared_group([0], "pipeline") is kept
+    group_cache.forget_groups()
+    assert group_cache.shared_group([0], "pipeline") is kept  # only a setup's agreement drops them
+    group_cache.agree_on_kept_groups(torch.device("cpu"))
+    fresh = group_cache.shared_group([0], "pipeline")
+    assert fresh is not kept
+    group_cache.agree_on_kept_groups(torch.device("cpu"))  # the mark was consumed
+    assert group_cache.shared_group([0], "pipeline") is fresh
+
+
+def test_a_group_of_a_destroyed_world_is_never_handed_out(world: None) -> None:
+    old = group_cache.shared_group([0], "pipeline")
+    old_mesh = group_cache.shared_mesh("cpu", (1,), ("pipeline",))
+    assert group_cache.shared_mesh("cpu", (1,), ("pipeline",)) is old_mesh
+    dist.destroy_process_group()
+    _start()
+    new = group_cache.shared_group([0], "pipeline")
+    assert new is not old and dist.get_process_group_ranks(new) == [0]
+    assert group_cache.shared_mesh("cpu", (1,), ("pipeline",)) is not old_mesh
