@@ -56,6 +56,7 @@ def test_soak_nothing_grows_per_step(tmp_path: Path, monkeypatch: pytest.MonkeyP
         assert slope < RSS_LIMIT, f"RSS grows by {slope * 1000 / 2**20:.1f} MiB per 1000 steps: {summary}"
 
 
+@pytest.mark.compact  # make test-torch: torch's group registry and mesh naming, on every supported torch
 @pytest.mark.timeout(240)
 def test_fits_in_one_process_reuse_their_process_groups_and_stay_exact(tmp_path: Path) -> None:
     """[Note: process groups are reused]: a fit leaves no process group behind (before: 2 gloo groups, 6 threads and
