@@ -171,3 +171,42 @@ def step_costs(args: argparse.Namespace, pp: int, ms: list[int],
     inside, around = action_cost_from_records(records, layer_time)
     fixed, per_mb = solve_step_costs("1f1b", pp, 1, measured, inside + around, latency, layer_time)
     return fixed, per_mb, inside, around
+
+
+def replay_measured(everyone: list, compiled, comm: list[float]) -> tuple[float, float]:
+    """(measured schedule step, the replay of the same step from its measured actions) in seconds, at the fastest
+    whole step of one layout. ``everyone``: per rank, its list of (full step durations, timeline record dicts) per
+    round. The replay takes each (stage, kind)'s mean measured slice plus the mean host time around an action (the
+    schedule's wall time minus compute and blocking waits, per action) and the cost model's link: if it lands on the
+    measured step, the model's structure (order, dependencies, communication) is right and any prediction error is
+    in the costs it was given."""
+    from lightning_pipe.schedules.simulate import replay
+    from lightning_pipe.trace.records import COMPUTE_KINDS, StepRecord
+
+    best: tuple[float, list] | None = None
+    for rnd in range(min(len(e) for e in everyone)):
+        per_rank = [e[rnd] for e in everyone]
+        for j in range(min(min(len(d), len(r)) for d, r in per_rank)):
+            full = max(d[j] for d, _ in per_rank)
+            if best is None or full < best[0]:
+                best = (full, [StepRecord.from_dict(r[j]) for _, r in per_rank])
+    assert best is not None
+    spent: dict[tuple[int, str], list[float]] = {}
+    around = []
+    for rec in best[1]:
+        compute = waited = actions = 0
+        for sl in rec.slices:
+            ns = sl.end_ns - sl.start_ns
+            if sl.kind in COMPUTE_KINDS and sl.stage is not None:
+                spent.setdefault((sl.stage, "F" if sl.kind == "L" else sl.kind), []).append(ns / 1e9)
+                compute += ns
+                actions += sl.kind != "L"
+            elif sl.kind == "wait":
+                waited += ns
+        around.append((rec.wall_ns - compute - waited) / 1e9 / max(actions, 1))
+    per_action = statistics.fmean(around)
+    # a loss slice is part of its forward: per micro-batch, F = forward + loss (their sum over the step / m)
+    m = compiled.microbatches
+    cost = {(s, k): sum(v) / m + per_action for (s, k), v in spent.items()}
+    cost = {(s, k): cost.get((s, k), 0.0) for s in range(compiled.num_stages) for k in "FBIW"}
+    return max(r.wall_ns for r in best[1]) / 1e9, replay(compiled, cost, comm).makespan

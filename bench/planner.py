@@ -7,6 +7,7 @@ the planner weighs pipeline 4 x replicas 1 against pipeline 2 x replicas 2 and b
 
     planner_pick_vs_best=<worst over the grids of: measured step of the planner's pick / best measured>  (goal <= 1.05)
     prediction_error_max=<max |predicted - measured| / measured step over every grid>                    (goal <= 0.10)
+    structure_error_max=<the same for the schedule replayed from each layout's own measured actions>
 
 Profiling happens in the workers, all ranks at once (the machine is as busy as when training): the layer costs, the
 link's latency/bandwidth, each rank's relative speed, and the strategy's cost per action and its fixed and
@@ -43,7 +44,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench._planner_runs import calibrate, gpt_model, measure, step_costs, token_rows  # noqa: E402
+from bench._planner_runs import (  # noqa: E402
+    calibrate,
+    gpt_model,
+    measure,
+    replay_measured,
+    step_costs,
+    token_rows,
+)
 from bench._ranks import run_ranks  # noqa: E402
 from bench.rebalance import measure_rebalance_speedup  # noqa: E402
 
@@ -72,7 +80,7 @@ def worker(args: argparse.Namespace) -> None:
     from lightning_pipe.config import PipelineConfig
     from lightning_pipe.planner import ModelProfile, measure_link, profile_model, rank_speeds, search
     from lightning_pipe.planner.calibrate import measure_action_overhead
-    from lightning_pipe.planner.model import CostModel, predict
+    from lightning_pipe.planner.model import CostModel, bounds_of, predict
     from lightning_pipe.planner.search import slowness_per_pipeline_rank
     from lightning_pipe.schedules import compute_order, plan_schedule
     from lightning_pipe.schedules.simulate import compile_order
@@ -119,6 +127,7 @@ def worker(args: argparse.Namespace) -> None:
         if key not in grid:
             grid.append(key)
     measured: dict[str, list[tuple[float, float]]] = {}
+    timelines: dict[str, list[tuple[list[float], list]]] = {}  # per round: (full steps, records) for replay_measured
     dumped: dict[str, list] = {}
     for rnd in range(args.rounds):
         order = list(grid)
@@ -127,6 +136,7 @@ def worker(args: argparse.Namespace) -> None:
             key = json.dumps([pp, s, v, m, list(c)])
             out = measure(args, s, v, m, c, world // pp)
             measured.setdefault(key, []).append(out[:2])
+            timelines.setdefault(key, []).append((out[3], out[2]))
             if args.dump:
                 dumped.setdefault(key, []).append({"t": time.time(), "round": rnd, "steps": out[3], "records": out[2]})
             dist.barrier()
@@ -139,6 +149,8 @@ def worker(args: argparse.Namespace) -> None:
                  "batch": args.batch, "grid": grid}))
     everyone: list = [None] * world
     dist.all_gather_object(everyone, measured)
+    every_timeline: list = [None] * world
+    dist.all_gather_object(every_timeline, timelines)
     rows = []
     for pp, s, v, m, c in grid:
         dp = world // pp
@@ -151,9 +163,13 @@ def worker(args: argparse.Namespace) -> None:
         # per round, the slowest rank's view; over rounds, the least disturbed
         per_round = [max(r[key][i] for r in everyone) for i in range(args.rounds)]
         steps = sorted(x[0] for x in per_round)
+        # [the model's structure]: the same order replayed from the measured actions of the fastest step
+        at_best, replayed = replay_measured([t[key] for t in every_timeline], compiled,
+                                            CostModel(base, args.batch / dp / m, slowness).comm(bounds_of(c)))
         rows.append({"pp": pp, "dp": dp, "schedule": s, "v": v, "m": m, "counts": list(c),
                      "pred": pred.step_time, "pred_sched": pred.schedule_time, "pred_raw": pred_raw.step_time,
                      "meas": min(x[0] for x in per_round), "meas_sched": min(x[1] for x in per_round),
+                     "structure_error": (replayed - at_best) / at_best,
                      "spread": steps[-1] / steps[0], "floor": steps[min(1, len(steps) - 1)] / steps[0],
                      "pick": (pp, s, v, m, c) == pick_key})
     # [the machine's drift]: the probe layouts' fastest round over their fastest step when calibrated
@@ -170,7 +186,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def _report(args: argparse.Namespace, model: str, ranks: int,
-            res: dict) -> tuple[float, float, float, float, float, float]:
+            res: dict) -> tuple[float, float, float, float, float, float, float]:
     rows = res["rows"]
     speeds = [round(s, 2) for s in res["speeds"]]
     vocab = 256 if model == "gpt" else 256 * args.heavy
@@ -189,15 +205,16 @@ def _report(args: argparse.Namespace, model: str, ranks: int,
         print(f"probe runs (measured / profile-predicted): {cal}\nfitted: {fit}; trainer per step "
               f"{res['step_overhead'] * 1e3:.1f} ms")
     print("\n| pp x dp | schedule | v | m | split | step meas ms | pred (profile only) | pred (calibrated) | error | "
-          "schedule meas ms | schedule pred | error |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "schedule meas ms | schedule pred | error | replayed from its measured actions |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in sorted(rows, key=lambda r: r["meas"]):
         err = (r["pred"] - r["meas"]) / r["meas"]
         serr = (r["pred_sched"] - r["meas_sched"]) / r["meas_sched"]
         mark = " **(pick)**" if r["pick"] else ""
         print(f"| {r['pp']} x {r['dp']} | {r['schedule']}{mark} | {r['v']} | {r['m']} | {r['counts']} | "
               f"{r['meas'] * 1e3:.1f} | {r['pred_raw'] * 1e3:.1f} | {r['pred'] * 1e3:.1f} | {err:+.1%} | "
-              f"{r['meas_sched'] * 1e3:.1f} | {r['pred_sched'] * 1e3:.1f} | {serr:+.1%} |")
+              f"{r['meas_sched'] * 1e3:.1f} | {r['pred_sched'] * 1e3:.1f} | {serr:+.1%} | "
+              f"{r['structure_error']:+.1%} |")
     best = min(r["meas"] for r in rows)
     pick = next(r for r in rows if r["pick"])
     if ranks == 4:
@@ -214,12 +231,14 @@ def _report(args: argparse.Namespace, model: str, ranks: int,
     spread = max(r["spread"] for r in rows)
     floor = max(r["floor"] for r in rows)
     drifted = max(abs(r["pred"] * res["drift"] - r["meas"]) / r["meas"] for r in rows)
+    structure = max(abs(r["structure_error"]) for r in rows)
     print(f"the probe layouts measured x{res['drift']:.2f} their speed at calibration; predictions x that: error max "
-          f"{drifted:.3f}")
+          f"{drifted:.3f}\nthe schedule replayed from each layout's measured actions (the model's structure, its costs "
+          f"measured): error max {structure:.3f}")
     print(f"pick_vs_best={pick['meas'] / best:.3f} prediction_error_max={error:.3f} (profile only {raw_error:.3f}) "
           f"schedule_prediction_error_max={sched_error:.3f} round_to_round_spread_max={spread:.2f} "
           f"floor_spread_max={floor:.2f}")
-    return pick["meas"] / best, error, sched_error, raw_error, spread, floor
+    return pick["meas"] / best, error, sched_error, raw_error, spread, floor, structure
 
 
 def main() -> None:
@@ -263,6 +282,8 @@ def main() -> None:
     # the two quietest rounds of one layout differed by this factor: how well its floor is pinned down
     print(f"floor_spread_max={max(r[5] for r in results):.2f}")
     print(f"schedule_prediction_error_max={max(r[2] for r in results):.3f}")
+    # the schedule replayed from its own measured actions: what the model's structure alone gets wrong
+    print(f"structure_error_max={max(r[6] for r in results):.3f}")
     print(f"prediction_error_max_profile_only={max(r[3] for r in results):.3f}")
     print(f"planner_pick_vs_best={max(r[0] for r in results):.3f}")
     print(f"prediction_error_max={max(r[1] for r in results):.3f}")
