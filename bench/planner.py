@@ -16,7 +16,8 @@ timeline: [Note: the strategy's cost per action, from its own timeline] and [Not
 costs] in lightning_pipe/planner/calibrate.py).
 
 Measuring on a shared machine: slow phases last from one step (a step 1.5x its neighbours) to minutes (every layout
-1.3-1.5x slower in the later rounds of one run), and contention only ever adds time. Each layout is therefore its
+1.3-1.5x slower in the later rounds of one run, in part this bench's own process groups piling up until
+stop 21: docs/planner.md), and contention only ever adds time. Each layout is therefore its
 least-disturbed step: the fastest of ``--steps`` steps, in each of ``--rounds`` rounds that sweep the whole grid in
 a different (seeded, shuffled) order, so that a slow phase of minutes meets different layouts in different rounds
 instead of the same stretch of the grid each time; the layout's time is the fastest round (the profile reads layers
