@@ -6,8 +6,8 @@ each tied parameter's holders, FSDP's and tensor parallelism's mesh, Chimera's a
 a group only when it is destroyed, and the strategy cannot destroy its groups at teardown: Lightning tears down at
 the end of ``fit``, and a user's ``trainer.save_checkpoint`` or ``trainer.test`` after it still runs collectives.
 Created afresh per setup, they pile up in any process that runs several fits (a sweep, a notebook, a test that
-launches several cases): each gloo group holds three threads and a socket pair per peer (on 2 ranks, 2 groups, 6
-threads and 10 file descriptors more per fit on every rank), each NCCL group a communicator with device buffers.
+launches several cases): each gloo group holds three threads and its own sockets and costs CPU even idle, each
+NCCL group a communicator with device buffers (measured: docs/performance.md, "Stop 21").
 So a group is kept per (purpose, ranks) for the default group's lifetime and handed to every later request: the
 number of groups is bounded by the layouts a process runs, not by its fits. The purpose keeps groups apart that
 must be distinct over the same ranks (Chimera's up pipeline beside the down one).
