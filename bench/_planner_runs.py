@@ -93,7 +93,6 @@ def calibrate(args: argparse.Namespace, base, speeds: list[float], pp: int, ms: 
     from lightning_pipe.planner.search import SearchResult, slowness_per_pipeline_rank
     from lightning_pipe.schedules import compute_order, plan_schedule
     from lightning_pipe.schedules.simulate import compile_order
-    from lightning_pipe.trace.records import StepRecord
 
     world, dp = dist.get_world_size(), dist.get_world_size() // pp
     slowness = slowness_per_pipeline_rank(speeds, pp, dp)
@@ -109,11 +108,10 @@ def calibrate(args: argparse.Namespace, base, speeds: list[float], pp: int, ms: 
             v, compiled, counts, recs, outs = probes[(schedule, m)]
             everyone: list = [None] * world
             dist.all_gather_object(everyone, measure(args, schedule, v, m, counts, dp))
-            # the fastest whole step (every rank's record of it), as the grid's layouts are measured: the fastest
-            # of each action on its own sums to a step no run takes when slow phases come and go within a step
-            for j in range(min(min(len(e[2]), len(e[3])) for e in everyone)):
-                if max(e[3][j] for e in everyone) < recs[0][0]:
-                    recs[0] = (max(e[3][j] for e in everyone), [StepRecord.from_dict(e[2][j]) for e in everyone])
+            # the fastest whole step (every rank's record of it), as the grid's layouts are measured
+            found = fastest_step([(e[3], e[2]) for e in everyone])
+            if found[0] < recs[0][0]:
+                recs[0] = found
             outs.append((least_outside(everyone), max(e[0] for e in everyone)))
     # per micro-batch size: each size's layers were profiled at their own moment, and run at their own speed
     layers, fits = dict(base.layers), {}
@@ -173,6 +171,17 @@ def step_costs(args: argparse.Namespace, pp: int, ms: list[int],
     return fixed, per_mb, inside, around
 
 
+def fastest_step(per_rank: list) -> tuple[float, list]:
+    """The least-disturbed whole step of one run: (its time as the slowest rank saw it, every rank's StepRecord of
+    it). ``per_rank``: each rank's (full step durations, timeline record dicts). The fastest of each action on its
+    own would sum to a step no run takes when slow phases come and go within a step."""
+    from lightning_pipe.trace.records import StepRecord
+
+    n = min(min(len(steps), len(records)) for steps, records in per_rank)
+    j = min(range(n), key=lambda j: max(steps[j] for steps, _ in per_rank))
+    return max(steps[j] for steps, _ in per_rank), [StepRecord.from_dict(records[j]) for _, records in per_rank]
+
+
 def replay_measured(everyone: list, compiled, comm: list[float]) -> tuple[float, float]:
     """(measured schedule step, the replay of the same step from its measured actions) in seconds, at the fastest
     whole step of one layout. ``everyone``: per rank, its list of (full step durations, timeline record dicts) per
@@ -180,33 +189,20 @@ def replay_measured(everyone: list, compiled, comm: list[float]) -> tuple[float,
     schedule's wall time minus compute and blocking waits, per action) and the cost model's link: if it lands on the
     measured step, the model's structure (order, dependencies, communication) is right and any prediction error is
     in the costs it was given."""
+    from lightning_pipe.planner.calibrate import split_step
     from lightning_pipe.schedules.simulate import replay
-    from lightning_pipe.trace.records import COMPUTE_KINDS, StepRecord
 
-    best: tuple[float, list] | None = None
-    for rnd in range(min(len(e) for e in everyone)):
-        per_rank = [e[rnd] for e in everyone]
-        for j in range(min(min(len(d), len(r)) for d, r in per_rank)):
-            full = max(d[j] for d, _ in per_rank)
-            if best is None or full < best[0]:
-                best = (full, [StepRecord.from_dict(r[j]) for _, r in per_rank])
-    assert best is not None
-    spent: dict[tuple[int, str], list[float]] = {}
+    _, records = min((fastest_step([e[rnd] for e in everyone]) for rnd in range(min(len(e) for e in everyone))),
+                     key=lambda found: found[0])
+    spent: dict[tuple[int, str], float] = {}
     around = []
-    for rec in best[1]:
-        compute = waited = actions = 0
-        for sl in rec.slices:
-            ns = sl.end_ns - sl.start_ns
-            if sl.kind in COMPUTE_KINDS and sl.stage is not None:
-                spent.setdefault((sl.stage, "F" if sl.kind == "L" else sl.kind), []).append(ns / 1e9)
-                compute += ns
-                actions += sl.kind != "L"
-            elif sl.kind == "wait":
-                waited += ns
-        around.append((rec.wall_ns - compute - waited) / 1e9 / max(actions, 1))
-    per_action = statistics.fmean(around)
-    # a loss slice is part of its forward: per micro-batch, F = forward + loss (their sum over the step / m)
-    m = compiled.microbatches
-    cost = {(s, k): sum(v) / m + per_action for (s, k), v in spent.items()}
-    cost = {(s, k): cost.get((s, k), 0.0) for s in range(compiled.num_stages) for k in "FBIW"}
-    return max(r.wall_ns for r in best[1]) / 1e9, replay(compiled, cost, comm).makespan
+    for rec in records:
+        slices, per_action = split_step(rec)
+        for (stage, kind, _), seconds in slices.items():
+            spent[(stage, kind)] = spent.get((stage, kind), 0.0) + seconds
+        around.append(0.0 if per_action is None else per_action)
+    # per micro-batch: each (stage, kind)'s time over the step / m, plus the host time around one action
+    m, host = compiled.microbatches, statistics.fmean(around)
+    cost = {(s, k): spent[(s, k)] / m + host if (s, k) in spent else 0.0
+            for s in range(compiled.num_stages) for k in "FBIW"}
+    return max(r.wall_ns for r in records) / 1e9, replay(compiled, cost, comm).makespan

@@ -174,6 +174,25 @@ def action_cost_from_records(records: Sequence[StepRecord],
     return max(statistics.median(inside.values()), 0.0), max(per_action, 0.0)
 
 
+def split_step(rec: StepRecord) -> tuple[dict[tuple[int, str, int | None], float], float | None]:
+    """One rank's recorded step, as [Note: the strategy's cost per action, from its own timeline] reads it: seconds
+    per (stage, kind, micro-batch) of its compute slices (a loss slice counts in its forward: the last layer is
+    profiled with its loss), and the host time around an action — the wall time minus the compute slices and the
+    blocking P2P waits, per action (``None`` without actions)."""
+    spent: dict[tuple[int, str, int | None], float] = {}
+    compute = waited = actions = 0
+    for sl in rec.slices:
+        ns = sl.end_ns - sl.start_ns
+        if sl.kind in COMPUTE_KINDS and sl.stage is not None:
+            compute += ns
+            actions += sl.kind != "L"
+            key = (sl.stage, "F" if sl.kind == "L" else sl.kind, sl.mb)
+            spent[key] = spent.get(key, 0.0) + ns / 1e9
+        elif sl.kind == "wait":
+            waited += ns
+    return spent, (rec.wall_ns - compute - waited) / 1e9 / actions if actions else None
+
+
 def fit_action_costs(runs: Sequence[tuple[Sequence[StepRecord], Mapping[tuple[int, str], float]]],
                      ) -> tuple[dict[str, float], float, float]:
     """From recorded runs of the real model ([Note: the strategy's cost per action, from its own timeline]):
@@ -192,21 +211,11 @@ def fit_action_costs(runs: Sequence[tuple[Sequence[StepRecord], Mapping[tuple[in
         least: dict[tuple[int, int, str, int | None], float] = {}
         host: dict[int, float] = {}
         for rec in records:
-            spent: dict[tuple[int, int, str, int | None], float] = {}
-            compute = waited = actions = 0
-            for sl in rec.slices:
-                ns = sl.end_ns - sl.start_ns
-                if sl.kind in COMPUTE_KINDS and sl.stage is not None:
-                    compute += ns
-                    actions += sl.kind != "L"
-                    key = (rec.rank, sl.stage, "F" if sl.kind == "L" else sl.kind, sl.mb)  # loss: part of its F
-                    spent[key] = spent.get(key, 0.0) + ns / 1e9
-                elif sl.kind == "wait":
-                    waited += ns
-            for key, seconds in spent.items():
+            spent, per = split_step(rec)
+            for (stage, kind, mb), seconds in spent.items():
+                key = (rec.rank, stage, kind, mb)
                 least[key] = min(least.get(key, seconds), seconds)
-            if actions:
-                per = (rec.wall_ns - compute - waited) / 1e9 / actions
+            if per is not None:
                 host[rec.rank] = min(host.get(rec.rank, per), per)
         for (_, stage, kind, _), seconds in least.items():
             if (stage, kind) in layer:
