@@ -63,74 +63,96 @@ def measure(args: argparse.Namespace, schedule: str, v: int, m: int, counts: tup
             [r.to_dict() for r in timeline.records], clock.durations(args.warmup))
 
 
-def least_outside(everyone: list) -> float:
+def least_outside(per_rank: list) -> float:
     """Seconds of the step outside the schedule at the least-disturbed step: per step, the slowest rank's full step
     minus the slowest rank's schedule step, of the *same* step (the fastest full step and the fastest schedule step
-    are often different steps, and their difference then carries the noise of both)."""
-    clocks = [e[3] for e in everyone]
-    walls = [[r["end_ns"] - r["start_ns"] for r in sorted(e[2], key=lambda r: r["step"])] for e in everyone]
+    are often different steps, and their difference then carries the noise of both). ``per_rank``: each rank's
+    (full step durations, timeline record dicts)."""
+    clocks = [steps for steps, _ in per_rank]
+    walls = [[r["end_ns"] - r["start_ns"] for r in sorted(records, key=lambda r: r["step"])]
+             for _, records in per_rank]
     n = min(min(len(c) for c in clocks), min(len(w) for w in walls))
     return min(max(c[j] for c in clocks) - max(w[j] for w in walls) / 1e9 for j in range(n))
 
 
-def calibrate(args: argparse.Namespace, base, speeds: list[float], pp: int, ms: list[int]):
-    """Probe runs of the real model (1F1B and ZB-V, uniform splits, pipeline ``pp``, at each micro-batch count,
-    ``--probe-repeats`` times each in alternating order) with PipelineTimeline, read at each probe's fastest step:
-    per micro-batch size the layers'
-    in-run scale per kind, and the strategy's cost per action at this model's sizes (the mean over the sizes) (:func:`~lightning_pipe.planner.calibrate.fit_action_costs`, each action read at its
-    least-disturbed repeat), and the trainer's own per-step cost (full step - schedule step - predicted optimizer and
-    all-reduce, of the same least-disturbed step). Also the profile's drift per kind, for the report."""
-    import dataclasses
-
-    import torch.distributed as dist
-
+def probe_layouts(base, pp: int, ms: list[int]) -> dict:
+    """The calibration probes: 1F1B and ZB-V over uniform splits, pipeline ``pp``, at each micro-batch count;
+    ``{(schedule, m): (v, compiled order, counts)}``."""
     from lightning_pipe.config import PipelineConfig
     from lightning_pipe.layers.partition import uniform_counts
-    from lightning_pipe.planner import to_plan
-    from lightning_pipe.planner.calibrate import fit_action_costs
-    from lightning_pipe.planner.drift import drift_by_kind, merge, scale_layers
-    from lightning_pipe.planner.model import Candidate, CostModel, bounds_of, predict
-    from lightning_pipe.planner.search import SearchResult, slowness_per_pipeline_rank
     from lightning_pipe.schedules import compute_order, plan_schedule
     from lightning_pipe.schedules.simulate import compile_order
 
-    world, dp = dist.get_world_size(), dist.get_world_size() // pp
-    slowness = slowness_per_pipeline_rank(speeds, pp, dp)
     probes = {}
     for m in sorted(set(ms)):
         for schedule, v in (("1f1b", 1), ("zbv", 2)):
             plan = plan_schedule(PipelineConfig(schedule=schedule, microbatches=m, stages_per_rank=v), pp)
             compiled = compile_order(compute_order(plan), plan.num_stages)
-            counts = tuple(uniform_counts(base.num_layers, plan.num_stages))
-            probes[(schedule, m)] = (v, compiled, counts, [(float("inf"), [])], [])
+            probes[(schedule, m)] = (v, compiled, tuple(uniform_counts(base.num_layers, plan.num_stages)))
+    return probes
+
+
+def calibrate(args: argparse.Namespace, base, speeds: list[float], pp: int, ms: list[int]):
+    """Probe runs of the real model (:func:`probe_layouts`, ``--probe-repeats`` times each in alternating order) with
+    PipelineTimeline, fitted by :func:`fit_calibration`."""
+    import torch.distributed as dist
+
+    world, dp = dist.get_world_size(), dist.get_world_size() // pp
+    probes = probe_layouts(base, pp, ms)
+    runs: dict = {key: [] for key in probes}
     for rep in range(args.probe_repeats):
         for schedule, m in sorted(probes, reverse=bool(rep % 2)):
-            v, compiled, counts, recs, outs = probes[(schedule, m)]
+            v, _, counts = probes[(schedule, m)]
+            _, _, records, steps = measure(args, schedule, v, m, counts, dp)
             everyone: list = [None] * world
-            dist.all_gather_object(everyone, measure(args, schedule, v, m, counts, dp))
-            # the fastest whole step (every rank's record of it), as the grid's layouts are measured
-            found = fastest_step([(e[3], e[2]) for e in everyone])
-            if found[0] < recs[0][0]:
-                recs[0] = found
-            outs.append((least_outside(everyone), max(e[0] for e in everyone)))
+            dist.all_gather_object(everyone, (steps, records))
+            runs[(schedule, m)].append(everyone)
+    return fit_calibration(args, base, speeds, pp, probes, runs)
+
+
+def fit_calibration(args: argparse.Namespace, base, speeds: list[float], pp: int, probes: dict, runs: dict):
+    """The profile ``base`` fitted to the probe layouts' runs. ``runs[(schedule, m)]``: per run, every rank's (full
+    step durations, timeline record dicts). Read at each probe's fastest step: per micro-batch size the layers'
+    in-run scale per kind, and the strategy's cost per action at this model's sizes (the mean over the sizes)
+    (:func:`~lightning_pipe.planner.calibrate.fit_action_costs`, each action read at its least-disturbed run), and
+    the trainer's own per-step cost (full step - schedule step - predicted optimizer and all-reduce, of the same
+    least-disturbed step). Also the profile's drift per kind, for the report, and each probe's fastest step."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from lightning_pipe.planner import to_plan
+    from lightning_pipe.planner.calibrate import fit_action_costs
+    from lightning_pipe.planner.drift import drift_by_kind, merge, scale_layers
+    from lightning_pipe.planner.model import Candidate, CostModel, bounds_of, predict
+    from lightning_pipe.planner.search import SearchResult, slowness_per_pipeline_rank
+
+    dp = dist.get_world_size() // pp
+    slowness = slowness_per_pipeline_rank(speeds, pp, dp)
+    # the fastest whole step of each probe (every rank's record of it), as the grid's layouts are measured
+    fastest = {key: min((fastest_step(everyone) for everyone in runs[key]), key=lambda found: found[0])
+               for key in probes}
     # per micro-batch size: each size's layers were profiled at their own moment, and run at their own speed
     layers, fits = dict(base.layers), {}
-    for m in sorted(set(ms)):
+    for m in sorted({m for _, m in probes}):
         n = args.batch // dp // m
         layers_only = CostModel(base, n, slowness, action_overhead=0.0)
-        fits[m] = fit_action_costs([(recs[0][1], layers_only.stage_costs(bounds_of(counts), compiled.stage_rank))
-                                    for (_, mm), (_, compiled, counts, recs, _) in probes.items() if mm == m])
+        fits[m] = fit_action_costs([(fastest[key][1], layers_only.stage_costs(bounds_of(counts), compiled.stage_rank))
+                                    for key, (_, compiled, counts) in probes.items() if key[1] == m])
         layers[n] = scale_layers(dataclasses.replace(base, layers={n: base.layers[n]}), fits[m][0]).layers[n]
     per_action = statistics.fmean(inside + around for _, inside, around in fits.values())
     calibrated = dataclasses.replace(base, layers=layers, action_overhead=per_action)
     tables, extra, steps = [], [], {}
-    for (schedule, m), (v, compiled, counts, recs, outs) in probes.items():
+    for (schedule, m), (v, compiled, counts) in probes.items():
         raw = predict(CostModel(base, args.batch / dp / m, slowness), compiled, counts, dp)
         plan_json = to_plan(SearchResult([(Candidate(pp, dp, schedule, v, m, counts), raw)]), args.batch)
-        tables.append(drift_by_kind(plan_json, recs[0][1]))
+        tables.append(drift_by_kind(plan_json, fastest[(schedule, m)][1]))
         pred = predict(CostModel(calibrated, args.batch / dp / m, slowness), compiled, counts, dp)
-        extra.append(min(o for o, _ in outs) - (pred.step_time - pred.schedule_time))  # beyond the fixed cost
-        steps[json.dumps([pp, schedule, v, m, list(counts)])] = min(t for _, t in outs)
+        outside = min(least_outside(everyone) for everyone in runs[(schedule, m)])
+        extra.append(outside - (pred.step_time - pred.schedule_time))  # beyond the fixed cost
+        # per run the slowest rank's fastest step; over the runs the least disturbed
+        steps[json.dumps([pp, schedule, v, m, list(counts)])] = min(max(min(durations) for durations, _ in everyone)
+                                                                    for everyone in runs[(schedule, m)])
     step_overhead = max(base.step_overhead + statistics.median(extra), 0.0)
     return dataclasses.replace(calibrated, step_overhead=step_overhead), merge(*tables), fits, steps
 
