@@ -9,37 +9,49 @@ __all__ = ["MOE_MODEL_TYPES", "SUPPORTED_MODEL_TYPES", "Family", "attention_type
            "is_mixture_of_experts"]
 
 
+# [Note: which mask a family's forward builds]
+# Each family's model forward picks its decoder layers' masks by its own rule, and a config can carry keys its
+# model never reads (transformers keeps unknown keys as attributes: a Llama config.json with a non-null
+# `sliding_window`, a Mistral config with Ministral-style `layer_types`). A rule read off the config alone would
+# then slide where the model does not. So each family names the rule its forward follows (transformers 5.x):
+#   FULL:        always the full causal mask (GPT-2, Llama, OLMoE, DeepSeek-V3), whatever the config says;
+#   EVERY_LAYER: every layer slides when `config.sliding_window` is set (Mistral, Mixtral, Qwen3-MoE), layer_types
+#                unread;
+#   PER_LAYER:   `config.layer_types[i]` (Qwen2, Qwen3, Qwen2-MoE).
+# tests/unit/test_hf.py checks each rule against the model's own logits with the keys the model ignores set.
+FULL, EVERY_LAYER, PER_LAYER = "full", "every_layer", "per_layer"
+
+
 class Family:
-    """Where a family keeps its parts, as attribute paths of the ``*ForCausalLM`` model."""
+    """Where a family keeps its parts, as attribute paths of the ``*ForCausalLM`` model, and which mask rule its
+    forward follows ([Note: which mask a family's forward builds])."""
 
     def __init__(self, base: str, embed: str, layers: str, norm: str, pos_embed: str | None = None,
-                 drop: str | None = None, rotary: str | None = None, full_attention_only: bool = False) -> None:
+                 drop: str | None = None, rotary: str | None = None, masks: str = FULL) -> None:
         self.base, self.embed, self.layers, self.norm = base, embed, layers, norm
         self.pos_embed, self.drop, self.rotary = pos_embed, drop, rotary
-        self.full_attention_only = full_attention_only
-        """The model's forward always builds the full causal mask (OLMoE, DeepSeek-V3), whatever the config says."""
+        self.masks = masks
 
 
-_LLAMA_LIKE = Family(base="model", embed="embed_tokens", layers="layers", norm="norm", rotary="rotary_emb")
-_FULL_ONLY = Family(base="model", embed="embed_tokens", layers="layers", norm="norm", rotary="rotary_emb",
-                    full_attention_only=True)
+def _llama_like(masks: str) -> Family:
+    return Family(base="model", embed="embed_tokens", layers="layers", norm="norm", rotary="rotary_emb", masks=masks)
 
 # Families whose model forward is exactly: embed -> [mask, rotary] -> decoder layers -> norm -> lm_head.
 # (Others, e.g. Gemma, scale embeddings or soft-cap logits inside forward: they need their own entry and a test.)
 _DENSE: dict[str, Family] = {
     "gpt2": Family(base="transformer", embed="wte", pos_embed="wpe", drop="drop", layers="h", norm="ln_f"),
-    "llama": _LLAMA_LIKE,
-    "mistral": _LLAMA_LIKE,
-    "qwen2": _LLAMA_LIKE,
-    "qwen3": _LLAMA_LIKE,
+    "llama": _llama_like(FULL),
+    "mistral": _llama_like(EVERY_LAYER),
+    "qwen2": _llama_like(PER_LAYER),
+    "qwen3": _llama_like(PER_LAYER),
 }
 # Mixtures of experts (issue 25): the decoder layers hold the routers; the load-balancing loss: lightning_pipe/hf/moe.py
 _MOE: dict[str, Family] = {
-    "mixtral": _LLAMA_LIKE,
-    "qwen2_moe": _LLAMA_LIKE,
-    "qwen3_moe": _LLAMA_LIKE,
-    "olmoe": _FULL_ONLY,
-    "deepseek_v3": _FULL_ONLY,
+    "mixtral": _llama_like(EVERY_LAYER),
+    "qwen2_moe": _llama_like(PER_LAYER),
+    "qwen3_moe": _llama_like(EVERY_LAYER),
+    "olmoe": _llama_like(FULL),
+    "deepseek_v3": _llama_like(FULL),
 }
 _FAMILIES = {**_DENSE, **_MOE}
 SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
@@ -75,11 +87,11 @@ def family(config: Any) -> Family:
 
 
 def attention_type(config: Any, index: int) -> str:
-    """``"full_attention"`` or ``"sliding_attention"`` for decoder layer ``index``, as the model's forward picks it."""
-    if family(config).full_attention_only:
-        return "full_attention"
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:  # Qwen2 / Qwen3 (and their MoE): per layer
-        return layer_types[index]
-    # Mistral / Mixtral: every layer slides when config.sliding_window is set; Llama / GPT-2 have no sliding window.
-    return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
+    """``"full_attention"`` or ``"sliding_attention"`` for decoder layer ``index``, as the model's forward picks it
+    ([Note: which mask a family's forward builds])."""
+    masks = family(config).masks
+    if masks == PER_LAYER:
+        return config.layer_types[index]
+    if masks == EVERY_LAYER and getattr(config, "sliding_window", None) is not None:
+        return "sliding_attention"
+    return "full_attention"

@@ -442,3 +442,46 @@ def test_tensor_parallel_plan_comes_from_transformers_and_refuses_what_it_cannot
         decoder_layer_plan(transformers.GPT2Config(), 2)
     with pytest.raises(PipelineConfigError, match=r"replicated_with_grad_allreduce"):
         decoder_layer_plan(transformers.Qwen3Config(num_attention_heads=4, num_key_value_heads=2), 2)
+
+
+# ------------------------------------------------------------------------------------- masks: the family's own rule
+_LAYER_TYPES = ["full_attention", "sliding_attention", "full_attention"]
+
+
+def _ignored_keys_config(case: str):
+    """Configs carrying keys their model's forward never reads ([Note: which mask a family's forward builds] in
+    lightning_pipe/hf/families.py), and one whose layer types really differ per layer; windows shorter than the
+    sequence, so a wrong mask shows in the logits."""
+    from tests.moe_configs import moe_config
+
+    per_layer = {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}
+    moe = {"num_hidden_layers": 3, "vocab_size": VOCAB}
+    return {
+        "llama+sliding_window": lambda: transformers.LlamaConfig(sliding_window=4, **COMMON),
+        "gpt2+sliding_window": lambda: transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=3, n_head=4, n_positions=64, sliding_window=4, bos_token_id=1,
+            eos_token_id=2),
+        "mistral+layer_types": lambda: transformers.MistralConfig(sliding_window=4, layer_types=_LAYER_TYPES,
+                                                                  **COMMON),
+        "qwen3 per layer": lambda: transformers.Qwen3Config(head_dim=8, **per_layer, **COMMON),
+        "mixtral+layer_types": lambda: moe_config("mixtral", sliding_window=4, layer_types=_LAYER_TYPES, **moe),
+        "qwen3_moe+layer_types": lambda: moe_config("qwen3_moe", sliding_window=4, layer_types=_LAYER_TYPES, **moe),
+        "qwen2_moe per layer": lambda: moe_config("qwen2_moe", **per_layer, **moe),
+        "olmoe+sliding_window": lambda: moe_config("olmoe", sliding_window=4, **moe),
+    }[case]()
+
+
+@pytest.mark.parametrize("case", ["llama+sliding_window", "gpt2+sliding_window", "mistral+layer_types",
+                                  "qwen3 per layer", "mixtral+layer_types", "qwen3_moe+layer_types",
+                                  "qwen2_moe per layer", "olmoe+sliding_window"])
+def test_each_layer_masks_as_its_family_forward_does_whatever_else_the_config_holds(case):
+    from lightning_pipe import HFCausalLM
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_ignored_keys_config(case), attn_implementation="eager")
+    model.eval()
+    input_ids, mask, labels = padded_batch()
+    batch = {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+    with torch.no_grad():
+        torch.testing.assert_close(HFCausalLM(model).compute_output(batch), model(**batch, use_cache=False).logits,
+                                   atol=1e-5, rtol=0)
