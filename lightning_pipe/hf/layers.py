@@ -181,13 +181,27 @@ class CausalLMEmbedding(HFLayer):
         input_ids, *rest = _unpack(args)
         hidden = self.embed_tokens(input_ids)
         if self.position_embedding is not None:
-            position_ids = rest[1] if len(rest) > 1 else _default_position_ids(hidden)
+            if len(rest) > 1:
+                position_ids = rest[1]
+            else:  # positions 0..T-1: a shape check, no host read (an explicit id out of range stays torch's error)
+                self._check_length(hidden.shape[1])
+                position_ids = _default_position_ids(hidden)
             hidden = hidden + self.position_embedding(position_ids).to(hidden.device)
         if self.dropout is not None:
             hidden = self.dropout(hidden)
         if self.carry_experts:  # [Note: the load-balancing loss across stages] in moe.py
             rest.append(torch.zeros(hidden.shape[0], self.carry_experts, device=hidden.device))
         return (hidden, *rest) if rest else hidden
+
+    def _check_length(self, length: int) -> None:
+        positions = self.position_embedding.num_embeddings  # type: ignore[union-attr]
+        if length > positions:
+            raise ValueError(
+                f"Sequence length {length} exceeds the {positions} learned positions of the model's position "
+                f"embedding ({type(self).__name__}.position_embedding). Rule: a sequence is at most the transformers "
+                f"config's `n_positions` tokens long (GPT-2). Got {length} tokens with n_positions={positions}. Crop "
+                f"or split the sequences to at most {positions} tokens, or build the model with n_positions >= {length}."
+            )
 
 
 class CausalLMDecoderLayer(HFLayer):

@@ -485,3 +485,13 @@ def test_each_layer_masks_as_its_family_forward_does_whatever_else_the_config_ho
     with torch.no_grad():
         torch.testing.assert_close(HFCausalLM(model).compute_output(batch), model(**batch, use_cache=False).logits,
                                    atol=1e-5, rtol=0)
+
+
+def test_a_sequence_longer_than_gpt2_positions_names_n_positions():
+    """GPT-2's learned positions: torch's bare IndexError from the position embedding becomes the rule and the
+    setting (transformers' own forward gives the bare error)."""
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=8)
+    layers = causal_lm_layers(transformers.AutoModelForCausalLM.from_config(config))
+    with pytest.raises(ValueError, match=r"Sequence length 10 exceeds the 8 learned positions .*n_positions=8"):
+        run(layers, torch.randint(3, VOCAB, (2, 10)))
+    assert run(layers, torch.randint(3, VOCAB, (2, 8))).shape == (2, 8, VOCAB)
