@@ -48,7 +48,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
 import torch
@@ -222,6 +222,23 @@ class CausalLMDecoderLayer(HFLayer):
         self.config = config
         self.balance: RouterBalance | None = None  # an MoE layer's part of the load-balancing loss (moe.py)
         self.carries = False  # the layer tuple ends with the MoE carry: [Note: the load-balancing loss across stages]
+
+    @contextlib.contextmanager
+    def meta_forward_context(self) -> Iterator[None]:
+        """Around a forward on meta tensors (the pipeline's shape planning, [Note: shapes without re-inference] in
+        lightning_pipe/runtime/shapes.py): transformers' ``grouped_mm`` experts call torch's grouped matrix
+        multiply, whose meta kernel refuses fp32; its ``batched_mm`` experts compute the same output shapes from
+        plain indexing and batched matmuls, so they stand in while shapes are planned. Nothing changes otherwise."""
+        config = self.config
+        implementation = getattr(config, "_experts_implementation", None)
+        if implementation != "grouped_mm":
+            yield
+            return
+        config._experts_implementation = "batched_mm"
+        try:
+            yield
+        finally:
+            config._experts_implementation = implementation
 
     def forward(self, *args: Any) -> Any:
         hidden, *rest = _unpack(args)

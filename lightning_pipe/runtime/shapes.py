@@ -29,6 +29,9 @@ posting receives first would deadlock. A stage whose forward cannot run on meta 
 value read with ``.item()``, a plain tensor attribute that is not a buffer) makes the plan fail on every rank
 alike (one all-reduce on a miss); the engine then falls back to torch's inference per shape, as before, and
 micro-batches of different lengths are refused there. Torch 2.11 keeps shapes elsewhere: fallback as well.
+A layer whose usual forward has no meta kernel but an equivalent one that does can say so: any submodule with a
+``meta_forward_context()`` method has it entered around the meta forwards of its stage (``HFCausalLM``'s MoE decoder
+layers run transformers' ``batched_mm`` experts there: torch's ``grouped_mm`` refuses fp32 on meta).
 """
 
 from __future__ import annotations
@@ -171,8 +174,12 @@ class ShapePlanner:
         cpu_rng = torch.get_rng_state()
         self.meta_forwards += 1
         try:
-            with self.guard(), torch.no_grad(), warnings.catch_warnings():
+            with self.guard(), torch.no_grad(), warnings.catch_warnings(), contextlib.ExitStack() as layers:
                 warnings.simplefilter("ignore")
+                for sub in module.modules():
+                    enter = getattr(sub, "meta_forward_context", None)
+                    if callable(enter):
+                        layers.enter_context(enter())
                 out = torch.func.functional_call(module, state, args, strict=False, tie_weights=True)
         finally:
             torch.set_rng_state(cpu_rng)

@@ -98,3 +98,29 @@ def test_a_moe_model_loads_from_local_safetensors(model_type: str, tmp_path: obj
     on_disk = SafetensorsCheckpoint(str(tmp_path)).keys()  # per-expert keys: [Note: expert tensors on disk]
     assert any(".experts.0." in k for k in on_disk)
     assert on_disk == set(module.checkpoint_reader.keys_read)
+
+
+@pytest.mark.parametrize("model_type", MOE_MODEL_TYPES)
+def test_a_moe_stage_plans_its_shapes_on_meta_tensors(model_type: str) -> None:
+    """Variable lengths without re-inference ([Note: shapes without re-inference]): torch's grouped_mm has no fp32
+    meta kernel, so the decoder layers' meta forward runs transformers' batched_mm experts; the planned shapes are
+    the real forward's, and the model's experts implementation is left as it was."""
+    import contextlib
+
+    from lightning_pipe.layers.stages import StageModule
+    from lightning_pipe.runtime.shapes import ShapePlanner
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(moe_config(model_type), attn_implementation="eager")
+    before = model.config._experts_implementation
+    layers = StageModule(list(HFCausalLM(model).layers), range(len(model.model.layers) + 3))
+    stage = type("Stage", (), {"submod": layers, "stage_index": 0, "is_first": True, "is_last": True})()
+    planner = ShapePlanner([stage], lambda s: 0, None, torch.device("cpu"), contextlib.nullcontext)
+    plan = planner.plan("key", [(((2, 7), torch.int64), ((2, 7), torch.int64)),
+                                (((2, 5), torch.int64), ((2, 5), torch.int64))])
+    with torch.no_grad():
+        real = layers(torch.randint(3, 64, (2, 5)), torch.ones(2, 5, dtype=torch.long))
+    real = real if isinstance(real, tuple) else (real,)
+    assert plan[0].outputs[1] == tuple((tuple(t.shape), t.dtype) for t in real)
+    assert plan[0].outputs[0][0][0] == (2, 7, 64)
+    assert model.config._experts_implementation == before
