@@ -281,6 +281,37 @@ class SavedOutputRegressor(ToyRegressor):
         return F.mse_loss(prediction, target) + 0.01 * f.pow(2).mean()
 
 
+class FrozenFrontRegressor(ToyRegressor):
+    """Its first two layers frozen: with two layers per stage, stage 1's inputs need no gradient ([Note: a split
+    backward with no input grad] in lightning_pipe/runtime/stage.py)."""
+
+    def __init__(self, n_layers: int = 8, width: int = WIDTH, **kwargs: Any) -> None:
+        super().__init__(n_layers=n_layers, width=width, **kwargs)
+        for layer in list(self.layers)[:2]:
+            layer.requires_grad_(False)
+
+
+class Repeat(nn.Module):
+    """``(B, 4) -> (B, width)`` without parameters: the input repeated."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.times = width // 4
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.repeat(1, self.times)
+
+
+class ParamFreeFrontRegressor(ToyRegressor):
+    """Its first two layers hold no parameter (a repeat, a tanh): a first stage with nothing to train."""
+
+    def __init__(self, n_layers: int = 8, width: int = WIDTH, **kwargs: Any) -> None:
+        super().__init__(n_layers=n_layers, width=width, **kwargs)
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(Repeat(width), nn.Tanh(), *(Block(width) for _ in range(n_layers - 3)),
+                                    nn.Linear(width, 4))
+
+
 class NormedBlock(nn.Module):
     """A residual block whose weight is reparametrised with ``weight_norm``."""
 

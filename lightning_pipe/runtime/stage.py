@@ -94,6 +94,7 @@ class PipelineStage(CallHooks, ChunkShapes, _compat.GuardedPipelineStage):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._whole_backwards: set[int] = set()  # [Note: a split backward with no input grad]
         if not self.is_last:  # its outputs cross to the next stage ([Note: contiguous on the wire])
             self.submod.register_forward_hook(own_outputs)
 
@@ -107,17 +108,42 @@ class PipelineStage(CallHooks, ChunkShapes, _compat.GuardedPipelineStage):
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         return self._in_stream(super().forward_one_chunk, *args, **kwargs)
 
-    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        return self._in_stream(super().backward_one_chunk, *args, **kwargs)
+    def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
+                           last_backward: bool = False) -> Any:
+        if not full_backward and self._inputs_need_grad is False:  # [Note: a split backward with no input grad]
+            self._whole_backwards.add(bwd_chunk_id)
+            full_backward = True
+        return self._in_stream(super().backward_one_chunk, bwd_chunk_id, loss=loss, full_backward=full_backward,
+                               last_backward=last_backward)
 
-    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        return self._in_stream(super().backward_weight_one_chunk, *args, **kwargs)
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> Any:
+        if bwd_chunk_id in self._whole_backwards:  # its weight gradients came with its whole backward
+            self._whole_backwards.discard(bwd_chunk_id)
+            return None
+        return self._in_stream(super().backward_weight_one_chunk, bwd_chunk_id, last_backward=last_backward)
+
+    # [Note: a split backward with no input grad]
+    # Torch's input half of a split backward (``stage_backward_input``) records, for the weight half, the weights
+    # reachable from the stage's inputs that need a gradient. A stage after one with nothing to train (a frozen
+    # embedding or backbone, parameter-free layers) receives inputs that need none, so it records no weight at all,
+    # and its weight half then computes nothing: its layers never train, silently (torch does the whole backward in
+    # the weight half for the first stage only). Such a stage runs its whole backward in the input half instead:
+    # the same gradients (there is no input gradient to send), its weight half a no-op. Whether the inputs need a
+    # gradient is read at each forward (a pre-hook, split-backward schedules only); it is the same for every
+    # micro-batch of a step, since it follows from which earlier layers train.
+    _inputs_need_grad: bool | None = None
+    """Whether the last forward's tensor inputs needed a gradient (``None``: not watched, no split backward)."""
 
     def keep_saved_outputs(self) -> None:
         """Under a split backward: hand torch this stage's outputs as aliases it may detach in place
-        ([Note: split backward detaches stage outputs]). The first stage runs no input backward: nothing to do."""
+        ([Note: split backward detaches stage outputs]), and watch whether its inputs need a gradient ([Note: a
+        split backward with no input grad]). The first stage runs no input backward: nothing to do."""
         if not self.is_first:
             self.submod.register_forward_hook(detachable_outputs)
+            self.submod.register_forward_pre_hook(self._watch_inputs)
+
+    def _watch_inputs(self, module: Any, args: tuple[Any, ...]) -> None:
+        self._inputs_need_grad = any(isinstance(a, Tensor) and a.requires_grad for a in args)
 
     def flush_update(self) -> None:
         """Apply an update that is due (per-micro-batch stages); called by the engine after each training step."""

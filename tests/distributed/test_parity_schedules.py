@@ -56,7 +56,9 @@ def test_loop_placement_schedules_match_single_device(tmp_path) -> None:
                            clip=0.05, optimizer="adamw"),
               # LSTM / GRU layers, a (outputs, summary) pair across a stage boundary
               TrainingCase(model="recurrent", schedule="interleaved_1f1b", stages_per_rank=2, microbatches=4, acc=2,
-                           clip=0.05)]
+                           clip=0.05),
+              # a frozen stage 0 ([Note: a split backward with no input grad])
+              TrainingCase(model="frozen_front", schedule="zb_h1", stages_per_rank=2, microbatches=4, validate=False)]
     check_all(launch("training", 2, cases, tmp_path, timeout=540), cases)
 
 
@@ -81,7 +83,13 @@ def test_v_placement_schedules_match_single_device(tmp_path) -> None:
               # weight_norm: the weight half (W) differentiates through the reparametrisation
               TrainingCase(model="weight_norm", schedule="zbv", stages_per_rank=2, microbatches=4, acc=2, clip=0.05),
               # the weight half (W) through LSTM / GRU weights
-              TrainingCase(model="recurrent", schedule="zbv", stages_per_rank=2, microbatches=4, acc=2, clip=0.05)]
+              TrainingCase(model="recurrent", schedule="zbv", stages_per_rank=2, microbatches=4, acc=2, clip=0.05),
+              # stage 0 frozen / without parameters: stage 1's inputs need no gradient, so torch's input half records
+              # no weight for its weight half ([Note: a split backward with no input grad])
+              TrainingCase(model="frozen_front", schedule="zbv", stages_per_rank=2, microbatches=4, acc=2, clip=0.05,
+                           optimizer="adamw"),
+              TrainingCase(model="param_free_front", schedule="dualpipev", stages_per_rank=2, microbatches=4,
+                           clip=0.05, validate=False)]
     results = launch("training", 2, cases, tmp_path, timeout=540)
     check_all(results, cases)
     assert results[0][0]["topology"] == (0, 0) and results[0][0]["predictions"].shape[0] == 22

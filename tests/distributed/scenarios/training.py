@@ -22,7 +22,9 @@ from typing_extensions import NotRequired
 
 from lightning_pipe import PipelinePrecision, PipelineStrategy
 from tests.models import (
+    FrozenFrontRegressor,
     MetaBuiltRegressor,
+    ParamFreeFrontRegressor,
     RecurrentRegressor,
     SavedOutputRegressor,
     TensorParallelRegressor,
@@ -227,7 +229,8 @@ MODELS: dict[str, Callable[[TrainingCase], L.LightningModule]] = {
     "tp": toy(TensorParallelRegressor), "gpt_split_head": gpt_splitting_its_head, "llama": tiny_llama,
     "tp_hook_fails": tp_hook_failing_first, "gpt_packed": tiny_gpt, "llama_packed": tiny_llama,
     "saved_outputs": toy(SavedOutputRegressor), "weight_norm": toy(WeightNormRegressor),
-    "recurrent": toy(RecurrentRegressor)}
+    "recurrent": toy(RecurrentRegressor), "frozen_front": toy(FrozenFrontRegressor),
+    "param_free_front": toy(ParamFreeFrontRegressor)}
 TOKEN_WEIGHTED = frozenset({"gpt_packed", "llama_packed"})
 """Models whose data has -100 targets (a token-weighted loss with uneven counts per micro-batch and replica)."""
 DATA: dict[str, Callable[[int], Any]] = {"gpt": token_data, "gpt_split_head": token_data,
