@@ -240,6 +240,25 @@ class SkipRegressor(ToyRegressor):
         return (x, x.flip(-1)), y
 
 
+class TrainingStepLoss(SkipRegressor):
+    """A ``training_step`` that changes what it returns ([Note: the loss a training step returns]): ``"scaled"``
+    returns 3 x compute_loss's loss, ``"twice"`` calls compute_loss twice, ``"dict"`` returns ``{"loss": loss, ...}``
+    (the one allowed change: the same tensor under "loss")."""
+
+    def __init__(self, returns: str = "dict", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.returns = returns
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = self.compute_loss(batch)
+        self.log("train_loss", loss)
+        if self.returns == "scaled":
+            return loss * 3
+        if self.returns == "twice":
+            return (loss + self.compute_loss(batch)) / 2
+        return {"loss": loss, "doubled": loss.detach() * 2}
+
+
 class CarryIn(nn.Module):
     """First layer of :class:`SavedOutputRegressor`."""
 

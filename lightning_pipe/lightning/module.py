@@ -35,6 +35,31 @@ from lightning_pipe.layers.aux import AuxLossContext, aux_loss_context
 from lightning_pipe.layers.batches import input_args, loss_parts
 from lightning_pipe.layers.stages import run_layers
 
+# [Note: the loss a training step returns]
+# Under PipelineStrategy, ``compute_loss`` runs the backward of every micro-batch itself; the loss it returns is a
+# report, detached, and Lightning's backward of what ``training_step`` returns only hands those gradients over. A
+# term added to that loss, a scaling of it, or a second ``compute_loss`` in the same step would therefore change the
+# logged value but not the gradients: one device trains on the changed loss, the pipeline silently would not. So a
+# training step must return exactly the tensor ``compute_loss`` returned (or a dict whose "loss" it is), and may
+# call it once; anything else stops the run with the rule. Terms that belong in the loss go where the schedule sees
+# them: ``loss_fn`` (the last stage's output and the target), or ``attach_aux_loss`` inside a layer (any stage).
+
+
+def check_returned_loss(returned: Any, loss: Tensor | None, owner: str) -> None:
+    """Refuse a ``training_step`` result whose loss is not the tensor its ``compute_loss`` returned ([Note: the loss
+    a training step returns]). ``loss``: what ``compute_loss`` returned this step (``None``: not called, left to
+    the backward's own error); ``None`` from ``training_step`` is Lightning's to handle."""
+    value = returned.get("loss") if isinstance(returned, dict) else returned
+    if loss is None or value is None or value is loss:
+        return
+    seen = f"{float(value):.6g}" if isinstance(value, Tensor) and value.numel() == 1 else type(value).__name__
+    raise RuntimeError(
+        f"{owner}.training_step returned a loss other than the one compute_loss returned ({seen} against "
+        f"{float(loss):.6g}). Rule: under PipelineStrategy compute_loss already ran the backward of every "
+        "micro-batch, so a term added to its loss or a scaling of it after the call would not reach the gradients "
+        "(one device would train on it). Return compute_loss's loss unchanged (or {'loss': loss, ...}); put extra "
+        "loss terms in loss_fn, or in a layer with lightning_pipe.layers.aux.attach_aux_loss.")
+
 
 def default_split_batch(batch: Any) -> tuple[Any, Any]:
     """``(x, y)`` / ``[x, y]`` -> ``(x, y)``; a bare tensor -> ``(tensor, None)``; a dict with ``input``/``target``."""

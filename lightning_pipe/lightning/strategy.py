@@ -28,6 +28,7 @@ from lightning_pipe.lightning import world
 from lightning_pipe.lightning.checkpointing import RankGroup, ShardedCheckpointer
 from lightning_pipe.lightning.faults import DEFAULT_TIMEOUT, PipelineFaults, resolve_timeout
 from lightning_pipe.lightning.launchers import PipelineMultiProcessingLauncher
+from lightning_pipe.lightning.module import check_returned_loss
 from lightning_pipe.lightning.optimizers import empty_parameter_lists_allowed
 from lightning_pipe.lightning.precision import PipelinePrecision, to_pipeline_precision
 from lightning_pipe.lightning.preflight import check_compiled_plan, resolve_settings
@@ -289,6 +290,8 @@ class PipelineStrategy(ParallelStrategy):
         try:
             with self.engine.running(phase, batch_idx):
                 result = parent(*args, **kwargs)
+                if phase == "train":
+                    check_returned_loss(result, self.engine.step_loss, type(self.lightning_module).__name__)
         except BaseException as err:
             if self._faults is not None:
                 self._faults.report(err)  # now: peers are blocked on this rank ([Note: failure propagation])

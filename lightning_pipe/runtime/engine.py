@@ -165,10 +165,15 @@ class PipelineEngine:
     def running(self, phase: str, batch_idx: int | None = None) -> Iterator[None]:
         """Set by the strategy around each Lightning step so compute_loss knows what to run."""
         self.phase, self.batch_idx = phase, batch_idx
+        self.step_loss = None
         try:
             yield
         finally:
             self.phase = None
+
+    step_loss: Tensor | None = None
+    """The loss this training step's ``compute_loss`` returned (``None`` until it ran): [Note: the loss a training
+    step returns]."""
 
     @property
     def last_pp_rank(self) -> int:
@@ -224,7 +229,15 @@ class PipelineEngine:
     # ------------------------------------------------------------------ requests from PipelineModule
     def loss(self, module: PipelineModel, batch: Any) -> Tensor:
         if self.phase == "train":
-            return self._train_step(module, batch)
+            if self.step_loss is not None:  # [Note: the loss a training step returns]
+                raise RuntimeError(
+                    f"{self._owner}.training_step called compute_loss a second time (batch_idx {self.batch_idx}). "
+                    "Rule: under PipelineStrategy one training_step runs the schedule once, in its one compute_loss "
+                    "call (the forward and backward of every micro-batch of that batch); a second call would replace "
+                    "the first call's gradients. Call compute_loss once per training_step; to train on more rows, "
+                    "make the batch larger (or use accumulate_grad_batches).")
+            self.step_loss = self._train_step(module, batch)
+            return self.step_loss
         if self.phase in ("validate", "test", "predict"):
             return eval_loss(self, module, batch)
         raise RuntimeError(

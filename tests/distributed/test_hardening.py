@@ -52,7 +52,15 @@ PP2_CASES = [
     # a dict target: each micro-batch's loss gets its rows of every value, as one device does ([Note: structured
     # targets]); validation passes the whole dict
     HardeningCase(model="dict_target", schedule="1f1b", steps=2, optimizer="adamw", validate=True),
+    # training_step's return: a changed loss or a second compute_loss stops the run on every rank (neither would
+    # reach the gradients); {"loss": loss, ...} trains as on one device ([Note: the loss a training step returns])
+    HardeningCase(model="scaled_loss", steps=1, expect_error=True),
+    HardeningCase(model="loss_twice", steps=1, expect_error=True),
+    HardeningCase(model="dict_loss", schedule="zbv", steps=2, acc=2, optimizer="adamw"),
 ]
+ERRORS = {"dict_inputs": "DictInputsRegressor.split_batch returned inputs that are a dict with keys ['x']",
+          "scaled_loss": "TrainingStepLoss.training_step returned a loss other than the one compute_loss returned",
+          "loss_twice": "TrainingStepLoss.training_step called compute_loss a second time (batch_idx 0)"}
 if refused("split_backward"):  # restricted torch tier: those schedules are refused (tests/unit/test_compat.py)
     PP2_CASES = [case for case in PP2_CASES if case.schedule not in SPLIT_BACKWARD_SCHEDULES]
 
@@ -111,7 +119,7 @@ def test_pp2_variable_shapes_batchnorm_tuples_and_token_weighted_loss(tmp_path) 
         if case.expect_error:
             for rank in results:
                 assert not rank[i]["ok"]
-                assert "DictInputsRegressor.split_batch returned inputs that are a dict with keys ['x']" in rank[i]["error"]
+                assert ERRORS[case.model] in rank[i]["error"], rank[i]["error"]
             continue
         if case.model == "bn" and case.microbatches > 1:  # per-micro-batch statistics: warned, not comparable
             warned = results[0][i]["warnings"]

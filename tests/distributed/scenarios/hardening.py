@@ -30,6 +30,7 @@ from tests.models import (
     SameOrderAsDistributedSampler,
     SkipRegressor,
     TinyLM,
+    TrainingStepLoss,
     TrimmedLM,
     ViewsRegressor,
     pad_collate,
@@ -72,6 +73,10 @@ MODELS: dict[str, Callable[[HardeningCase], L.LightningModule]] = {
     "lm": lambda c: TinyLM(loss=c.loss, optimizer=c.optimizer, lr=0.1 if c.optimizer == "sgd" else 0.02),
     # issue 24: each micro-batch trimmed to its own length (trim_microbatch)
     "lm_trim": lambda c: TrimmedLM(loss=c.loss, optimizer=c.optimizer, lr=0.1 if c.optimizer == "sgd" else 0.02),
+    # what training_step returns ([Note: the loss a training step returns])
+    "scaled_loss": lambda c: TrainingStepLoss("scaled", optimizer=c.optimizer),
+    "loss_twice": lambda c: TrainingStepLoss("twice", optimizer=c.optimizer),
+    "dict_loss": lambda c: TrainingStepLoss("dict", optimizer=c.optimizer),
 }
 
 
