@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
@@ -179,8 +180,24 @@ def check_module(module: LightningModule) -> None:
         raise TypeError(
             "PipelineStrategy supports automatic optimization only: the schedule runs forward and backward "
             "inside training_step and the strategy averages and clips gradients across stages before the "
-            f"optimizer step. Set `self.automatic_optimization = True` in {type(module).__name__}."
+            f"optimizer step. Set `self.automatic_optimization = True` in {type(module).__name__}, with one "
+            "optimizer from configure_optimizers (several learning rates: one optimizer with several param "
+            "groups)."
         )
+
+
+def check_callbacks(trainer: Trainer) -> None:
+    """Callbacks that cannot work on a split module, refused before anything is split (on every rank alike)."""
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]  # Trainer.callbacks: list[Callback]
+        if isinstance(callback, StochasticWeightAveraging):
+            raise TypeError(
+                "StochasticWeightAveraging cannot run under PipelineStrategy: it averages into a copy of the whole "
+                "module made before the strategy splits it, and pairs that copy's parameters with this rank's "
+                "stages by position (rank 1's first layer with the model's first, shapes permitting, silently). "
+                "Remove the StochasticWeightAveraging callback from Trainer(callbacks=...); to average weights, "
+                "keep a torch.optim.swa_utils.AveragedModel of the model on one device after training, or average "
+                "checkpoints."
+            )
 
 
 def log_layout(plan: SchedulePlan, topology: Topology, ranges: list[range], local_ids: list[int],

@@ -20,6 +20,7 @@ from lightning_pipe.lightning.optimizers import check_optimizers_agree
 from lightning_pipe.lightning.pipedream import attach_microbatch_updates
 from lightning_pipe.lightning.preflight import (
     balance_partition,
+    check_callbacks,
     check_module,
     check_plan_fits,
     log_layout,
@@ -44,6 +45,7 @@ def setup_pipeline(strategy: Any, trainer: Trainer) -> None:
     module = strategy.lightning_module
     assert module is not None
     check_module(module)
+    check_callbacks(trainer)
     check_plan_fits(strategy._plan_source, strategy._plan_name, module, strategy.pipeline_config.layers_attr)
     if strategy._auto and strategy.auto_plan is None:
         strategy.auto_plan, strategy.pipeline_config = plan_automatically(

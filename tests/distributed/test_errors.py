@@ -24,12 +24,14 @@ def test_bad_input_fails_fast_on_every_rank(tmp_path):
         TrainingCase(steps=10, validate=False, rank_limits={"limit_train_batches": [5, 3]}, expect_error=True),
         # the same in validation (3 batches on rank 0, 1 on rank 1), at the first check after 2 training batches
         TrainingCase(steps=4, rank_limits={"limit_val_batches": [3, 1]}, expect_error=True),
+        # StochasticWeightAveraging pairs a copy of the whole module with this rank's stages: refused at setup
+        TrainingCase(steps=2, swa=True, expect_error=True),
         # and afterwards a good run still works in the same processes, monitored by ModelCheckpoint
         TrainingCase(steps=4, monitor_dir=str(tmp_path / "ckpts")),
     ]
     results = launch("training", 2, cases, tmp_path, timeout=200)
     for rank_results in results:
-        batch, no_layers, partition, uneven_train, uneven_val, good = rank_results
+        batch, no_layers, partition, uneven_train, uneven_val, swa, good = rank_results
         assert not batch["ok"] and "batch size 6 (batch_idx 0), microbatches=4" in batch["error"]
         assert "data.batch_size" in batch["error"] and "drop_last=True" in batch["error"]
         assert not no_layers["ok"] and "no attribute `layers`" in no_layers["error"]
@@ -41,6 +43,7 @@ def test_bad_input_fails_fast_on_every_rank(tmp_path):
         assert "Trainer(limit_train_batches=...)" in uneven_train["error"]
         assert not uneven_val["ok"] and ("validation data ends at different batches: rank(s) [1] ran out after 1 "
                                          "batches") in uneven_val["error"], uneven_val
+        assert not swa["ok"] and "StochasticWeightAveraging cannot run under PipelineStrategy" in swa["error"]
         assert good["ok"] and len(good["losses"]) == 4
         # validation every 2 batches fed ModelCheckpoint's monitor on every rank with the same value
         assert good["best"] == results[0][-1]["best"] and good["best"][1] == min(good["fit_val_losses"])

@@ -14,7 +14,7 @@ from typing import Any, TypedDict
 
 import lightning.pytorch as L
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, StochasticWeightAveraging
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.distributed.tensor import DTensor
 from torch.utils.data import TensorDataset
@@ -87,6 +87,7 @@ class TrainingCase:
     # (over the data-parallel and the tensor group) make the ranks start as the one device does. Pipeline size 1
     # only: every layer's source is then global rank 0.
     skewed_init: bool = False
+    swa: bool = False  # a StochasticWeightAveraging callback (refused under the pipeline: test_errors.py)
 
 
 class TrainingResult(TypedDict):
@@ -315,6 +316,8 @@ def _trainer(case: TrainingCase, pipeline: bool, recorder: Callback, *extra: Cal
     # ModelCheckpoint(monitor="val_loss"): the metric must exist, identical, on every rank
     monitor = [] if case.monitor_dir is None else [
         ModelCheckpoint(dirpath=case.monitor_dir, monitor="val_loss", mode="min", save_top_k=1)]
+    if case.swa:
+        monitor.append(StochasticWeightAveraging(swa_lrs=0.01))
     limits: dict[str, Any] = {"limit_val_batches": 3}
     if pipeline and case.rank_limits:
         limits.update({key: values[int(os.environ["RANK"])] for key, values in case.rank_limits.items()})
