@@ -13,6 +13,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.utils.data import DataLoader
 
 from lightning_pipe._compat import lightning as _compat
 from lightning_pipe.config import MEASURED_PARTITIONS, PartitionSpec, PipelineConfig, config_error
@@ -184,6 +185,32 @@ def check_module(module: LightningModule) -> None:
             "optimizer from configure_optimizers (several learning rates: one optimizer with several param "
             "groups)."
         )
+
+
+def check_last_batch(trainer: Trainer, microbatches: int) -> None:
+    """When training starts: a training loader whose last, partial batch of each epoch cannot split into the
+    micro-batches is refused now, not when the epoch gets there (hours later in a long epoch). Only where the run
+    reaches that batch (``limit_train_batches`` or ``max_steps`` may stop before it), and only for a plain
+    ``DataLoader`` with a batch size and a sized sampler; any other loader meets the per-batch check."""
+    loader = trainer.train_dataloader
+    if not isinstance(loader, DataLoader) or loader.batch_size is None or loader.drop_last:
+        return
+    try:
+        rows = len(loader.sampler)  # type: ignore[arg-type]  # a sized sampler (an iterable one raises TypeError)
+    except TypeError:
+        return
+    last, batches = rows % loader.batch_size, -(-rows // loader.batch_size)
+    if not last or last % microbatches == 0 or trainer.num_training_batches < batches:
+        return
+    if trainer.max_steps != -1 and trainer.max_steps * trainer.accumulate_grad_batches < batches:
+        return
+    raise config_error(
+        "A training batch must split into equal micro-batches, and the last batch of each epoch is a partial one "
+        "that does not (refused as training starts, before the epoch reaches it).",
+        f"{rows} samples per rank in batches of {loader.batch_size}: the last batch (batch_idx {batches - 1}) has "
+        f"{last} rows, microbatches={microbatches}", "batch_size",
+        f"DataLoader(drop_last=True), or a batch size that leaves a multiple of {microbatches} rows",
+        also=("microbatches",))
 
 
 def check_callbacks(trainer: Trainer) -> None:

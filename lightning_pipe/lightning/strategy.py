@@ -31,7 +31,7 @@ from lightning_pipe.lightning.launchers import PipelineMultiProcessingLauncher
 from lightning_pipe.lightning.module import check_returned_loss
 from lightning_pipe.lightning.optimizers import empty_parameter_lists_allowed
 from lightning_pipe.lightning.precision import PipelinePrecision, to_pipeline_precision
-from lightning_pipe.lightning.preflight import check_compiled_plan, resolve_settings
+from lightning_pipe.lightning.preflight import check_compiled_plan, check_last_batch, resolve_settings
 from lightning_pipe.lightning.rebalancing import StrategyRebalancer
 from lightning_pipe.lightning.setup import check_rank_optimizers, setup_pipeline
 from lightning_pipe.parallel.group_cache import forget_groups
@@ -257,6 +257,12 @@ class PipelineStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     # ------------------------------------------------------------------ steps
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        assert self.lightning_module is not None and self.plan is not None
+        check_last_batch(self.lightning_module.trainer, self.plan.microbatches)
+
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         engine = self.engine

@@ -26,12 +26,16 @@ def test_bad_input_fails_fast_on_every_rank(tmp_path):
         TrainingCase(steps=4, rank_limits={"limit_val_batches": [3, 1]}, expect_error=True),
         # StochasticWeightAveraging pairs a copy of the whole module with this rank's stages: refused at setup
         TrainingCase(steps=2, swa=True, expect_error=True),
+        # 190 samples in batches of 8: the last of the epoch has 6 rows, refused as training starts (not 23 steps
+        # in); a run that stops before it (max_steps) is left alone
+        TrainingCase(n_data=190, drop_last=False, steps=30, validate=False, expect_error=True),
+        TrainingCase(n_data=190, drop_last=False, steps=2, validate=False),
         # and afterwards a good run still works in the same processes, monitored by ModelCheckpoint
         TrainingCase(steps=4, monitor_dir=str(tmp_path / "ckpts")),
     ]
     results = launch("training", 2, cases, tmp_path, timeout=200)
     for rank_results in results:
-        batch, no_layers, partition, uneven_train, uneven_val, swa, good = rank_results
+        batch, no_layers, partition, uneven_train, uneven_val, swa, ragged, ragged_short, good = rank_results
         assert not batch["ok"] and "batch size 6 (batch_idx 0), microbatches=4" in batch["error"]
         assert "data.batch_size" in batch["error"] and "drop_last=True" in batch["error"]
         assert not no_layers["ok"] and "no attribute `layers`" in no_layers["error"]
@@ -44,6 +48,10 @@ def test_bad_input_fails_fast_on_every_rank(tmp_path):
         assert not uneven_val["ok"] and ("validation data ends at different batches: rank(s) [1] ran out after 1 "
                                          "batches") in uneven_val["error"], uneven_val
         assert not swa["ok"] and "StochasticWeightAveraging cannot run under PipelineStrategy" in swa["error"]
+        assert not ragged["ok"], ragged
+        assert ("190 samples per rank in batches of 8: the last batch (batch_idx 23) has 6 rows, microbatches=4"
+                in ragged["error"]) and "drop_last=True" in ragged["error"], ragged["error"]
+        assert ragged_short["ok"] and len(ragged_short["losses"]) == 2
         assert good["ok"] and len(good["losses"]) == 4
         # validation every 2 batches fed ModelCheckpoint's monitor on every rank with the same value
         assert good["best"] == results[0][-1]["best"] and good["best"][1] == min(good["fit_val_losses"])

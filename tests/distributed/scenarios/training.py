@@ -88,6 +88,7 @@ class TrainingCase:
     # only: every layer's source is then global rank 0.
     skewed_init: bool = False
     swa: bool = False  # a StochasticWeightAveraging callback (refused under the pipeline: test_errors.py)
+    drop_last: bool = True  # the pipeline's training loader (False: a partial last batch per epoch)
 
 
 class TrainingResult(TypedDict):
@@ -345,7 +346,7 @@ def run_training(case: TrainingCase, pipeline: bool) -> TrainingResult:
     dp_sync, held = DataParallelSync(case), HeldAfterEval()
     trainer = _trainer(case, pipeline, recorder, *([dp_sync, held] if pipeline else []))
     # Lightning shuffles training data through its DistributedSampler; the reference walks the same order.
-    train_loader = loader(data, batch) if pipeline else reference_train_loader(data, batch)
+    train_loader = loader(data, batch, case.drop_last) if pipeline else reference_train_loader(data, batch)
     trainer.fit(model, train_loader, loader(data, batch) if case.validate else None)
     out = TrainingResult(
         params={n: full_tensor(p) for n, p in model.named_parameters(remove_duplicate=False)},
