@@ -141,7 +141,9 @@ def fit_calibration(args: argparse.Namespace, base, speeds: list[float], pp: int
                                     for key, (_, compiled, counts) in probes.items() if key[1] == m])
         layers[n] = scale_layers(dataclasses.replace(base, layers={n: base.layers[n]}), fits[m][0]).layers[n]
     per_action = statistics.fmean(inside + around for _, inside, around in fits.values())
-    calibrated = dataclasses.replace(base, layers=layers, action_overhead=per_action)
+    # The fitted host time around an action is the real schedule's wall time beyond its compute and waits, per action:
+    # it already holds the per-micro-batch host work the tiny probe measured (step_costs), so that is not added again.
+    calibrated = dataclasses.replace(base, layers=layers, action_overhead=per_action, microbatch_overhead=0.0)
     tables, extra, steps = [], [], {}
     for (schedule, m), (v, compiled, counts) in probes.items():
         raw = predict(CostModel(base, args.batch / dp / m, slowness), compiled, counts, dp)
