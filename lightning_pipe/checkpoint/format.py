@@ -86,17 +86,23 @@ class ModuleNames:
             self.order.setdefault(n, (sys.maxsize, k))
 
 
-def name_mismatch_message(path: Any, missing: Sequence[str], unexpected: Sequence[str]) -> str:
+def name_mismatch_message(path: Any, missing: Sequence[str], unexpected: Sequence[str],
+                          shapes: Sequence[str] = ()) -> str:
+    """Every way the checkpoint and the model differ, in one message: names missing from the checkpoint, names the
+    model lacks, and ``shapes`` (``"name: checkpoint [..] vs model [..]"``), which no loading option can skip."""
     def fmt(names: Sequence[str]) -> str:
         names = sorted(names)
         return ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
 
     parts = [f"The checkpoint {str(path)!r} does not match the model (was it written by a different model?)."]
+    if shapes:
+        parts.append(f"Shapes differ for: {fmt(shapes)}.")
     if missing:
         parts.append(f"Missing from the checkpoint: {fmt(missing)}.")
     if unexpected:
         parts.append(f"Unexpected in the checkpoint (no such parameter/buffer in the model): {fmt(unexpected)}.")
-    parts.append("Load a checkpoint of this model, or set `model.strict_loading = False` to load the names that match.")
+    parts.append("Load a checkpoint of this model" + ("." if shapes else
+                 ", or set `model.strict_loading = False` to load the names that match."))
     return " ".join(parts)
 
 

@@ -260,11 +260,8 @@ class ShardedCheckpointer:
         expected = {k for _, e, _ in gathered for k in e}
         unexpected = sorted(k for k in available if k not in expected)
         all_wrong = sorted({w for _, _, ws in gathered for w in ws})
-        if all_wrong:
-            raise CheckpointError(f"The checkpoint {str(path)!r} does not match the model: shapes differ for "
-                                  f"{all_wrong[:8]}{' ...' if len(all_wrong) > 8 else ''}.")
-        if strict and (all_missing or unexpected):
-            raise CheckpointError(name_mismatch_message(path, all_missing, unexpected))
+        if all_wrong or (strict and (all_missing or unexpected)):  # names too: a shape alone reads as one bad tensor
+            raise CheckpointError(name_mismatch_message(path, all_missing, unexpected, all_wrong))
 
     def _check_optimizers(self, saved_opts: Any, names: ModuleNames) -> None:
         if saved_opts is None:

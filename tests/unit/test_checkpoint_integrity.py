@@ -194,3 +194,17 @@ def test_a_full_disk_is_named_first_with_the_size_needed(tmp_path: Path) -> None
         assert files.no_space_error(chained, tmp_path / "x", 10) is not None
     assert files.no_space_error(CheckpointException("x", {0: (ValueError("bad"), None)}), tmp_path / "x", 1) is None
     assert files.state_bytes({"a": torch.zeros(4), "b": 3, "c": torch.zeros(2, dtype=torch.float64)}) == 32
+
+
+def test_a_model_mismatch_names_shapes_and_names_together() -> None:
+    """A checkpoint of another model: one message with the shapes that differ *and* the names either side lacks
+    (a shape alone read as if one tensor were wrong)."""
+    from lightning_pipe.checkpoint.format import name_mismatch_message
+
+    message = name_mismatch_message("ck", ["layers.1.weight"], ["layers.2.weight"],
+                                    ["layers.0.weight: checkpoint [16, 8] vs model [20, 16]"])
+    assert "Shapes differ for: layers.0.weight: checkpoint [16, 8] vs model [20, 16]." in message
+    assert "Missing from the checkpoint: layers.1.weight." in message
+    assert "Unexpected in the checkpoint (no such parameter/buffer in the model): layers.2.weight." in message
+    assert "strict_loading" not in message  # no loading option skips a shape
+    assert "strict_loading" in name_mismatch_message("ck", ["a"], [])
