@@ -4,6 +4,7 @@ to the adapter's helpers (setup, preflight, checkpointing, faults, precision).""
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -348,6 +349,15 @@ class PipelineStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self._faults is not None and self._faults.failed:
+            # A run that failed (here or on a peer: reported before any on_exception checkpoint) cannot write a
+            # sharded checkpoint: every rank writes its part together, and the ranks are stopping. Said, not
+            # attempted: the attempt would wait on a peer that is gone and end in the transport's error.
+            warnings.warn(f"lightning_pipe: no checkpoint written at {str(filepath)!r} on rank {self.global_rank}: "
+                          "the run failed, and a sharded checkpoint needs every rank to write its part (an "
+                          "OnExceptionCheckpoint saves on an agreed SIGTERM stop, not after an error). The last "
+                          "complete checkpoint stays.", stacklevel=2)
+            return
         self._checkpointer().save(checkpoint, filepath, storage_options)
 
     @override
@@ -372,6 +382,8 @@ class PipelineStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ collectives
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if self._faults is not None and self._faults.failed:
+            return  # the ranks are stopping after a failure: no peer will meet it (e.g. Trainer.save_checkpoint's)
         world.barrier(self.root_device)
 
     @override

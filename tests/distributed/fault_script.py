@@ -10,8 +10,9 @@ Modes:
 * ``fail``: the layer of rank ``fail_rank`` raises at its forward call ``fail_at``; the script *catches* the error and
   sleeps 90 s, as a notebook or a script that handles errors would keep the process alive;
 * ``crash``: rank ``fail_rank`` raises at ``fail_in`` (``"configure_optimizers"`` at setup, ``"save"``: its
-  checkpoint write fails as on a read-only file system) and its process *ends*, closing its sockets: the other
-  rank's transfer fails with gloo's own error, to which it must add the cause.
+  checkpoint write fails as on a read-only file system, ``"forward"``: its layer's forward call ``fail_at``) and its
+  process *ends*, closing its sockets: the other rank's transfer fails with gloo's own error, to which it must add
+  the cause. ``on_exception_ckpt``: an ``OnExceptionCheckpoint`` too (no rank may try its collective save).
 
 Also the harness the tests and ``bench/sigterm.py`` share: start the script, wait for a step, time every rank's exit.
 """
@@ -37,7 +38,7 @@ def main(out: Path, mode: str, opts: dict[str, Any]) -> None:
     import lightning.pytorch as L
     import torch
     import torch.nn.functional as F
-    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -85,7 +86,8 @@ def main(out: Path, mode: str, opts: dict[str, Any]) -> None:
         def __init__(self) -> None:
             super().__init__()
             torch.manual_seed(0)
-            fail_layer = {0: 0, 1: 3}.get(opts.get("fail_rank", -1)) if mode == "fail" else None
+            fails = mode == "fail" or (mode == "crash" and opts.get("fail_in") == "forward")
+            fail_layer = {0: 0, 1: 3}.get(opts.get("fail_rank", -1)) if fails else None
             self.layers = nn.Sequential(*[SlowLayer(opts.get("delay", 0.01), opts.get("fail_at", 3)
                                                     if i == fail_layer else None) for i in range(4)])
 
@@ -120,6 +122,8 @@ def main(out: Path, mode: str, opts: dict[str, Any]) -> None:
     if opts.get("ckpt"):
         callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", save_last=True,
                                          every_n_train_steps=opts.get("ckpt_every", 10)))
+    if opts.get("on_exception_ckpt"):
+        callbacks.append(OnExceptionCheckpoint(dirpath=out / "on_exception"))
     max_steps = opts.get("max_steps", 100_000)
     trainer = L.Trainer(strategy=PipelineStrategy(microbatches=4), accelerator="cpu", devices=2, max_steps=max_steps,
                         callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,

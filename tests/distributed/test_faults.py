@@ -115,7 +115,8 @@ def test_a_failing_rank_is_named_on_every_rank_whether_it_ends_or_blocks_a_tenso
       error, and rank 1 raises its own error, not the lost connection.
     """
     runs = {"setup": (1, dict(fail_rank=1, fail_in="configure_optimizers")),
-            "save": (0, dict(fail_rank=0, fail_in="save", ckpt=True, ckpt_every=2))}
+            "save": (0, dict(fail_rank=0, fail_in="save", ckpt=True, ckpt_every=2)),
+            "forward": (1, dict(fail_rank=1, fail_in="forward", fail_at=6, on_exception_ckpt=True))}
     procs = {name: fs.start(tmp_path / name, "crash", **opts) for name, (_, opts) in runs.items()}
     try:
         split = tmp_path / "split"
@@ -132,10 +133,15 @@ def test_a_failing_rank_is_named_on_every_rank_whether_it_ends_or_blocks_a_tenso
         assert codes[name] != 0, log
         assert "Connection closed by peer" in log, log  # what the other rank's own error says
         cause = {"setup": "ValueError: injected failure in configure_optimizers on rank 1",
-                 "save": "OSError: [Errno 30] Read-only file system"}[name]
+                 "save": "OSError: [Errno 30] Read-only file system",
+                 "forward": "RuntimeError: injected failure in a layer's forward (call 6)"}[name]
         note = f"lightning_pipe: rank {other} lost its connection because another rank failed first: rank {failing}: "
         assert note + cause in log, log
         assert f"[rank{other}]: {note}{cause}" in log, log  # also in its traceback (a note on its exception)
+        if name == "forward":  # OnExceptionCheckpoint after a failure: said, not attempted (a collective save)
+            whole = (tmp_path / name / "log").read_text(errors="replace")  # (warnings are off in the test ranks)
+            assert not (tmp_path / name / "on_exception").exists()
+            assert "in on_exception" not in whole and "in save_checkpoint" not in whole, whole[-6000:]
     rank0 = (split / "rank0.log").read_text(errors="replace")
     assert ("lightning_pipe: rank 0 stops because another rank failed: rank 1: ValueError: injected failure in "
             "parallelize_layer on tensor rank 1 at layer 0") in rank0, failed.value
