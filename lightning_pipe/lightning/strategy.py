@@ -190,6 +190,10 @@ class PipelineStrategy(ParallelStrategy):
             self._launcher = PipelineMultiProcessingLauncher(self, start_method=self._start_method)
 
     def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None and self.cluster_environment.creates_processes_externally:
+            # torchrun / SLURM started the processes: Lightning's own rule that devices x num_nodes is their world
+            # (its launcher checks it; none runs here), before any device list is indexed by a local rank
+            self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)

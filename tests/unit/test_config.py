@@ -114,6 +114,16 @@ def test_world_not_divisible_by_data_parallel():
     assert "world_size=3" in msg and "data_parallel_size=2" in msg and "strategy.data_parallel_size" in msg
 
 
+def test_torchrun_with_other_devices_is_lightnings_clear_error(monkeypatch):
+    """torchrun started 4 processes, the Trainer says devices=2: Lightning's own rule, at Trainer construction (it
+    was an IndexError at setup, indexing the 2 devices by local rank 2)."""
+    for key, value in dict(TORCHELASTIC_RUN_ID="t", WORLD_SIZE="4", RANK="2", LOCAL_RANK="2", GROUP_RANK="0",
+                           LOCAL_WORLD_SIZE="4").items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=r"devices=2.*does not match the world size \(4\)"):
+        L.Trainer(strategy=PipelineStrategy(data_parallel_size=2), accelerator="cpu", devices=2, logger=False)
+
+
 def test_trainer_refuses_bad_world_before_launch():
     # Raised while the Trainer is built, in the launching process: no rank ever starts.
     with pytest.raises(PipelineConfigError, match="data_parallel_size=2"):
