@@ -353,7 +353,7 @@ class PipelineStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if self._faults is not None and self._faults.failed:
+        if self._failed:
             # A run that failed (here or on a peer: reported before any on_exception checkpoint) cannot write a
             # sharded checkpoint: every rank writes its part together, and the ranks are stopping. Said, not
             # attempted: the attempt would wait on a peer that is gone and end in the transport's error.
@@ -384,9 +384,14 @@ class PipelineStrategy(ParallelStrategy):
                                    self._topology())
 
     # ------------------------------------------------------------------ collectives
+    @property
+    def _failed(self) -> bool:
+        """This run failed, here or on a peer (lightning/faults.py): no collective can complete any more."""
+        return self._faults is not None and self._faults.failed
+
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if self._faults is not None and self._faults.failed:
+        if self._failed:
             return  # the ranks are stopping after a failure: no peer will meet it (e.g. Trainer.save_checkpoint's)
         world.barrier(self.root_device)
 
