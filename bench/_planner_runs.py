@@ -76,7 +76,8 @@ def least_outside(per_rank: list) -> float:
 
 
 def probe_layouts(base, pp: int, ms: list[int]) -> dict:
-    """The calibration probes: 1F1B and ZB-V over uniform splits, pipeline ``pp``, at each micro-batch count;
+    """The calibration probes: 1F1B, ZB-V and interleaved 1F1B over uniform splits, pipeline ``pp``, at each
+    micro-batch count (their transfers per action differ: 1, fewer, more; [Note: host cost per transfer]);
     ``{(schedule, m): (v, compiled order, counts)}``."""
     from lightning_pipe.config import PipelineConfig
     from lightning_pipe.layers.partition import uniform_counts
@@ -85,7 +86,7 @@ def probe_layouts(base, pp: int, ms: list[int]) -> dict:
 
     probes = {}
     for m in sorted(set(ms)):
-        for schedule, v in (("1f1b", 1), ("zbv", 2)):
+        for schedule, v in (("1f1b", 1), ("zbv", 2), ("interleaved_1f1b", 2)):
             plan = plan_schedule(PipelineConfig(schedule=schedule, microbatches=m, stages_per_rank=v), pp)
             compiled = compile_order(compute_order(plan), plan.num_stages)
             probes[(schedule, m)] = (v, compiled, tuple(uniform_counts(base.num_layers, plan.num_stages)))
@@ -122,7 +123,7 @@ def fit_calibration(args: argparse.Namespace, base, speeds: list[float], pp: int
     import torch.distributed as dist
 
     from lightning_pipe.planner import to_plan
-    from lightning_pipe.planner.calibrate import fit_action_costs
+    from lightning_pipe.planner.calibrate import fit_action_costs, fit_host_costs
     from lightning_pipe.planner.drift import drift_by_kind, merge, scale_layers
     from lightning_pipe.planner.model import Candidate, CostModel, bounds_of, predict
     from lightning_pipe.planner.search import SearchResult, slowness_per_pipeline_rank
@@ -140,10 +141,15 @@ def fit_calibration(args: argparse.Namespace, base, speeds: list[float], pp: int
         fits[m] = fit_action_costs([(fastest[key][1], layers_only.stage_costs(bounds_of(counts), compiled.stage_rank))
                                     for key, (_, compiled, counts) in probes.items() if key[1] == m])
         layers[n] = scale_layers(dataclasses.replace(base, layers={n: base.layers[n]}), fits[m][0]).layers[n]
-    per_action = statistics.fmean(inside + around for _, inside, around in fits.values())
-    # The fitted host time around an action is the real schedule's wall time beyond its compute and waits, per action:
-    # it already holds the per-micro-batch host work the tiny probe measured (step_costs), so that is not added again.
-    calibrated = dataclasses.replace(base, layers=layers, action_overhead=per_action, microbatch_overhead=0.0)
+    # host time per action and per transfer: one fit over every probe (their mixes of actions and transfers differ,
+    # [Note: host cost per transfer]; one micro-batch count's probes alone barely tell the two apart)
+    around, per_transfer = fit_host_costs([fastest[key][1] for key in probes])
+    per_action = statistics.fmean(inside for _, inside, _, _ in fits.values()) + around
+    # The fitted host time around an action is the real schedule's wall time beyond its compute and waits, per action
+    # and per transfer: it already holds the per-micro-batch host work the tiny probe measured (step_costs), so that
+    # is not added again.
+    calibrated = dataclasses.replace(base, layers=layers, action_overhead=per_action, transfer_overhead=per_transfer,
+                                     microbatch_overhead=0.0)
     tables, extra, steps = [], [], {}
     for (schedule, m), (v, compiled, counts) in probes.items():
         raw = predict(CostModel(base, args.batch / dp / m, slowness), compiled, counts, dp)

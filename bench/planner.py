@@ -199,7 +199,8 @@ def worker(args: argparse.Namespace) -> None:
             "rows": rows, "speeds": speeds, "profile_s": profile_s, "search_s": search_s, "overhead": overhead,
             "tiny_action": list(tiny), "fitted": fitted,
             "calibration": {r.what: [r.measured, r.predicted] for r in rows_cal},
-            "step_overhead": base.step_overhead, "measured_step_costs": [raw.step_overhead, raw.microbatch_overhead],
+            "step_overhead": base.step_overhead, "action_overhead": base.action_overhead,
+            "transfer_overhead": base.transfer_overhead, "measured_step_costs": [raw.step_overhead, raw.microbatch_overhead],
             "link": [base.link_latency, base.link_bandwidth], "replayed": result.considered,
             "pick_pred": result.best[1].step_time}))
 
@@ -219,10 +220,11 @@ def _report(args: argparse.Namespace, model: str, ranks: int,
         cal = ", ".join(f"{k} x{m / p:.2f}" if k != "bubble" else f"bubble {m:.0%} vs {p:.0%}"
                         for k, (m, p) in res["calibration"].items() if p)
         fit = "; ".join(f"m={m}: layers " + " ".join(f"{k} x{v:.2f}" for k, v in sorted(scales.items()))
-                        + f", per action {inside * 1e3:.2f} ms in + {around * 1e3:.2f} ms around its slices"
-                        for m, (scales, inside, around) in res["fitted"].items())
-        print(f"probe runs (measured / profile-predicted): {cal}\nfitted: {fit}; trainer per step "
-              f"{res['step_overhead'] * 1e3:.1f} ms")
+                        + f", per action {inside * 1e3:.2f} ms in its slices"
+                        for m, (scales, inside, _, _) in res["fitted"].items())
+        print(f"probe runs (measured / profile-predicted): {cal}\nfitted: {fit}; charged per action (in + around) "
+              f"{res['action_overhead'] * 1e3:.2f} ms, per transfer {res['transfer_overhead'] * 1e3:.2f} ms (every "
+              f"probe's host time); trainer per step {res['step_overhead'] * 1e3:.1f} ms")
     print("\n| pp x dp | schedule | v | m | split | step meas ms | pred (profile only) | pred (calibrated) | error | "
           "calibrated in the grid's rounds: pred | error | schedule meas ms | schedule pred | error | "
           "replayed from its measured actions |")

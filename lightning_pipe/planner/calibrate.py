@@ -193,47 +193,84 @@ def split_step(rec: StepRecord) -> tuple[dict[tuple[int, str, int | None], float
     return spent, (rec.wall_ns - compute - waited) / 1e9 / actions if actions else None
 
 
+# [Note: host cost per transfer]
+# Most of the host time around an action is its P2P traffic: every send or receive it posts costs the rank host work
+# (posting it, the transport's copy on CPU, the runtime's tags and bookkeeping), a fused send + receive about two.
+# So that time follows the transfers, not the actions, and layouts differ in transfers per action: 1F1B posts one,
+# ZB-V fewer (its middle boundary stays on one rank), interleaved 1F1B 1.5 on 2 ranks (every boundary crosses).
+# A model charging a cost per action fitted on 1F1B / ZB-V probes under-predicts interleaved layouts
+# (docs/planner.md, "Stop 23"). :func:`fit_action_costs` regresses each rank's host time on its actions and its
+# transfers (both coefficients >= 0), and the cost model charges ``transfer_overhead`` per transfer an action posts.
+def transfers_posted(rec: StepRecord) -> int:
+    """The P2P operations (sends and receives) one rank's recorded step posted: the ops of its "post" slices, whose
+    label joins one tag per op with " + "."""
+    return sum(len(sl.label.split(" + ")) for sl in rec.slices if sl.kind == "post")
+
+
 def fit_action_costs(runs: Sequence[tuple[Sequence[StepRecord], Mapping[tuple[int, str], float]]],
-                     ) -> tuple[dict[str, float], float, float]:
+                     ) -> tuple[dict[str, float], float, float, float]:
     """From recorded runs of the real model ([Note: the strategy's cost per action, from its own timeline]):
     (per kind F / B / I / W, the in-run scale of the profiled layer time; seconds per action inside its compute
-    slice; seconds per action of host work around it). ``runs``: each run's records (every rank) with, per
-    (stage, kind), the profiled layer time of one action of that stage. Each action is read at its least-disturbed
-    step and fitted as ``slice = scale[kind] x layer + inside`` (least squares over every action of every run: one
-    run's actions alone cannot tell a scale from a constant, stages of different sizes can); ``inside`` is floored
-    at 0 (then the scales alone are fitted). ``around``: per rank and step, the schedule's wall time minus its
-    compute slices and blocking P2P waits, per action; the least-disturbed step per rank, averaged over ranks and
-    runs. A per-step constant inside the schedule is charged per action here (small beside 16 or more actions)."""
+    slice; then :func:`fit_host_costs`' seconds per action around it and per transfer posted). ``runs``: each
+    run's records (every rank) with, per (stage, kind), the profiled layer time of one action of that stage. Each
+    action is read at its least-disturbed step and fitted as ``slice = scale[kind] x layer + inside`` (least squares
+    over every action of every run: one run's actions alone cannot tell a scale from a constant, stages of
+    different sizes can); ``inside`` is floored at 0 (then the scales alone are fitted)."""
     xs: list[tuple[str, float]] = []
     ys: list[float] = []
-    around: list[float] = []
     for records, layer in runs:
         least: dict[tuple[int, int, str, int | None], float] = {}
-        host: dict[int, float] = {}
         for rec in records:
-            spent, per = split_step(rec)
-            for (stage, kind, mb), seconds in spent.items():
+            for (stage, kind, mb), seconds in split_step(rec)[0].items():
                 key = (rec.rank, stage, kind, mb)
                 least[key] = min(least.get(key, seconds), seconds)
-            if per is not None:
-                host[rec.rank] = min(host.get(rec.rank, per), per)
         for (_, stage, kind, _), seconds in least.items():
             if (stage, kind) in layer:
                 xs.append((kind, layer[(stage, kind)]))
                 ys.append(seconds)
-        around += host.values()
     if not ys:
         raise ValueError("fit_action_costs needs records with compute slices of profiled stages")
     kinds = sorted({k for k, _ in xs})
-
-    def solve(intercept: bool) -> list[float]:
-        a = torch.tensor([[x if k == kind else 0.0 for kind in kinds] + ([1.0] if intercept else []) for k, x in xs],
-                         dtype=torch.float64)
-        coef = torch.linalg.lstsq(a, torch.tensor(ys, dtype=torch.float64).unsqueeze(1), driver="gelsd").solution
-        return [float(c) for c in coef.flatten()]
-
-    coef = solve(True)
+    rows = [[x if k == kind else 0.0 for kind in kinds] for k, x in xs]
+    coef = _least_squares([r + [1.0] for r in rows], ys)
     if coef[-1] < 0:
-        coef = solve(False) + [0.0]
+        coef = _least_squares(rows, ys) + [0.0]
     scales = {kind: max(c, 0.0) for kind, c in zip(kinds, coef)}
-    return scales, coef[-1], max(statistics.fmean(around), 0.0) if around else 0.0
+    return scales, coef[-1], *fit_host_costs([records for records, _ in runs])
+
+
+def fit_host_costs(runs: Sequence[Sequence[StepRecord]]) -> tuple[float, float]:
+    """(seconds of host work per action, per transfer posted) around the compute slices, from recorded runs (each
+    run: every rank's records). Per rank and run, the schedule's wall time minus its compute slices and blocking
+    P2P waits at its least-disturbed step, fitted as ``per_action x actions + per_transfer x transfers`` over every
+    rank and run ([Note: host cost per transfer]): both >= 0 (where one comes out negative, the other alone; where
+    the runs cannot tell them apart, least squares' smallest solution). A per-step constant inside the schedule is
+    charged per action here (small beside 16 or more actions)."""
+    points: list[tuple[float, float, float]] = []  # (actions, transfers, host seconds) per rank and run
+    for records in runs:
+        host: dict[int, tuple[float, float, float]] = {}
+        for rec in records:
+            per = split_step(rec)[1]
+            if per is None:
+                continue
+            actions = sum(1 for sl in rec.slices if sl.kind in COMPUTE_KINDS and sl.kind != "L" and sl.stage is not None)
+            point = (float(actions), float(transfers_posted(rec)), per * actions)
+            if rec.rank not in host or point[2] < host[rec.rank][2]:
+                host[rec.rank] = point
+        points += host.values()
+    if not points:
+        return 0.0, 0.0
+    ys = [y for _, _, y in points]
+    if any(t for _, t, _ in points):
+        per_action, per_transfer = _least_squares([[a, t] for a, t, _ in points], ys)
+        if per_action >= 0 and per_transfer >= 0:
+            return per_action, per_transfer
+        if per_action < 0:  # the transfers alone
+            return 0.0, max(_least_squares([[t] for _, t, _ in points], ys)[0], 0.0)
+    return max(_least_squares([[a] for a, _, _ in points], ys)[0], 0.0), 0.0
+
+
+def _least_squares(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
+    a = torch.tensor(rows, dtype=torch.float64)
+    solution = torch.linalg.lstsq(a, torch.tensor(ys, dtype=torch.float64).unsqueeze(1), driver="gelsd").solution
+    return [float(c) for c in solution.flatten()]

@@ -1,14 +1,14 @@
 """The cost model: a candidate layout (pipeline x replicas, schedule, v, m, layer counts) + a profile -> a prediction.
 
 Compute: per stage, the sum of its layers' measured F / B / I / W at the micro-batch size, times the slowness of
-the rank holding it, plus the runtime's measured cost per action (``ModelProfile.action_overhead``); stage 0 runs
-no I (the runtime's W there is the whole backward). Communication: latency +
-output bytes / bandwidth for every stage boundary that crosses ranks. Both are replayed over the schedule's own
-action order (:func:`lightning_pipe.schedules.simulate.replay`). Replicas add a ring all-reduce of each rank's
-gradients after the step, then every rank runs its optimizer step. Host costs the layers do not show
-([Note: fixed and per-micro-batch step costs] in ``calibrate.py``): ``step_overhead`` once per step, ``microbatch_overhead`` per
-micro-batch, on top of the schedule's replay. Memory per rank: parameters + gradients +
-optimizer state of its layers, plus the activations its schedule holds at once
+the rank holding it, plus the runtime's measured cost per action (``ModelProfile.action_overhead``) and per
+cross-rank transfer the action posts (``transfer_overhead``); stage 0 runs no I (the runtime's W there is the whole
+backward). Communication: latency + output bytes / bandwidth for every stage boundary that crosses ranks. Both are
+replayed over the schedule's own action order (:func:`lightning_pipe.schedules.simulate.replay`). Replicas add a
+ring all-reduce of each rank's gradients after the step, then every rank runs its optimizer step. Host costs the
+layers do not show ([Note: fixed and per-micro-batch step costs] in ``calibrate.py``): ``step_overhead`` once per
+step, ``microbatch_overhead`` per micro-batch, on top of the schedule's replay. Memory per rank: parameters +
+gradients + optimizer state of its layers, plus the activations its schedule holds at once
 (:func:`~lightning_pipe.schedules.simulate.peak_activations`), after ``recompute`` and ``offload``
 (:class:`ActivationPolicy`).
 """
@@ -103,14 +103,16 @@ class CostModel:
 
     def stage_costs(self, bounds: Sequence[tuple[int, int]], stage_rank: Sequence[int]) -> dict[tuple[int, str], float]:
         cost = {}
+        per_transfer = self.profile.transfer_overhead
         for s, (lo, hi) in enumerate(bounds):
             slow = self.slowness[stage_rank[s]]
             again = self._recomputed_forward(lo, hi)
             full = self._sum("B", lo, hi) + again
             split = (0.0, full) if s == 0 else (self._sum("I", lo, hi) + again, self._sum("W", lo, hi))
             values = (self._sum("F", lo, hi), full, *split)
+            posted = transfers(s, stage_rank) * per_transfer  # F, B and I post theirs; W none
             for kind, value in zip(KINDS, values):
-                cost[(s, kind)] = slow * value + self.overhead
+                cost[(s, kind)] = slow * value + self.overhead + (posted if kind != "W" else 0.0)
         return cost
 
     def comm(self, bounds: Sequence[tuple[int, int]]) -> list[float]:
@@ -181,6 +183,14 @@ def _prefix(values: Sequence[float]) -> list[float]:
 def bounds_of(counts: Sequence[int]) -> list[tuple[int, int]]:
     """Per-stage layer counts -> (first, end) layer bounds (:func:`~lightning_pipe.layers.partition.ranges_of`)."""
     return [(r.start, r.stop) for r in ranges_of(counts)]
+
+
+def transfers(stage: int, stage_rank: Sequence[int]) -> int:
+    """Cross-rank transfers one forward, backward or input-gradient action of ``stage`` posts on its rank: a receive
+    and a send for each neighbouring stage held by another rank (a weight-gradient action posts none)."""
+    here = stage_rank[stage]
+    return ((stage > 0 and stage_rank[stage - 1] != here)
+            + (stage + 1 < len(stage_rank) and stage_rank[stage + 1] != here))
 
 
 def action_counts(compiled: CompiledOrder) -> list[dict[tuple[int, str], int]]:

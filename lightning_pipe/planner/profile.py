@@ -66,6 +66,11 @@ class ModelProfile:
     microbatch_overhead: float = 0.0
     """Seconds each micro-batch costs the step beyond its actions' per-action cost (splitting the batch, the loss
     record, the strategy's stage work per chunk), measured with ``step_overhead``; 0 unless measured."""
+    transfer_overhead: float = 0.0
+    """Seconds of host work each cross-rank transfer costs the rank that posts it (a send or a receive: posting it,
+    the transport's copy, the runtime's bookkeeping), on top of ``action_overhead``: fitted with it from the
+    strategy's timeline (:func:`~lightning_pipe.planner.calibrate.fit_action_costs`); 0 unless fitted
+    ([Note: host cost per transfer] in ``calibrate.py``)."""
 
     @property
     def num_layers(self) -> int:
@@ -91,14 +96,14 @@ class ModelProfile:
                 "link_latency": self.link_latency, "link_bandwidth": self.link_bandwidth,
                 "optimizer_state_factor": self.optimizer_state_factor, "meta": self.meta,
                 "action_overhead": self.action_overhead, "step_overhead": self.step_overhead,
-                "microbatch_overhead": self.microbatch_overhead}
+                "microbatch_overhead": self.microbatch_overhead, "transfer_overhead": self.transfer_overhead}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ModelProfile:
         layers = {int(k): [LayerCost(**c) for c in v] for k, v in data["layers"].items()}
         return cls(layers, data["link_latency"], data["link_bandwidth"], data.get("optimizer_state_factor", 2.0),
                    data.get("meta", {}), data.get("action_overhead", 0.0), data.get("step_overhead", 0.0),
-                   data.get("microbatch_overhead", 0.0))
+                   data.get("microbatch_overhead", 0.0), data.get("transfer_overhead", 0.0))
 
 
 def _mix(a: LayerCost, b: LayerCost, wa: float, wb: float, floor: bool = False) -> LayerCost:

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_pipe.planner.calibrate import action_cost_from_records, fit_action_costs
+from lightning_pipe.planner.calibrate import (
+    action_cost_from_records,
+    fit_action_costs,
+    fit_host_costs,
+    transfers_posted,
+)
+from lightning_pipe.planner.model import CostModel, transfers
+from lightning_pipe.planner.profile import LayerCost, ModelProfile
 from lightning_pipe.trace.records import Slice, StepRecord
 
 MS = 1_000_000  # ns
@@ -72,9 +79,10 @@ def test_layer_scales_and_the_cost_per_action_are_fitted_from_real_model_runs() 
                         t += body
                 records.append(StepRecord(rank, rank, 0, [rank], step, 0, int(t * 1e9), slices))
         runs.append((records, layer))
-    scales, got_inside, got_around = fit_action_costs(runs)
+    scales, got_inside, got_around, per_transfer = fit_action_costs(runs)
     assert scales == pytest.approx(scale, rel=1e-4)
     assert got_inside == pytest.approx(inside, rel=1e-3) and got_around == pytest.approx(around, rel=1e-3)
+    assert per_transfer == 0.0  # these records post nothing
     # every slice 1 ms shorter (a constant below 0): none is charged, the scales alone take the slices
     short = [([StepRecord(r.rank, r.pp_rank, 0, r.stages, r.step, 0, r.end_ns,
                           [Slice(sl.kind, sl.stage, sl.mb, sl.start_ns, sl.end_ns - 1_000_000)
@@ -82,3 +90,54 @@ def test_layer_scales_and_the_cost_per_action_are_fitted_from_real_model_runs() 
     assert fit_action_costs(short)[1] == 0.0
     with pytest.raises(ValueError, match="compute slices"):
         fit_action_costs([([StepRecord(0, 0, 0, [0], 0, 0, 1)], {})])
+
+
+def _host_record(rank: int, step: int, actions: int, posts: list[str], per_action: float, per_transfer: float,
+                 slow: float = 1.0) -> StepRecord:
+    """One rank's step: ``actions`` 1-ms forwards, each followed by ``per_action`` ms of host work; then one "post"
+    slice per label (its ops joined with " + "), each op costing ``per_transfer`` ms; everything stretched by
+    ``slow``."""
+    t, slices = 0.0, []
+    for mb in range(actions):
+        slices.append(Slice("F", rank, mb, int(t * MS), int((t + slow) * MS)))
+        t += slow + per_action * slow
+    for label in posts:
+        cost = per_transfer * len(label.split(" + ")) * slow
+        slices.append(Slice("post", None, None, int(t * MS), int((t + cost) * MS), label))
+        t += cost
+    return StepRecord(rank, rank, 0, [rank], step, 0, int(t * MS), slices)
+
+
+def test_host_time_is_fitted_per_action_and_per_transfer() -> None:
+    """[Note: host cost per transfer]: runs whose ranks post different numbers of transfers per action (fused
+    send + receive posts count two) give both costs; a disturbed step (everything 3x) is ignored."""
+    per_action, per_transfer = 0.05, 0.3
+    mixes = [(8, ["send F0"] + ["send F1 + recv B0"] * 3 + ["recv B3"]),  # 1F1B-like: 8 transfers, 5 posts
+             (24, ["send F0", "recv F1"] * 8),  # ZB-V-like: 16 transfers
+             (16, ["send F0", "recv F1", "send B0"] * 8)]  # interleaved-like: 24 transfers
+    runs = [[_host_record(rank, step, n, posts, per_action, per_transfer, slow)
+             for rank in (0, 1) for step, slow in enumerate((1.0, 3.0))] for n, posts in mixes]
+    assert transfers_posted(runs[0][0]) == 8
+    got_action, got_transfer = fit_host_costs(runs)
+    assert got_action == pytest.approx(per_action * 1e-3, rel=1e-3)
+    assert got_transfer == pytest.approx(per_transfer * 1e-3, rel=1e-3)
+    # no transfers recorded (one rank): all of it per action
+    alone = [[_host_record(0, 0, n, [], 0.2, 0.0)] for n in (4, 8)]
+    assert fit_host_costs(alone) == pytest.approx((0.2e-3, 0.0), rel=1e-3)
+    assert fit_host_costs([]) == (0.0, 0.0)
+
+
+def test_the_cost_model_charges_each_transfer_to_the_action_that_posts_it() -> None:
+    """A forward / backward posts a receive and a send per neighbouring stage on another rank, a weight gradient
+    none: with 4 stages interleaved over 2 ranks every boundary crosses; in a V (0, 1, 1, 0) the middle one does
+    not."""
+    assert [transfers(s, [0, 1, 0, 1]) for s in range(4)] == [1, 2, 2, 1]
+    assert [transfers(s, [0, 1, 1, 0]) for s in range(4)] == [1, 1, 1, 1]
+    assert [transfers(s, [0, 0]) for s in range(2)] == [0, 0]
+    layer = LayerCost(1e-3, 2e-3, 1e-3, 1e-3, 0, 0, 0)
+    profile = ModelProfile({4: [layer] * 4}, action_overhead=1e-4, transfer_overhead=5e-4)
+    cost = CostModel(profile, 4, [1.0, 1.0]).stage_costs([(s, s + 1) for s in range(4)], [0, 1, 0, 1])
+    assert cost[(1, "F")] == pytest.approx(1e-3 + 1e-4 + 2 * 5e-4)
+    assert cost[(3, "B")] == pytest.approx(2e-3 + 1e-4 + 5e-4)
+    assert cost[(1, "W")] == pytest.approx(1e-3 + 1e-4)
+    assert ModelProfile.from_json(profile.to_json()).transfer_overhead == 5e-4
