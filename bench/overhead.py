@@ -55,13 +55,16 @@ def _data(n: int, batch: int):
 
 
 class HandWritten:
-    """What a user would write with torch alone: split, stage, schedule, tied-grad all-reduce, optimizer."""
+    """What a user would write with torch alone: split, stage, schedule, tied-grad all-reduce, the recipe's
+    optimizer and learning-rate schedule."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
         import torch.distributed as dist
         from torch import nn
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        from recipes.gpt.model import adamw_with_warmup_cosine
 
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         model = _model()
@@ -78,7 +81,11 @@ class HandWritten:
         cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[args.schedule]
         self.schedule = cls(stage, n_microbatches=args.microbatches, loss_fn=loss_fn, scale_grads=False)
         self.stage_mod = stage_mod
-        self.opt = torch.optim.AdamW(list(stage_mod.parameters()), lr=1e-3)
+        # the recipe's own optimizer over this rank's layers, as the strategy's run builds it from the module's
+        # configure_optimizers: AdamW with decay on matrices only, and its warm-up + cosine schedule stepped per step
+        hp = model.hparams
+        optim = adamw_with_warmup_cosine(stage_mod, hp.lr, hp.weight_decay, hp.betas, hp.warmup_steps, hp.max_steps)
+        self.opt, self.sched = optim["optimizer"], optim["lr_scheduler"]["scheduler"]
         self.tied = model.layers[0].wte.weight  # held by the first and the last rank
 
     def run(self, x, y) -> None:
@@ -100,6 +107,7 @@ class HandWritten:
         opt.zero_grad(set_to_none=True)
         self.run(x, y)
         opt.step()
+        self.sched.step()
 
 
 def hand_written(args: argparse.Namespace, on_step: Callable[[int], None] | None = None) -> list[float]:
@@ -167,7 +175,9 @@ def _floor_module(args: argparse.Namespace, kind: str) -> Any:
             self.done = torch.zeros((), requires_grad=True)  # what training_step returns: the step already ran
 
         def configure_optimizers(self) -> Any:
-            return self.hand.opt
+            if not self.automatic_optimization:  # the manual step steps the schedule itself (HandWritten.step)
+                return self.hand.opt
+            return {"optimizer": self.hand.opt, "lr_scheduler": {"scheduler": self.hand.sched, "interval": "step"}}
 
         def training_step(self, batch: Any, batch_idx: int) -> Any:
             if not self.automatic_optimization:
