@@ -259,6 +259,52 @@ class TrainingStepLoss(SkipRegressor):
         return {"loss": loss, "doubled": loss.detach() * 2}
 
 
+class MetricsRegressor(SkipRegressor):
+    """Validation logs sums and a max reduced across ranks: ``self.log(..., reduce_fx="sum", sync_dist=True)`` of
+    the rows and of the outputs, and torchmetrics' ``SumMetric`` / ``MeanMetric`` of the outputs ([Note: what
+    sync_dist reduces over]): on one device, the sums over the validation data."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        from torchmetrics import MeanMetric, SumMetric
+
+        self.out_sum, self.out_mean = SumMetric(), MeanMetric()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        out = self.compute_output(batch)
+        rows = torch.tensor(float(out.shape[0]))
+        self.log("val_rows", rows, reduce_fx="sum", sync_dist=True, batch_size=out.shape[0])
+        self.log("val_out_total", out.sum(), reduce_fx="sum", sync_dist=True, batch_size=out.shape[0])
+        self.log("val_out_max", out.max(), reduce_fx="max", sync_dist=True, batch_size=out.shape[0])
+        self.out_sum.update(out)
+        self.out_mean.update(out)
+        self.log("val_metric_sum", self.out_sum, batch_size=out.shape[0])
+        self.log("val_metric_mean", self.out_mean, batch_size=out.shape[0])
+        loss = self.compute_loss(batch)
+        self.log("val_loss", loss, sync_dist=True)
+        return loss
+
+
+class Flatten(nn.Module):
+    """``[batch, 4] -> [batch * 4]``: an output without the batch in dim 0."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(-1)
+
+
+class FlatOutRegressor(ToyRegressor):
+    """The last layer flattens its output (``[batch * 4]``), ``loss_fn`` reshapes it back: trains as on one device;
+    evaluation joins outputs along dim 0, so it is refused there ([Note: evaluation outputs are joined along
+    dim 0])."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.layers = nn.Sequential(*self.layers, Flatten())
+
+    def loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(output.reshape(-1, 4), target)
+
+
 class CarryIn(nn.Module):
     """First layer of :class:`SavedOutputRegressor`."""
 

@@ -25,7 +25,7 @@ from typing_extensions import override
 from lightning_pipe._compat import lightning as _compat
 from lightning_pipe.checkpoint import remove as remove_checkpoint_files
 from lightning_pipe.config import PartitionSpec
-from lightning_pipe.lightning import world
+from lightning_pipe.lightning import metrics, world
 from lightning_pipe.lightning.checkpointing import RankGroup, ShardedCheckpointer
 from lightning_pipe.lightning.faults import DEFAULT_TIMEOUT, PipelineFaults, resolve_timeout
 from lightning_pipe.lightning.launchers import PipelineMultiProcessingLauncher
@@ -124,6 +124,7 @@ class PipelineStrategy(ParallelStrategy):
         self._timeout = resolve_timeout(timeout)
         self._faults: PipelineFaults | None = None
         self._undo_fast_log: Callable[[], None] | None = None
+        self._undo_metric_sync: Callable[[], None] | None = None
         self._start_method = start_method
         self.engine: PipelineEngine | None = None
         self.plan: SchedulePlan | None = None
@@ -238,6 +239,9 @@ class PipelineStrategy(ParallelStrategy):
         setup_pipeline(self, trainer)
         if self._undo_fast_log is None:  # [Note: self.log's move to the device it is on] (_compat/lightning.py)
             self._undo_fast_log = _compat.fast_metric_moves()
+        module = self.lightning_module  # [Note: what sync_dist reduces over] (lightning/metrics.py)
+        if self._undo_metric_sync is None and self.engine is not None and module is not None:
+            self._undo_metric_sync = metrics.sync_metrics_over_data(module, self.engine)
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -401,7 +405,17 @@ class PipelineStrategy(ParallelStrategy):
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | str | None = "mean") -> Any:
+        """Over the ranks that read different data unless ``group`` is given: the pipeline's ranks of one replica
+        hold the same logged values ([Note: what sync_dist reduces over] in lightning/metrics.py)."""
+        if group is None and self.engine is not None:
+            return metrics.reduce_over_data(tensor, reduce_op, self.engine)
         return world.reduce(tensor, group, reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # a decision every rank takes alike (stop, save): counted over the whole world, not the data group
+        votes = world.reduce(torch.tensor(int(decision), device=self.root_device), None, "sum")
+        return bool(votes == self.world_size) if all else bool(votes)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -415,6 +429,9 @@ class PipelineStrategy(ParallelStrategy):
         undo_fast_log, self._undo_fast_log = self._undo_fast_log, None
         if undo_fast_log is not None:
             undo_fast_log()
+        undo_metric_sync, self._undo_metric_sync = self._undo_metric_sync, None
+        if undo_metric_sync is not None:
+            undo_metric_sync()
         if faults is not None:
             faults.stop()
         if self.rebalancer is not None:

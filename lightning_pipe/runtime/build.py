@@ -58,6 +58,18 @@ def engine_class(plan: SchedulePlan) -> type[PipelineEngine]:
     return cls
 
 
+def placement(plan: SchedulePlan) -> tuple[int, tuple[tuple[int, ...], ...]]:
+    """What a split depends on besides the partition: the stages and the pipeline ranks holding each. The
+    micro-batch count and the order of the actions do not move a layer."""
+    return plan.num_stages, tuple(tuple(plan.ranks_of_stage(s)) for s in range(plan.num_stages))
+
+
+def describe_placement(plan: SchedulePlan) -> str:
+    ranks = ", ".join(f"{s}: {'/'.join(map(str, plan.ranks_of_stage(s)))}" for s in range(plan.num_stages))
+    return (f"schedule={plan.spec.name!r} with stages_per_rank={plan.stages_per_rank} on {plan.pipeline_size} "
+            f"pipeline ranks (stage: rank {ranks})")
+
+
 def check_expert_settings(plan: SchedulePlan, topology: Topology, size: int) -> None:
     """``expert_parallel_size`` against the world and the schedule, before any rank waits on another. Expert
     parallelism needs the engine's own gradient sync: schedules that update per micro-batch (PipeDream, PipeMare)
@@ -92,11 +104,14 @@ def build_engine(module: PipelineModel, config: PipelineConfig, plan: SchedulePl
         layout = PipelineLayout(tuple(ranges), tuple(find_tied_parameters(module, config.layers_attr)), plan)
         if topology.global_rank == 0:
             warn_batch_norm(layers, config.layers_attr, plan.microbatches)
-    elif layout.plan != plan:
-        raise RuntimeError(
-            f"{type(module).__name__} was already split for another pipeline ({layout.plan}); its other layers are "
-            "gone from this rank. Build a new module (or load it from a checkpoint) to use a different layout."
-        )
+    elif placement(layout.plan) != placement(plan):
+        raise config_error(
+            f"{type(module).__name__} was already split across the ranks by an earlier run in this process and its "
+            "other layers are gone from this rank, so a later Trainer can reuse that split (any micro-batch count, "
+            "or a schedule that places the stages alike) but not place the stages differently.",
+            f"a split for {describe_placement(layout.plan)}, now {describe_placement(plan)}", "schedule",
+            "back to the first run's, or build a new module (or load it from a checkpoint) for the new layout",
+            also=("stages_per_rank",))
     local_ids = plan.stages_of_rank(topology.pp_rank)
     if topology.fsdp_size > 1:
         check_schedule(plan.spec.name, plan.spec.stage_class)

@@ -117,6 +117,8 @@ class PipelineEngine:
         self.aux = AuxLossStep(groups.pp, plan.pipeline_size, self._owner, plan.spec.name)  # [Note: auxiliary losses] in layers/aux.py
         # Context managers entered around every training schedule step (see lightning_pipe.trace.memory / trace).
         self.step_contexts: list[Callable[[], contextlib.AbstractContextManager]] = []
+        # signatures whose evaluation output was checked ([Note: evaluation outputs are joined along dim 0])
+        self.eval_checked: set[Any] = set()
         # [Note: re-inference on a new shape]; [Note: shapes without re-inference] in shapes.py
         self.shapes = ShapeBook(self.stages, self.schedule, plan.stage_to_rank, groups.pp, device, self._reset_shapes,
                                 self._planning, self._owner, plannable=groups.shard is None and groups.tensor is None

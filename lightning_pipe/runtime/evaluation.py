@@ -62,7 +62,43 @@ def forward_only(engine: Any, args: tuple[Tensor, ...], mbs: Microbatches | None
         p.grad = grad
     if not engine.has_last:
         return None
-    return out if mbs is not None else trim_rows(out, rows)
+    if mbs is not None:
+        return out
+    broken = batch_first_rule(out, padded, m, engine._owner)
+    return broken if broken is not None else trim_rows(out, rows)
+
+
+class BrokenRule(str):
+    """What :func:`forward_only` returns on the last stage in place of an output that breaks a rule: the message,
+    raised on every rank once the step's broadcast has carried it (an error on one rank alone would leave the others
+    waiting in that broadcast)."""
+
+
+def batch_first_rule(out: Any, padded: int, m: int, owner: str) -> BrokenRule | None:
+    """[Note: evaluation outputs are joined along dim 0]
+    Torch's schedule joins the micro-batches' outputs along dim 0, and a short last batch is padded then trimmed
+    there, so evaluation is exact only for outputs with the batch in dim 0. Training computes the loss per
+    micro-batch and never joins outputs: a flattened ``[batch * seq, vocab]`` or sequence-first ``[seq, batch, ...]``
+    output trains at parity, then predicted wrong shapes silently and failed validation inside ``loss_fn`` on the last
+    stage alone (an outside tester). Refused here, naming the shape, on every rank."""
+    stack, shapes = [out], []
+    while stack:
+        value = stack.pop()
+        if isinstance(value, Tensor):
+            shapes.append(tuple(value.shape))
+        elif isinstance(value, (tuple, list)):
+            stack.extend(value)
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+    bad = next((shape for shape in shapes if not shape or shape[0] != padded), None)
+    if bad is None:
+        return None
+    return BrokenRule(
+        f"{owner}'s last layer returned an output of shape {list(bad)} for {padded} rows ({m} micro-batches of "
+        f"{padded // m}) in validation / test / predict. Rule: the pipeline joins the micro-batches' outputs along "
+        "dim 0, so the last layer's output has the batch in dim 0 (one row per sample, e.g. [batch, seq, vocab]; "
+        "not flattened to [batch * seq, vocab], not sequence-first). Return it batch-first and reshape inside "
+        "loss_fn.")
 
 
 def release_outputs(stages: list[Any]) -> None:
@@ -90,13 +126,14 @@ def eval_loss(engine: Any, module: Any, batch: Any) -> Tensor:
     args = input_args(inputs, owner)
     mbs = explicit_microbatches(module, inputs, args, target, engine.plan.microbatches, owner)
     out = forward_only(engine, args, mbs)
-    if engine.has_last:
+    broken = out if isinstance(out, BrokenRule) else None
+    if engine.has_last and broken is None:
         with torch.inference_mode(False), torch.no_grad():
             loss = (microbatch_loss(module.loss_fn, out, mbs, owner) if mbs is not None else
                     loss_parts(module.loss_fn(out, target), owner).reduced()).detach().float()
     else:
         loss = torch.zeros((), device=engine.device)
-    return broadcast_loss(engine, loss)
+    return broadcast_loss(engine, loss, broken)
 
 
 def eval_output(engine: Any, module: Any, batch: Any) -> Any:
@@ -105,15 +142,30 @@ def eval_output(engine: Any, module: Any, batch: Any) -> Any:
     args = input_args(inputs, engine._owner)
     out = forward_only(engine, args, explicit_microbatches(module, inputs, args, target, engine.plan.microbatches,
                                                            engine._owner))
-    return broadcast_object(engine, out)
+    out = broadcast_object(engine, out)
+    if isinstance(out, BrokenRule):
+        raise ValueError(str(out))
+    return out
 
 
-def broadcast_loss(engine: Any, loss: Tensor) -> Tensor:
-    """The loss exists on the last stage; loggers live on rank 0: give every rank the same value."""
+def broadcast_loss(engine: Any, loss: Tensor, broken: BrokenRule | None = None) -> Tensor:
+    """The loss exists on the last stage; loggers live on rank 0: give every rank the same value (or the last
+    stage's :class:`BrokenRule`, raised on every rank)."""
     loss = loss.detach().to(engine.device, torch.float32).reshape(())
     if engine.plan.pipeline_size > 1:
-        loss = loss.contiguous()
-        dist.broadcast(loss, group=engine.groups.pp, group_src=engine.last_pp_rank)
+        # the loss and whether the last stage broke a rule, in one broadcast; the message only when it did. The
+        # output's shape is the same for every batch of one signature: the flag is read on the host (a device sync
+        # on CUDA) at a signature's first evaluation only.
+        packed = torch.stack([loss, loss.new_tensor(float(broken is not None))])
+        dist.broadcast(packed, group=engine.groups.pp, group_src=engine.last_pp_rank)
+        loss = packed[0]
+        key = engine.shapes.signature
+        if key not in engine.eval_checked:
+            engine.eval_checked.add(key)
+            if packed[1].item():
+                broken = broadcast_object(engine, broken)
+    if broken is not None:
+        raise ValueError(str(broken))
     return loss
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -311,7 +312,8 @@ class Llama(PipelineModule):
         for i, layer in enumerate(self.layers):
             if isinstance(layer, Block) and isinstance(layer.feed_forward, MoEFeedForward):
                 load[i] = layer.feed_forward.take_load().to(load.device)
-        load = self.trainer.strategy.reduce(load, reduce_op="sum")  # identity on one device
+        # every rank's layers: summed over the world (the strategy's default is the ranks that read different data)
+        load = self.trainer.strategy.reduce(load, group=dist.group.WORLD, reduce_op="sum")  # identity on one device
         worst = 0.0
         for i in range(1, self.hparams.n_layer + 1):  # the blocks (other ranks' are placeholders here)
             total = float(load[i].sum())

@@ -57,10 +57,17 @@ PP2_CASES = [
     HardeningCase(model="scaled_loss", steps=1, expect_error=True),
     HardeningCase(model="loss_twice", steps=1, expect_error=True),
     HardeningCase(model="dict_loss", schedule="zbv", steps=2, acc=2, optimizer="adamw"),
+    # sums across ranks (self.log's sync_dist, torchmetrics): counted once, not once per pipeline rank
+    HardeningCase(model="metrics", schedule="1f1b", steps=2, validate=True),
+    # a last layer's output flattened to [batch * 4]: trains, refused in validation on every rank, naming the shape
+    HardeningCase(model="flat_out", schedule="1f1b", steps=2, validate=True, expect_error=True),
 ]
 ERRORS = {"dict_inputs": "DictInputsRegressor.split_batch returned inputs that are a dict with keys ['x']",
           "scaled_loss": "TrainingStepLoss.training_step returned a loss other than the one compute_loss returned",
-          "loss_twice": "TrainingStepLoss.training_step called compute_loss a second time (batch_idx 0)"}
+          "loss_twice": "TrainingStepLoss.training_step called compute_loss a second time (batch_idx 0)",
+          "flat_out": "FlatOutRegressor's last layer returned an output of shape [32] for 8 rows (4 micro-batches of "
+                      "2) in validation / test / predict. Rule: the pipeline joins the micro-batches' outputs along "
+                      "dim 0"}
 if refused("split_backward"):  # restricted torch tier: those schedules are refused (tests/unit/test_compat.py)
     PP2_CASES = [case for case in PP2_CASES if case.schedule not in SPLIT_BACKWARD_SCHEDULES]
 
@@ -99,6 +106,13 @@ def assert_parity(results: Sequence[Sequence[dict[str, Any]]], i: int, case: Har
                 torch.testing.assert_close(torch.tensor(rank[i][key]), torch.tensor(ref[key]), atol=loss_atol, rtol=0,
                                            msg=lambda m, k=key: f"{case} {k}: {m}")
             assert rank[i]["scales"] == ref["scales"] and bool(ref["scales"]) == (case.precision == "16-mixed")
+    if case.model == "metrics":  # [Note: what sync_dist reduces over]: sums over the data, once
+        assert {"val_rows", "val_out_total", "val_out_max", "val_metric_sum", "val_metric_mean"} <= set(ref["val_metrics"])
+        for rank in results:
+            for key, want in ref["val_metrics"].items():
+                if key != "val_loss" or case.dp == 1:
+                    torch.testing.assert_close(rank[i]["val_metrics"][key], want, atol=ATOL, rtol=1e-5,
+                                               msg=lambda m, k=key: f"{case} {k}: {m}")
     if case.predict:
         for rank in results:
             assert len(rank[i]["predictions"]) == len(ref["predictions"]) == 3
@@ -144,6 +158,7 @@ def test_pp2_dp2_token_weighted_loss_with_uneven_padding(tmp_path) -> None:
     # each replica pads its batch to its own longest sequence: different shapes and token counts per replica
     # and (issue 24) each micro-batch trimmed to its own length, with validation
     cases = [HardeningCase(**MASKED, schedule="1f1b", dp=2, acc=2),
+             HardeningCase(model="metrics", schedule="1f1b", dp=2, steps=2, validate=True),
              *([HardeningCase(**{**MASKED, "model": "lm_trim"}, schedule="1f1b", dp=2, steps=4, validate=True)]
                if stage_shapes.SUPPORTED else [])]
     results = launch("hardening", 4, cases, tmp_path, timeout=600)
@@ -151,8 +166,8 @@ def test_pp2_dp2_token_weighted_loss_with_uneven_padding(tmp_path) -> None:
         assert_parity(results, i, case)
         # averaged during the schedule at every optimizer step (with the accumulated batch carried), none after it
         assert all(rank[i]["dp_sync"] == {"overlapped": case.steps, "after_schedule": 0} for rank in results), results
-    for rank in results if len(cases) > 1 else []:
-        assert_no_reinference(rank[1]["inferences"], True)
+    for rank in results if len(cases) > 2 else []:
+        assert_no_reinference(rank[2]["inferences"], True)
 
 
 @pytest.mark.timeout(300)

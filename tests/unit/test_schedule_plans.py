@@ -293,3 +293,15 @@ def test_deadlock_is_reported_by_the_simulator() -> None:
     with pytest.raises(ScheduleDeadlock) as err:
         simulate({r: row for r, row in enumerate(actions)}, 2)
     assert set(err.value.stuck) == {0, 1}
+
+
+def test_a_split_module_is_reused_by_any_plan_that_places_the_stages_alike() -> None:
+    """A module split by one run keeps its cut: a later Trainer may change the micro-batch count or the order of
+    the actions, not where the stages live (runtime/build.py refuses that naming both placements)."""
+    from lightning_pipe.runtime.build import describe_placement, placement
+
+    assert placement(plan("1f1b", m=4)) == placement(plan("1f1b", m=8)) == placement(plan("gpipe", m=2))
+    assert placement(plan("interleaved_1f1b", v=2)) != placement(plan("zbv"))  # 0,1,0,1 against 0,1,1,0
+    assert placement(plan("interleaved_1f1b", v=2)) != placement(plan("1f1b"))
+    assert describe_placement(plan("zbv")) == ("schedule='zbv' with stages_per_rank=2 on 2 pipeline ranks "
+                                               "(stage: rank 0: 0, 1: 1, 2: 1, 3: 0)")

@@ -27,6 +27,8 @@ from tests.models import (
     DictInputsRegressor,
     DictOutRegressor,
     DictTargetRegressor,
+    FlatOutRegressor,
+    MetricsRegressor,
     SameOrderAsDistributedSampler,
     SkipRegressor,
     TinyLM,
@@ -77,6 +79,10 @@ MODELS: dict[str, Callable[[HardeningCase], L.LightningModule]] = {
     "scaled_loss": lambda c: TrainingStepLoss("scaled", optimizer=c.optimizer),
     "loss_twice": lambda c: TrainingStepLoss("twice", optimizer=c.optimizer),
     "dict_loss": lambda c: TrainingStepLoss("dict", optimizer=c.optimizer),
+    # sums reduced across ranks, by self.log and by torchmetrics ([Note: what sync_dist reduces over])
+    "metrics": lambda c: MetricsRegressor(optimizer=c.optimizer),
+    # an output without the batch in dim 0: refused in evaluation ([Note: evaluation outputs are joined along dim 0])
+    "flat_out": lambda c: FlatOutRegressor(optimizer=c.optimizer),
 }
 
 
@@ -156,7 +162,8 @@ def _run(case: HardeningCase, pipeline: bool) -> dict[str, Any]:
         "warnings": [str(w.message) for w in caught if "BatchNorm" in str(w.message)],
     }
     if case.validate:
-        out["val_loss"] = trainer.validate(model, val, verbose=False)[0]["val_loss"]
+        out["val_metrics"] = {k: float(v) for k, v in trainer.validate(model, val, verbose=False)[0].items()}
+        out["val_loss"] = out["val_metrics"]["val_loss"]
     if case.predict:
         preds = trainer.predict(model, _loader(case, _data(case, 22, seed=7), case.batch, drop_last=False))
         out["predictions"] = preds if preds and preds[0] is not None else None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypedDict
 
 import lightning.pytorch as L
@@ -360,8 +360,11 @@ def run_training(case: TrainingCase, pipeline: bool) -> TrainingResult:
         pred_data = regression_data(22, seed=7)
         preds = trainer.predict(model, loader(pred_data, case.batch, drop_last=False))
         out["predictions"] = torch.cat(preds) if preds and preds[0] is not None else None
-        # A new Trainer (new strategy) on the same, already split module: the layout is reused.
-        fresh = _trainer(case, pipeline, LossRecorder())
+        # A new Trainer (new strategy) on the same, already split module: the layout is reused, with another
+        # micro-batch count (it moves no layer; a custom schedule's action lists fix theirs)
+        again = (case if case.schedule == "custom" or case.microbatches is None
+                 else replace(case, microbatches=case.microbatches * 2))
+        fresh = _trainer(again, pipeline, LossRecorder())
         out["val_loss_new_trainer"] = fresh.validate(model, loader(data, batch), verbose=False)[0]["val_loss"]
     if pipeline:
         # every tensor this rank holds is allocated; other stages' layers never were (meta, then placeholders)
