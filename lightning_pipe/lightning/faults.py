@@ -207,11 +207,12 @@ class PipelineFaults:
         agreed = engine.take_agreed_flags() if phase == "train" and engine is not None else None
         if not self.stopping:
             last = _compat.is_last_batch(self.trainer, phase)
+            group = self._step_group(phase, engine)
             if agreed is None:
-                agreed = any_rank(self._flags(phase), self.strategy.root_device)
+                agreed = any_rank(self._flags(phase), self.strategy.root_device, group)
             sigterm, requeue, last_somewhere, more_somewhere = agreed
             if last_somewhere and more_somewhere:
-                raise uneven_batches_error(phase, batch_idx, last, self.strategy.global_rank)
+                raise uneven_batches_error(phase, batch_idx, last, self.strategy.global_rank, group)
             if requeue:
                 self._requeued = True  # once per run: ranks may get the signal a step apart
                 _compat.signal_connector(self.trainer).run_requeue()
@@ -227,6 +228,16 @@ class PipelineFaults:
         if batch_idx is None or (batch_idx + 1) % accumulate == 0:
             # Lightning raises SIGTERMException after this batch's optimizer step (training_epoch_loop).
             _compat.signal_connector(self.trainer).received_sigterm = True
+
+    @staticmethod
+    def _step_group(phase: str, engine: Any) -> Any:
+        """The ranks that agree after a step: the world, except in predict, where no step meets another replica
+        (nothing is averaged, nothing is logged across ranks) and Lightning's sampler gives replicas unequal
+        shares when the data does not divide: there one replica's ranks (None: the world), unless expert
+        parallelism exchanges tokens across replicas in every forward."""
+        if phase != "predict" or engine is None or engine.groups.experts is not None:
+            return None
+        return engine.groups.replica
 
     def on_exception(self, exception: BaseException) -> None:
         """Strategy.on_exception: a failure is reported; an agreed SIGTERM stop saves ``last`` when asked."""
@@ -248,24 +259,35 @@ class PipelineFaults:
         self.watch.stop()
 
 
-def uneven_batches_error(phase: str, batch_idx: int | None, last: bool, rank: int) -> PipelineConfigError:
-    """Every rank, when some ranks just ran their last batch of ``phase`` and others have more: which ran out, after
-    how many batches (one gather, on this error path only), as the error every rank raises."""
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (rank, last))
+def uneven_batches_error(phase: str, batch_idx: int | None, last: bool, rank: int,
+                         group: Any = None) -> PipelineConfigError:
+    """Every rank of ``group`` (None: the world), when some of them just ran their last batch of ``phase`` and
+    others have more: which ran out, after how many batches (one gather, on this error path only), as the error
+    every rank raises."""
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (rank, last), group=group)
     done = [r for r, is_last in gathered if is_last]
     more = [r for r, is_last in gathered if not is_last]
     count = "?" if batch_idx is None else str(batch_idx + 1)
     what = {"train": "training", "validate": "validation"}.get(phase, phase)
     setting = {"train": "limit_train_batches", "validate": "limit_val_batches", "test": "limit_test_batches",
                "predict": "limit_predict_batches"}.get(phase, "limit_train_batches")
+    if phase == "predict":
+        rule = ("Rule: the ranks of one replica (its pipeline stages, FSDP shards and tensor ranks; with expert "
+                "parallelism every rank) pass each predict batch through together, so the rest would wait forever "
+                "(replicas may predict different numbers of batches). Give those ranks the same batches: a predict "
+                "dataset whose length divides by data_parallel_size x fsdp_size (Lightning's predict sampler does "
+                f"not pad), the same Trainer({setting}=...) everywhere, or an IterableDataset that yields as many "
+                "batches on each of them.")
+    else:
+        rule = ("Rule: every rank runs the same batches of an epoch (the stages and tensor ranks of a pipeline pass "
+                "each batch through together, and replicas average every step), so the rest would wait for each "
+                f"other forever. Give every rank the same number of batches: the same Trainer({setting}=...) "
+                "everywhere, a DistributedSampler (Lightning adds one; it pads the shards to equal length), an "
+                "IterableDataset that yields as many batches on every rank.")
     return PipelineConfigError(
         f"The ranks' {what} data ends at different batches: rank(s) {done} ran out after {count} batches (batch_idx "
-        f"{batch_idx} was their last) while rank(s) {more} have more. Rule: every rank runs the same batches of an "
-        "epoch (the stages and tensor ranks of a pipeline pass each batch through together, and replicas average "
-        "every step), so the rest would wait for each other forever. Give every rank the same number of batches: "
-        f"the same Trainer({setting}=...) everywhere, a DistributedSampler (Lightning adds one; it pads the shards "
-        "to equal length), an IterableDataset that yields as many batches on every rank.")
+        f"{batch_idx} was their last) while rank(s) {more} have more. " + rule)
 
 
 def _save_last_on_preemption(trainer: Any) -> None:

@@ -189,6 +189,15 @@ class ProcessGroups:
                 group = shared_group(topology.dp_group_ranks(pp_rank, t), "replicas") if d > 1 else None
                 if pp_rank == topology.pp_rank and t == topology.tp_rank:
                     self.dp = group
+        # One group per replica (its pipeline, FSDP shards and tensor ranks: the ranks that step together in
+        # predict, where replicas may run different numbers of batches); None with one replica: the world.
+        self.replica: dist.ProcessGroup | None = None
+        block = p * topology.fsdp_size * tp
+        if topology.data_parallel_size > 1:
+            for r in range(topology.data_parallel_size):
+                group = shared_group(list(range(r * block, (r + 1) * block)), "replica")
+                if r == topology.replica_rank:
+                    self.replica = group
         # Tied parameters held by several pipeline ranks: one group per tie and replica, over the holding ranks.
         self.tied: list[TieGroup] = []
         self.ties_span_world = d == 1 and tp == 1 and mesh is None

@@ -112,7 +112,9 @@ def test_zero_bubble_with_data_parallel_matches_single_device(tmp_path) -> None:
              TrainingCase(schedule="v_half", dp=2, acc=2, clip=0.05, optimizer="adamw", validate=False),
              TrainingCase(schedule="v_half", microbatches=8, batch=16, acc=2, clip=0.05, optimizer="adamw",
                           validate=False),
-             TrainingCase(schedule="v_min", microbatches=8, batch=16, tied=True, check_grad_norms=False)]
+             TrainingCase(schedule="v_min", microbatches=8, batch=16, tied=True, check_grad_norms=False),
+             # predict over 17 samples: replica 0 gets 9 (2 batches), replica 1 8 (1 batch); each predicts its own
+             TrainingCase(schedule="1f1b", dp=2, steps=2, predict=True, predict_n=17)]
     check_all(launch("training", 4, cases, tmp_path, timeout=540), cases)
 
 

@@ -75,7 +75,7 @@ def test_sigterm_and_requeue_are_acted_on_after_a_step(monkeypatch: pytest.Monke
     from lightning_pipe.lightning import faults as faults_module
 
     calls: list[str] = []
-    monkeypatch.setattr(faults_module, "any_rank", lambda flags, device: list(flags))
+    monkeypatch.setattr(faults_module, "any_rank", lambda flags, device, group=None: list(flags))
     connector = SimpleNamespace(run_requeue=lambda: calls.append("requeue"), received_sigterm=False)
     progress = SimpleNamespace(is_last_batch=False)
     trainer = SimpleNamespace(_signal_connector=connector, accumulate_grad_batches=2, global_step=3,
@@ -110,15 +110,15 @@ def test_ranks_whose_data_ends_at_different_batches_raise_naming_who_ran_out(mon
 
     reduced: list[list[bool]] = []
 
-    def all_reduce(flags: list[bool], device: object) -> list[bool]:
+    def all_reduce(flags: list[bool], device: object, group: object = None) -> list[bool]:
         reduced.append(list(flags))
         return [False, False, True, True]  # some rank's last batch, another's not
 
-    def all_gather_object(out: list[object], obj: object) -> None:
+    def all_gather_object(out: list[object], obj: object, group: object = None) -> None:
         out[:] = [(0, False), obj, (2, True)]
 
     monkeypatch.setattr(faults_module, "any_rank", all_reduce)
-    monkeypatch.setattr(faults_module.dist, "get_world_size", lambda: 3)
+    monkeypatch.setattr(faults_module.dist, "get_world_size", lambda group=None: 3)
     monkeypatch.setattr(faults_module.dist, "all_gather_object", all_gather_object)
     progress = SimpleNamespace(is_last_batch=True)
     trainer = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)))

@@ -77,6 +77,7 @@ class TrainingCase:
     # what runs and what the parity check compares
     validate: bool = True  # validation during fit, trainer.validate, trainer.test
     predict: bool = False  # trainer.predict (padded last batch) and a second Trainer on the same module
+    predict_n: int = 22  # predict samples (with replicas: Lightning's sampler shares them out unpadded)
     # Stage squared gradient norms add up to the single-device one only when no parameter is held by two stages:
     # a tie across stages counts its weight on both. Cases with ``tied=True`` must switch this off explicitly.
     check_grad_norms: bool = True
@@ -357,7 +358,7 @@ def run_training(case: TrainingCase, pipeline: bool) -> TrainingResult:
         out["test_loss"] = trainer.test(model, loader(data, batch), verbose=False)[0]["test_loss"]
     if case.predict:
         # 22 samples with batch 8: the last batch (6 rows) does not divide into 4 micro-batches: pad-and-trim.
-        pred_data = regression_data(22, seed=7)
+        pred_data = regression_data(case.predict_n, seed=7)
         preds = trainer.predict(model, loader(pred_data, case.batch, drop_last=False))
         out["predictions"] = torch.cat(preds) if preds and preds[0] is not None else None
         # A new Trainer (new strategy) on the same, already split module: the layout is reused, with another
