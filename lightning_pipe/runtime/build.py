@@ -24,7 +24,13 @@ from lightning_pipe.layers.stages import (
     materialize,
     warn_batch_norm,
 )
-from lightning_pipe.parallel.experts import ExpertGroups, check_expert_parallel, mark_experts, shard_experts
+from lightning_pipe.parallel.experts import (
+    ExpertGroups,
+    RoutedExperts,
+    check_expert_parallel,
+    mark_experts,
+    shard_experts,
+)
 from lightning_pipe.parallel.fsdp import ShardingOptions, check_schedule, check_ties, shard_stages
 from lightning_pipe.parallel.tensor_parallel import (
     agree_after_split,
@@ -120,6 +126,14 @@ def build_engine(module: PipelineModel, config: PipelineConfig, plan: SchedulePl
         check_tensor_parallel(module, topology.tensor_parallel_size)
     experts = config.expert_parallel_size
     check_expert_settings(plan, topology, experts)
+    if fresh and experts > 1 and not any(isinstance(m, RoutedExperts) for layer in layers for m in layer.modules()):
+        # every rank still holds every layer here (on meta when built in configure_model): one verdict everywhere
+        raise config_error(
+            "expert_parallel_size shards the experts of the model's RoutedExperts layers (lightning_pipe's MoE "
+            "layer, docs/moe.md) over the replicas; this model has none, so every rank would keep every expert "
+            "(transformers' own MoE layers are not sharded).",
+            f"expert_parallel_size={experts} and no RoutedExperts in {type(module).__name__}.{config.layers_attr}",
+            "expert_parallel_size", "to 1")
     # One mesh for every dimension: FSDP combines the tensor and data-parallel dimensions of a split parameter
     # into one DTensor, which needs both to be slices of the same root mesh.
     mesh = (build_mesh(topology, device.type)

@@ -37,6 +37,7 @@ def test_expert_parallel_matches_one_device_and_checkpoints_are_layout_free(tmp_
                      save=ckpt if s == "1f1b" else None) for s in schedules]
     cases.append(ExpertCase(ep=1, resume=ckpt, steps=4, aux_coef=0.05, shared_expert=True))  # the EP-2 checkpoint into a layout without EP
     cases.append(ExpertCase(ep=3, expect_error=True))  # 3 divides neither dp=2 nor 4 experts: refused at setup
+    cases.append(ExpertCase(experts=0, expect_error=True))  # a dense model: nothing to shard, refused (not ignored)
     results = launch("expert_parallel", 4, cases, tmp_path / "run", timeout=360)
     for i, case in enumerate(cases[:len(schedules)]):
         want, _ = run_reference(case)
@@ -56,5 +57,8 @@ def test_expert_parallel_matches_one_device_and_checkpoints_are_layout_free(tmp_
                   for k, v in consolidated(ckpt)["state_dict"].items()}
     for name, value in trained.items():
         torch.testing.assert_close(one_device[name], value, atol=0, rtol=0, msg=f"consolidated {name}")
-    error = results[0][-1]
+    error, dense = results[0][-2:]
     assert not error["ok"] and "expert_parallel_size" in error["error"] and "expert_parallel_size=3" in error["error"]
+    for rank_results in results:
+        assert not rank_results[-1]["ok"]
+        assert "expert_parallel_size=2 and no RoutedExperts in SgdLlama.layers" in rank_results[-1]["error"], dense

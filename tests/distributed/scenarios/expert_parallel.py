@@ -37,6 +37,7 @@ class ExpertCase:
     save: str | None = None  # after fit: trainer.save_checkpoint(save)
     resume: str | None = None  # fit(ckpt_path=resume); the params loaded are returned as start_params
     expect_error: bool = False
+    experts: int = 4  # routed experts per block; 0: a dense Llama (nothing for expert_parallel_size to shard)
 
 
 class ExpertResult(TypedDict):
@@ -55,7 +56,7 @@ def moe_llama(case: ExpertCase) -> L.LightningModule:
             return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=LR)
 
     return SgdLlama(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_kv_head=2, n_embd=32, multiple_of=16,
-                    moe_experts=4, moe_top_k=2, moe_shared_expert=case.shared_expert, moe_aux_coef=case.aux_coef)
+                    moe_experts=case.experts, moe_top_k=2, moe_shared_expert=case.shared_expert, moe_aux_coef=case.aux_coef)
 
 
 class _Record(Callback):
