@@ -83,7 +83,7 @@ def test_faults_read_the_flags_agreed_with_the_loss(monkeypatch: pytest.MonkeyPa
     from lightning_pipe.lightning import faults as faults_module
 
     reduced: list[list[bool]] = []
-    monkeypatch.setattr(faults_module, "any_rank", lambda flags, device: reduced.append(list(flags)) or list(flags))
+    monkeypatch.setattr(faults_module, "any_rank", lambda flags, device, group=None: reduced.append(list(flags)) or list(flags))
     agreed = [False, False, False, True] if folded else None
     engine = SimpleNamespace(take_agreed_flags=lambda: agreed)
     progress = SimpleNamespace(is_last_batch=False)
