@@ -69,8 +69,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     _strategy("plan", "strategy.plan",
               "A plan file (or its dict) from ``python -m lightning_pipe.planner search``: replaces schedule, "
               "microbatches, stages_per_rank, data_parallel_size and partition (docs/planner.md); default ``None``."),
-    _strategy("memory_budget", "schedule.options.memory_budget",  # schedule=auto
-              "Per-device memory limit for ``schedule=\"auto\"`` (bytes or e.g. ``\"20GiB\"``); default no limit."),
+    _strategy("memory_budget", "++schedule.options.memory_budget",  # ++: adds the key under any schedule config
+              "Per-device memory limit for the planner, ``schedule=\"auto\"`` or ``partition=\"time\"`` (bytes or "
+              "e.g. ``\"20GiB\"``); default no limit. Refused with any other schedule and partition."),
     _strategy("rebalance_every_n_steps", "strategy.rebalance_every_n_steps"),
     _strategy("rebalance_threshold", "strategy.rebalance_threshold"),
     Setting("devices", "Trainer(devices=..., num_nodes=...)", ("trainer.devices", "trainer.num_nodes"),

@@ -69,6 +69,12 @@ def resolve_settings(schedule: str, microbatches: int | None, data_parallel_size
                             partition=partition, stages_per_rank=stages_per_rank, layers_attr=layers_attr,
                             recompute=recompute, schedule_options=options, **settings)
     measured = config.partition in MEASURED_PARTITIONS
+    if budget is not None and not (auto or measured):  # only the planner reads it: never silently ignored
+        raise config_error("memory_budget limits what the planner picks: it applies with schedule='auto' or "
+                           "partition='time' / 'memory' only.",
+                           f"memory_budget={budget!r} with schedule={config.schedule!r}, "
+                           f"partition={config.partition!r}" + (" from a plan file" if plan_data is not None else ""),
+                           "memory_budget", "to None, or plan with schedule='auto'", also=("schedule", "partition"))
     if config.fsdp_size > 1 and (auto or plan_data is not None or measured):
         used = ("a plan file" if plan_data is not None else "schedule='auto'" if auto
                 else f"partition={config.partition!r}")

@@ -73,7 +73,8 @@ def balance_split(profile: ModelProfile, plan: SchedulePlan, batch_size: int, by
         if pred is None:
             raise config_error("No split of this schedule fits the per-device memory budget.",
                                f"memory_budget={budget:,} bytes; the smallest predicted peak is {min_peak:,} bytes",
-                               "memory_budget", "raise it, or use partition='memory'")
+                               "memory_budget", "raise it, use partition='memory', or enable recompute or offload",
+                               also=("recompute", "offload"))
     else:
         counts, pred, replayed = _least_memory(model, compiled, n, dp, exhaustive_limit)
 

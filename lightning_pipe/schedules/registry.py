@@ -96,7 +96,8 @@ def available_schedules() -> list[str]:
 def get_schedule_spec(name: str) -> ScheduleSpec:
     spec = _SCHEDULES.get(str(name).lower())
     if spec is None:
-        raise config_error(f"Unknown pipeline schedule; known schedules are {available_schedules()}.",
+        raise config_error(f"Unknown pipeline schedule; known schedules are {available_schedules()}, and 'auto' "
+                           "(the planner picks one).",
                            f"schedule={name!r}", "schedule")
     return spec
 

@@ -197,3 +197,16 @@ def test_stray_parameter_error_says_to_move_it_into_a_layer():
     assert "Got parameters outside `layers`: ['scale']" in msg
     assert msg.index("Move each of them into a layer") < msg.index("Or change `layers_attr`"), msg
     assert "Hydra: strategy.layers_attr" in msg
+
+
+def test_a_memory_budget_is_read_by_the_planner_only() -> None:
+    """memory_budget applies to schedule="auto" and partition="time" / "memory"; with a fixed schedule and split
+    nothing would read it, so it is refused (it was silently ignored), however it is passed."""
+    for kwargs in ({"memory_budget": "1GiB"}, {"schedule_options": {"memory_budget": "1GiB"}}):
+        with pytest.raises(PipelineConfigError, match=r"memory_budget limits what the planner picks.*Got "
+                                                      r"memory_budget='1GiB' with schedule='1f1b', partition='uniform'"):
+            PipelineStrategy(schedule="1f1b", microbatches=4, **kwargs)
+    PipelineStrategy(schedule="auto", memory_budget="1GiB")
+    PipelineStrategy(schedule="1f1b", microbatches=4, partition="time", memory_budget="1GiB")
+    with pytest.raises(PipelineConfigError, match=r"known schedules are \[.*\], and 'auto' \(the planner picks one\)"):
+        PipelineStrategy(schedule="zbvv")

@@ -191,7 +191,9 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "strategy.plan": (["strategy.plan=my_plan.json"], "my_plan.json"),
     "strategy.rebalance_every_n_steps": (["strategy.rebalance_every_n_steps=50"], 50),
     "strategy.rebalance_threshold": (["strategy.rebalance_threshold=0.1"], 0.1),
-    "schedule.options.memory_budget": (["schedule=auto", "schedule.options.memory_budget=20GiB"], "20GiB"),
+    # ++: the key exists under schedule=auto only; partition=time under 1F1B reads it too
+    "++schedule.options.memory_budget": (["strategy.partition=time", "++schedule.options.memory_budget=20GiB"],
+                                         "20GiB"),
     "trainer.devices": (["trainer.devices=4"], 4),
     "trainer.num_nodes": (["trainer.num_nodes=2"], 2),
     "trainer.precision": (["trainer.precision=bf16-mixed"], "bf16-mixed"),
@@ -210,6 +212,7 @@ def test_every_hydra_path_of_the_settings_table_composes(path: str, tmp_path: Pa
     overrides, expected = SAMPLES[path]
     cfg = compose_train(overrides, tmp_path)  # raises ConfigCompositionException for a key Hydra refuses
     OmegaConf.resolve(cfg)
+    path = path.lstrip("+")  # ++key: add-or-override
     value = OmegaConf.select(cfg, "schedule.name" if path == "schedule=<name>" else path)
     if isinstance(value, DictConfig):
         value = {k: v for k, v in OmegaConf.to_container(value).items() if v is not None}
