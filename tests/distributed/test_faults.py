@@ -131,13 +131,16 @@ def test_a_failing_rank_is_named_on_every_rank_whether_it_ends_or_blocks_a_tenso
         log = fs.log_tail(tmp_path / name, 400)
         other = 1 - failing
         assert codes[name] != 0, log
-        assert "Connection closed by peer" in log, log  # what the other rank's own error says
         cause = {"setup": "ValueError: injected failure in configure_optimizers on rank 1",
                  "save": "OSError: [Errno 30] Read-only file system",
                  "forward": "RuntimeError: injected failure in a layer's forward (call 6)"}[name]
-        note = f"lightning_pipe: rank {other} lost its connection because another rank failed first: rank {failing}: "
-        assert note + cause in log, log
-        assert f"[rank{other}]: {note}{cause}" in log, log  # also in its traceback (a note on its exception)
+        if "Connection closed by peer" in log:  # the failing process ended first: the other rank's own error
+            note = (f"lightning_pipe: rank {other} lost its connection because another rank failed first: "
+                    f"rank {failing}: ")
+            assert note + cause in log, log
+            assert f"[rank{other}]: {note}{cause}" in log, log  # also in its traceback (a note on its exception)
+        else:  # on a loaded machine the failing process can outlive the watchdog's grace: it stops the other rank
+            assert f"lightning_pipe: rank {other} stops because another rank failed: rank {failing}: {cause}" in log, log
         if name == "forward":  # OnExceptionCheckpoint after a failure: said, not attempted (a collective save)
             whole = (tmp_path / name / "log").read_text(errors="replace")  # (warnings are off in the test ranks)
             assert not (tmp_path / name / "on_exception").exists()
