@@ -1,11 +1,11 @@
 """Precision under the pipeline vs the same precision on one device; activation recomputation and offload stay
 exact.
 
-Tolerances: fp32 paths (recomputation; fp16-mixed keeps fp32 master weights) must match to 1e-5 as everywhere.
-Reduced-precision compute rounds differently on a micro-batch than on the whole batch (matmul shapes and
-accumulation order differ), so after 3 steps parameters may differ by a few units in the last place of the
-storage type, measured here at <= 1 ulp: we allow 2 ulps of the largest parameter (|p| < 1):
-bf16 (8-bit mantissa) 2 * 2**-8, fp16 (11-bit) 2 * 2**-11.
+Tolerances: fp32 paths (recomputation, offload) must match to 1e-5 as everywhere. Reduced-precision compute
+rounds differently on a micro-batch than on the whole batch (matmul shapes and accumulation order differ), so
+after 3 steps parameters may differ by a few units in the last place of the compute type, measured here at
+<= 1 ulp: we allow 2 ulps of the largest parameter (|p| < 1): bf16 (8-bit mantissa) 2 * 2**-8, fp16 (11-bit)
+2 * 2**-11 -- for 16-mixed too, whose master weights are fp32 but whose matmuls round in fp16.
 """
 
 from __future__ import annotations
