@@ -87,7 +87,8 @@ class PipelineTimeline(Callback):
         plan = engine.plan
         self._meta = {"schedule": plan.spec.name, "p": plan.pipeline_size, "v": plan.stages_per_rank,
                       "m": plan.microbatches, "theoretical_bubble": plan.theoretical_bubble(),
-                      "data_parallel_size": engine.groups.topology.data_parallel_size}
+                      "data_parallel_size": engine.groups.topology.data_parallel_size,
+                      "counts": _split(pl_module)}  # layers per stage: what `planner validate --records` checks
         planned = getattr(trainer.strategy, "planned", None)
         if planned is not None:
             # the plan's schedule step (older plans only carry the whole step, optimizer included)
@@ -193,6 +194,8 @@ class PipelineTimeline(Callback):
             rank_zero_warn("PipelineTimeline: no step was recorded (fewer batches than warmup_steps?); "
                            "nothing exported.")
             return None
+        if _split(trainer.lightning_module) != self._meta.get("counts"):  # rebalanced since the start
+            self._meta["counts_at_end"] = _split(trainer.lightning_module)
         files = {"records": save_records(records, out / "records.json", self._meta),
                  "trace": write_chrome_trace(records, out / "trace.json", self._meta)}
         try:
@@ -203,3 +206,9 @@ class PipelineTimeline(Callback):
         if trainer.is_global_zero:
             print(f"[PipelineTimeline] wrote {', '.join(str(p) for p in files.values())}")
         return files
+
+
+def _split(module: Any) -> list[int] | None:
+    """Layers per stage of the module's current cut (None before one)."""
+    layout = getattr(module, "_pipeline_layout", None)
+    return None if layout is None else [len(r) for r in layout.ranges]

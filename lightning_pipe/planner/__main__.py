@@ -112,6 +112,13 @@ def _drift(args: argparse.Namespace, plan: dict[str, Any]) -> None:
         raise SystemExit(f"the records are of schedule={layout[0]} m={layout[1]} v={layout[2]}, the plan is "
                          f"{plan['layout']}: record a run of this plan (PipelineStrategy(plan=...) + "
                          "PipelineTimeline(export_dir=...))")
+    counts, partition = meta.get("counts"), plan["partition"]
+    if counts is not None and meta.get("counts_at_end", counts) != counts:
+        raise SystemExit(f"the records span a rebalance (split {counts} -> {meta['counts_at_end']}): their steps ran "
+                         "on two splits. Record a run of this plan without rebalance_every_n_steps.")
+    if counts is not None and isinstance(partition, list) and list(counts) != list(partition):
+        raise SystemExit(f"the records are of the split {counts}, the plan's is {partition}: record a run of this "
+                         "plan (PipelineStrategy(plan=...) + PipelineTimeline(export_dir=...))")
     rows = drift_by_kind(plan, records)
     print(f"drift of {len(records)} recorded rank-steps against the plan ({plan['layout']}):")
     print(format_drift(rows))

@@ -123,17 +123,25 @@ def apply_plan(plan: str | os.PathLike[str] | Mapping[str, Any], world_size: int
     try:
         plan_schedule(PipelineConfig(**kwargs), pp)
     except PipelineConfigError as err:
-        raise config_error("A plan must be a layout the strategy accepts.", f"{err}", "plan") from None
+        raise config_error("A plan must be a layout the strategy accepts; its layout breaks this rule:",
+                           f"{name} with {kwargs}: {str(err).rstrip('.')}", "plan",
+                           "search a new plan (python -m lightning_pipe.planner search)") from None
     return kwargs
 
 
 def explain(plan: Mapping[str, Any]) -> str:
     """A human-readable summary: the layout, the prediction per rank, the runners-up."""
-    lines = [f"plan: {plan['layout']}",
-             f"  predicted step {plan['predicted_step_ms']:.1f} ms (schedule "
-             f"{plan.get('predicted_schedule_ms', plan['predicted_step_ms']):.1f} ms), bubble "
-             f"{plan['predicted_bubble']:.1%}, per-replica batch {plan.get('batch_size', '?')}"]
-    for r, (mem, busy) in enumerate(zip(plan["predicted_peak_memory_bytes"], plan.get("predicted_busy_ms", []))):
+    layout = plan.get("layout") or (f"pp {plan['pipeline_size']} x dp {plan['data_parallel_size']}, "
+                                    f"{plan['schedule']}, v={plan['stages_per_rank']}, m={plan['microbatches']}, "
+                                    f"partition {plan['partition']}")
+    lines = [f"plan: {layout}"]
+    if "predicted_step_ms" not in plan:  # written by hand: a layout without a prediction
+        return "\n".join(lines + ["  (no prediction: not written by `python -m lightning_pipe.planner search`)"])
+    lines.append(f"  predicted step {plan['predicted_step_ms']:.1f} ms (schedule "
+                 f"{plan.get('predicted_schedule_ms', plan['predicted_step_ms']):.1f} ms), bubble "
+                 f"{plan.get('predicted_bubble', 0.0):.1%}, per-replica batch {plan.get('batch_size', '?')}")
+    for r, (mem, busy) in enumerate(zip(plan.get("predicted_peak_memory_bytes", []),
+                                        plan.get("predicted_busy_ms", []))):
         lines.append(f"  rank {r}: busy {busy:.1f} ms, peak memory {_mib(mem)}")
     if plan.get("runners_up"):
         lines.append("  runners-up:")

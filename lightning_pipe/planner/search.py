@@ -70,11 +70,13 @@ def parse_bytes(value: int | float | str | None) -> int | None:
     text = str(value).strip().replace(" ", "")
     units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9,
              "tb": 10**12, "b": 1}
-    for unit, scale in units.items():
+    number, scale = text, 1
+    for unit, factor in units.items():
         if text.lower().endswith(unit):
-            return int(float(text[: -len(unit)]) * scale)
+            number, scale = text[: -len(unit)], factor
+            break
     try:
-        return int(float(text))
+        return int(float(number) * scale)
     except ValueError:
         raise config_error("A memory budget is a number of bytes or a size such as '20GiB' / '512MB'.",
                            f"memory_budget={value!r}", "memory_budget") from None
@@ -239,6 +241,9 @@ def search(profile: ModelProfile, world_size: int, batch_size: int, memory_budge
     ``activations``: the layers recomputed / offloaded (the strategy's ``recompute`` and ``offload``).
     Raises :class:`~lightning_pipe.config.PipelineConfigError` when no layout fits the budget or none is valid."""
     budget = parse_bytes(memory_budget)
+    if speeds is not None and (len(speeds) != world_size or not all(s > 0 for s in speeds)):
+        raise ValueError(f"speeds: one slowness per rank of the world, each > 0 (1.0 the fastest); got {list(speeds)} "
+                         f"for world size {world_size} (the planner CLI: --speeds with --world).")
     n = profile.num_layers
     ranked: list[tuple[Candidate, Prediction]] = []
     refused: list[Refused] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -331,3 +332,38 @@ def test_a_plan_for_another_model_is_refused_naming_the_plan(tmp_path) -> None:
     short = dict(json.loads(path.read_text()), partition=[3, 2])  # 5 of 7 layers
     with pytest.raises(PipelineConfigError, match=r"partition \[3, 2\] \(sum 5\) for a model of 7 layers"):
         apply_plan(short, num_layers=7)
+
+
+def test_the_planner_refuses_bad_inputs_with_the_rule() -> None:
+    """Outside testers' inputs: speeds that do not give one positive slowness per rank, a budget in unknown units,
+    and a hand-written plan without predictions (explained as a layout, not a KeyError)."""
+    profile = synthetic(6)
+    for speeds in ([1.0], [1.0, 0.0], [1.0, -1.0, 1.0]):
+        with pytest.raises(ValueError, match=r"speeds: one slowness per rank of the world, each > 0"):
+            search(profile, 2, 8, schedules=["gpipe"], speeds=speeds)
+    with pytest.raises(PipelineConfigError, match=r"Got memory_budget='10XB'"):
+        parse_bytes("10XB")
+    hand = {"format": "lightning_pipe.plan/1", "schedule": "gpipe", "microbatches": 2, "stages_per_rank": 1,
+            "pipeline_size": 2, "data_parallel_size": 1, "partition": [3, 3]}
+    assert explain(hand).splitlines() == ["plan: pp 2 x dp 1, gpipe, v=1, m=2, partition [3, 3]",
+                                          "  (no prediction: not written by `python -m lightning_pipe.planner "
+                                          "search`)"]
+
+
+def test_validate_refuses_records_of_another_split(tmp_path) -> None:
+    """`planner validate --records` compares a run with its plan: records of another split, or of a run that
+    rebalanced between two splits, are refused (their drift would be read as the model's)."""
+    from lightning_pipe.trace.records import Slice, StepRecord, save_records
+
+    plan = to_plan(search(synthetic(6), 2, 8, schedules=["1f1b"], microbatches=[2]), 8)
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(plan))
+    rec = [StepRecord(r, r, 0, [r], 0, 0, 1_000_000, [Slice("F", r, 0, 0, 1000)]) for r in (0, 1)]
+    meta = {"schedule": "1f1b", "p": 2, "v": 1, "m": 2}
+    other = [plan["partition"][0] + 1, plan["partition"][1] - 1]
+    save_records(rec, tmp_path / "other.json", {**meta, "counts": other})
+    with pytest.raises(SystemExit, match=re.escape(f"the records are of the split {other}, the plan's is")):
+        cli(["validate", str(plan_path), "--world", "2", "--records", str(tmp_path / "other.json")])
+    save_records(rec, tmp_path / "moved.json", {**meta, "counts": plan["partition"], "counts_at_end": other})
+    with pytest.raises(SystemExit, match=r"the records span a rebalance"):
+        cli(["validate", str(plan_path), "--world", "2", "--records", str(tmp_path / "moved.json")])
