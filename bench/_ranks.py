@@ -23,5 +23,9 @@ def run_ranks(script: str, nproc: int, args: list[str], timeout: float = 1800) -
                script, "--worker", "--out", str(out), *args]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
-            raise SystemExit(f"{Path(script).name} workers failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+            # the whole output kept: a rank's native abort message is often far above the last lines
+            log = Path(tempfile.mkstemp(prefix=f"{Path(script).stem}-failed-", suffix=".log")[1])
+            log.write_text(proc.stdout + proc.stderr)
+            raise SystemExit(f"{Path(script).name} workers failed ({proc.returncode}; every rank's output: {log}):\n"
+                             f"{proc.stderr[-4000:]}")
         return json.loads(out.read_text())
