@@ -227,7 +227,7 @@ def replay_measured(everyone: list, compiled, comm: list[float]) -> tuple[float,
     spent: dict[tuple[int, str], float] = {}
     around = []
     for rec in records:
-        slices, per_action = split_step(rec)
+        slices, per_action, _ = split_step(rec)
         for (stage, kind, _), seconds in slices.items():
             spent[(stage, kind)] = spent.get((stage, kind), 0.0) + seconds
         around.append(0.0 if per_action is None else per_action)

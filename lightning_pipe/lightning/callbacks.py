@@ -194,8 +194,9 @@ class PipelineTimeline(Callback):
             rank_zero_warn("PipelineTimeline: no step was recorded (fewer batches than warmup_steps?); "
                            "nothing exported.")
             return None
-        if _split(trainer.lightning_module) != self._meta.get("counts"):  # rebalanced since the start
-            self._meta["counts_at_end"] = _split(trainer.lightning_module)
+        split = _split(trainer.lightning_module)
+        if split != self._meta.get("counts"):  # rebalanced since the start
+            self._meta["counts_at_end"] = split
         files = {"records": save_records(records, out / "records.json", self._meta),
                  "trace": write_chrome_trace(records, out / "trace.json", self._meta)}
         try:

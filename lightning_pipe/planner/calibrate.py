@@ -174,11 +174,11 @@ def action_cost_from_records(records: Sequence[StepRecord],
     return max(statistics.median(inside.values()), 0.0), max(per_action, 0.0)
 
 
-def split_step(rec: StepRecord) -> tuple[dict[tuple[int, str, int | None], float], float | None]:
+def split_step(rec: StepRecord) -> tuple[dict[tuple[int, str, int | None], float], float | None, int]:
     """One rank's recorded step, as [Note: the strategy's cost per action, from its own timeline] reads it: seconds
     per (stage, kind, micro-batch) of its compute slices (a loss slice counts in its forward: the last layer is
-    profiled with its loss), and the host time around an action — the wall time minus the compute slices and the
-    blocking P2P waits, per action (``None`` without actions)."""
+    profiled with its loss), the host time around an action — the wall time minus the compute slices and the
+    blocking P2P waits, per action (``None`` without actions) — and the number of actions."""
     spent: dict[tuple[int, str, int | None], float] = {}
     compute = waited = actions = 0
     for sl in rec.slices:
@@ -190,7 +190,7 @@ def split_step(rec: StepRecord) -> tuple[dict[tuple[int, str, int | None], float
             spent[key] = spent.get(key, 0.0) + ns / 1e9
         elif sl.kind == "wait":
             waited += ns
-    return spent, (rec.wall_ns - compute - waited) / 1e9 / actions if actions else None
+    return spent, (rec.wall_ns - compute - waited) / 1e9 / actions if actions else None, actions
 
 
 # [Note: host cost per transfer]
@@ -250,10 +250,9 @@ def fit_host_costs(runs: Sequence[Sequence[StepRecord]]) -> tuple[float, float]:
     for records in runs:
         host: dict[int, tuple[float, float, float]] = {}
         for rec in records:
-            per = split_step(rec)[1]
+            _, per, actions = split_step(rec)
             if per is None:
                 continue
-            actions = sum(1 for sl in rec.slices if sl.kind in COMPUTE_KINDS and sl.kind != "L" and sl.stage is not None)
             point = (float(actions), float(transfers_posted(rec)), per * actions)
             if rec.rank not in host or point[2] < host[rec.rank][2]:
                 host[rec.rank] = point

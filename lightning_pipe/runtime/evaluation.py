@@ -17,7 +17,7 @@ from torch import Tensor
 
 from lightning_pipe._compat import torch as _compat
 from lightning_pipe._compat.stage_shapes import SplitOverride
-from lightning_pipe.layers.batches import input_args, loss_parts, pad_rows, signature, trim_rows
+from lightning_pipe.layers.batches import input_args, leaves, loss_parts, pad_rows, signature, trim_rows
 from lightning_pipe.parallel.fsdp import reshard
 from lightning_pipe.runtime.microbatches import Microbatches, explicit_microbatches, microbatch_loss
 from lightning_pipe.runtime.shapes import first_inputs, shapes_of
@@ -81,15 +81,7 @@ def batch_first_rule(out: Any, padded: int, m: int, owner: str) -> BrokenRule | 
     micro-batch and never joins outputs: a flattened ``[batch * seq, vocab]`` or sequence-first ``[seq, batch, ...]``
     output trains at parity, then predicted wrong shapes silently and failed validation inside ``loss_fn`` on the last
     stage alone (an outside tester). Refused here, naming the shape, on every rank."""
-    stack, shapes = [out], []
-    while stack:
-        value = stack.pop()
-        if isinstance(value, Tensor):
-            shapes.append(tuple(value.shape))
-        elif isinstance(value, (tuple, list)):
-            stack.extend(value)
-        elif isinstance(value, dict):
-            stack.extend(value.values())
+    shapes = [tuple(value.shape) for value in leaves(out) if isinstance(value, Tensor)]
     bad = next((shape for shape in shapes if not shape or shape[0] != padded), None)
     if bad is None:
         return None
