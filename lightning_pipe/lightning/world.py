@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import atexit
+import gc
 from datetime import timedelta
 from typing import Any
 
@@ -14,6 +15,7 @@ from lightning.fabric.plugins import ClusterEnvironment
 from torch import Tensor
 
 from lightning_pipe._compat import lightning as _compat
+from lightning_pipe.parallel import group_cache
 
 
 def init_process_group(cluster_environment: ClusterEnvironment | None, device: torch.device, backend: str | None,
@@ -27,13 +29,17 @@ def init_process_group(cluster_environment: ClusterEnvironment | None, device: t
         _compat.init_dist_connection(cluster_environment, backend, **kwargs)
         # Lightning only does this for NCCL; gloo process groups alive at interpreter exit can abort the process
         # ("terminate called without an active exception") after a perfectly good run.
-        atexit.register(_destroy_process_group)
+        atexit.register(_leave_process_group)
     return backend
 
 
-def _destroy_process_group() -> None:
+def _leave_process_group() -> None:
+    """At exit: destroy the default group (when the user has not) and drop the groups the strategy kept, so that no
+    gloo worker thread outlives the interpreter ([Note: process groups are reused])."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    group_cache.release()
+    gc.collect()  # a group held in a reference cycle ends now, not during finalization
 
 
 def barrier(device: torch.device) -> None:

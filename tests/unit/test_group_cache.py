@@ -3,12 +3,14 @@ rank when any rank's run ended in an exception (a world of one here; tests/distr
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_pipe.lightning import world as exit_handler_module
 from lightning_pipe.parallel import group_cache
 
 
@@ -59,3 +61,25 @@ def test_a_group_of_a_destroyed_world_is_never_handed_out(world: None) -> None:
     new = group_cache.shared_group([0], "pipeline")
     assert new is not old and dist.get_process_group_ranks(new) == [0]
     assert group_cache.shared_mesh("cpu", (1,), ("pipeline",)) is not old_mesh
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_the_exit_handler_ends_every_kept_groups_threads() -> None:
+    """A kept gloo group's worker threads outlive ``destroy_process_group`` while the cache holds it; alive during
+    interpreter finalization they can abort a process after a good run. The exit handler drops them."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    exit_handler_module._leave_process_group()  # what earlier tests kept
+    before = _os_threads()
+    _start()
+    for purpose in ("pipeline", "replicas", "ties"):
+        dist.all_reduce(torch.ones(1), group=group_cache.shared_group([0], purpose))
+    assert _os_threads() > before
+    exit_handler_module._leave_process_group()
+    assert not dist.is_initialized()
+    assert _os_threads() == before
+    exit_handler_module._leave_process_group()  # the user destroyed the group first: still safe
