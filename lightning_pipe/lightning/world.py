@@ -21,24 +21,36 @@ from lightning_pipe.parallel import group_cache
 def init_process_group(cluster_environment: ClusterEnvironment | None, device: torch.device, backend: str | None,
                        timeout: timedelta) -> str:
     """Start the default process group (once per process); returns the backend (NCCL on CUDA, gloo on CPU)."""
+    global _started_here, _exit_registered
     backend = backend or _compat.default_backend_for_device(device)
     if not dist.is_initialized():
         kwargs: dict[str, Any] = {"timeout": timeout}
         if device.type != "cpu":
             kwargs["device_id"] = device
         _compat.init_dist_connection(cluster_environment, backend, **kwargs)
+        _started_here = True
+    if not _exit_registered:
         # Lightning only does this for NCCL; gloo process groups alive at interpreter exit can abort the process
         # ("terminate called without an active exception") after a perfectly good run.
         atexit.register(_leave_process_group)
+        _exit_registered = True
     return backend
 
 
+_started_here = False
+"""Whether the strategy started the default group (then it also destroys it at exit)."""
+_exit_registered = False
+
+
 def _leave_process_group() -> None:
-    """At exit: destroy the default group (when the user has not) and drop the groups the strategy kept, so that no
-    gloo worker thread outlives the interpreter ([Note: process groups are reused])."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    """At exit: destroy the groups the strategy kept, and the default group when the strategy started it (and the user
+    has not destroyed it), so that no gloo worker thread outlives the interpreter ([Note: process groups are
+    reused])."""
+    global _started_here
     group_cache.release()
+    if _started_here and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _started_here = False
     gc.collect()  # a group held in a reference cycle ends now, not during finalization
 
 

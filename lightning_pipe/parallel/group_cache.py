@@ -23,8 +23,9 @@ A group destroyed since (``dist.destroy_process_group``) or of an earlier defaul
 Keeping a group also keeps its threads: ``destroy_process_group`` shuts a gloo group down but its worker threads
 live as long as the Python object (measured: three kept groups, 9 threads before and after the destroy, none once
 dropped). Threads still alive while the interpreter finalizes can abort a process after a good run ("terminate
-called without an active exception", SIGABRT; pytorch/pytorch#179291), so the exit handler that destroys the
-default group (``lightning_pipe.lightning.world``) also drops every kept group (:func:`release`).
+called without an active exception", SIGABRT; pytorch/pytorch#179291), so at exit the strategy's handler
+(``lightning_pipe.lightning.world``, registered at the first setup whoever started the default group) destroys the
+kept groups and drops them (:func:`release`), and destroys the default group when the strategy started it.
 """
 
 from __future__ import annotations
@@ -109,9 +110,24 @@ def agree_on_kept_groups(device: torch.device) -> None:
 
 
 def release() -> None:
-    """Drop every kept group and mesh, so that their threads end while the interpreter is still whole (at exit,
-    after ``dist.destroy_process_group``: [Note: process groups are reused])."""
+    """Destroy the kept groups that are still registered and drop every kept group and mesh, so that their threads
+    end while the interpreter is still whole (at exit: [Note: process groups are reused]). Local: destroying a
+    group that is not the default one takes no collective. The default group is left to whoever started it."""
     global _world, _stale
+    kept = list(_groups.values())
+    for mesh in _meshes.values():
+        for name in mesh.mesh_dim_names or ():
+            try:
+                kept.append(mesh.get_group(name))
+            except (KeyError, RuntimeError, ValueError):
+                continue
+    if dist.is_available() and dist.is_initialized():
+        for group in {id(g): g for g in kept if g is not dist.group.WORLD}.values():
+            if _alive(group):
+                try:
+                    dist.destroy_process_group(group)
+                except (KeyError, RuntimeError, ValueError):  # at exit: nothing more to do for this one
+                    continue
     _groups.clear()
     _meshes.clear()
     _world = None

@@ -68,18 +68,26 @@ def _os_threads() -> int:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
-def test_the_exit_handler_ends_every_kept_groups_threads() -> None:
+@pytest.mark.parametrize("started_by", ["user", "strategy"])
+def test_the_exit_handler_ends_every_kept_groups_threads(started_by: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A kept gloo group's worker threads outlive ``destroy_process_group`` while the cache holds it; alive during
-    interpreter finalization they can abort a process after a good run. The exit handler drops them."""
+    interpreter finalization they can abort a process after a good run. The exit handler destroys and drops them,
+    and the default group too when the strategy started it (a user's own stays theirs)."""
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
     exit_handler_module._leave_process_group()  # what earlier tests kept
     before = _os_threads()
     _start()
+    with_default = _os_threads()
+    monkeypatch.setattr(exit_handler_module, "_started_here", started_by == "strategy")
     for purpose in ("pipeline", "replicas", "ties"):
         dist.all_reduce(torch.ones(1), group=group_cache.shared_group([0], purpose))
-    assert _os_threads() > before
+    group_cache.shared_mesh("cpu", (1,), ("pipeline",))
+    assert _os_threads() > with_default
     exit_handler_module._leave_process_group()
+    if started_by == "user":
+        assert dist.is_initialized() and _os_threads() == with_default
+        dist.destroy_process_group()
     assert not dist.is_initialized()
     assert _os_threads() == before
-    exit_handler_module._leave_process_group()  # the user destroyed the group first: still safe
+    exit_handler_module._leave_process_group()  # nothing left: still safe
