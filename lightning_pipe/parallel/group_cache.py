@@ -111,8 +111,9 @@ def agree_on_kept_groups(device: torch.device) -> None:
 
 def release() -> None:
     """Destroy the kept groups that are still registered and drop every kept group and mesh, so that their threads
-    end while the interpreter is still whole (at exit: [Note: process groups are reused]). Local: destroying a
-    group that is not the default one takes no collective. The default group is left to whoever started it."""
+    end while the interpreter is still whole (at exit: [Note: process groups are reused]). Every rank runs it at
+    its exit and holds the same groups in the same order (they were created collectively), so a backend whose
+    shutdown waits on its peers finds them doing the same. The default group is left to whoever started it."""
     global _world, _stale
     kept = list(_groups.values())
     for mesh in _meshes.values():
