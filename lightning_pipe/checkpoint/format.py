@@ -60,6 +60,37 @@ def hyper_parameters(group: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 
 
+POSITIONS_BY_KEY = "_lightning_pipe_keys_are_positions"
+"""Set (True) on a module container whose children's keys are their positions in the whole model, for a rank that
+holds only some of them: the experts of a sharded ``RoutedExperts`` (keys ``"0"`` .. ``"n-1"``)."""
+
+
+def parameter_positions(module: nn.Module, prefix: str = "") -> dict[str, tuple[int, ...]]:
+    """Each parameter's place in the *whole* module's ``named_parameters()`` order, as a sortable key, read from the
+    part a rank holds: a module's own parameters before its children's, each in registration order; children of a
+    container marked :data:`POSITIONS_BY_KEY` sit at their key (an expert-parallel rank holds experts 2 and 3 of 4:
+    their keys, not their local places 0 and 1, tell where they go among another rank's experts 0 and 1)."""
+    out: dict[str, tuple[int, ...]] = {}
+    seen: set[int] = set()
+
+    def walk(m: nn.Module, path: str, key: tuple[int, ...]) -> None:
+        for i, (name, p) in enumerate(m._parameters.items()):
+            if p is not None and id(p) not in seen:  # a shared parameter sits where named_parameters() puts it
+                seen.add(id(p))
+                out[path + name] = (*key, 0, i)
+        by_key = getattr(m, POSITIONS_BY_KEY, False)
+        for i, (name, child) in enumerate(m._modules.items()):
+            if child is not None:
+                walk(child, f"{path}{name}.", (*key, 1, int(name) if by_key else i))
+
+    walk(module, prefix, ())
+    return out
+
+
+Position = tuple[int, tuple[int, ...]]
+"""Where a parameter sits in the plain model's ``parameters()`` order: (layer index, place inside the layer)."""
+
+
 class ModuleNames:
     """This rank's parameters by canonical name, and each name's position in the plain model's parameter order."""
 
@@ -73,17 +104,17 @@ class ModuleNames:
             self.name_of[id(p)] = canon.get(name, name)
             if name not in canon:
                 self.owned.add(id(p))
-        # The plain model's parameters() order: layer by layer, registration order within a layer.
-        self.order: dict[str, tuple[int, int]] = {}
+        # The plain model's parameters() order: layer by layer, inside a layer as parameter_positions places it (the
+        # same on every rank, whichever part of the layer it holds), so ranks' orders merge into the whole model's.
+        self.order: dict[str, Position] = {}
         layers = getattr(module, layers_attr, None)
         if layers is not None:
             for i, (key, layer) in enumerate(layers._modules.items()):
-                for j, (n, _) in enumerate(layer.named_parameters()):
-                    full = f"{layers_attr}.{key}.{n}"
+                for full, place in parameter_positions(layer, f"{layers_attr}.{key}.").items():
                     if full not in canon:
-                        self.order[full] = (i, j)
+                        self.order[full] = (i, place)
         for k, (n, _) in enumerate(module.named_parameters()):
-            self.order.setdefault(n, (sys.maxsize, k))
+            self.order.setdefault(n, (sys.maxsize, (k,)))
 
 
 def name_mismatch_message(path: Any, missing: Sequence[str], unexpected: Sequence[str],
@@ -126,14 +157,14 @@ def flatten_optimizer(optimizer: torch.optim.Optimizer, names: ModuleNames, inde
     return ShardedOptimizerState(flat=flat, groups=groups)
 
 
-def merge_groups(per_rank: Sequence[Sequence[Sequence[dict]]], order: Mapping[str, tuple[int, int]]) -> list[list[dict]]:
+def merge_groups(per_rank: Sequence[Sequence[Sequence[dict]]], order: Mapping[str, Position]) -> list[list[dict]]:
     """Every rank's optimizers' groups -> one list of groups per optimizer, names in the plain model's order."""
     merged: list[list[dict]] = []
     for i, groups in enumerate(per_rank[0]):
         out = []
         for j, group in enumerate(groups):
             names = {n for rank in per_rank for n in rank[i][j]["params"]}
-            out.append({**hyper_parameters(group), "params": sorted(names, key=lambda n: order.get(n, (sys.maxsize, 0)))})
+            out.append({**hyper_parameters(group), "params": sorted(names, key=lambda n: order.get(n, (sys.maxsize, ())))})
         merged.append(out)
     return merged
 

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_pipe.checkpoint.format import POSITIONS_BY_KEY
 from lightning_pipe.config import config_error
 from lightning_pipe.parallel.group_cache import shared_group
 from lightning_pipe.parallel.topology import Topology
@@ -190,6 +191,8 @@ class RoutedExperts(nn.Module):
         super().__init__()
         self.num_experts = len(experts)
         self.experts = nn.ModuleDict({str(i): e for i, e in enumerate(experts)})
+        # a rank holds some experts under their global keys: checkpoints order them by key, not by local place
+        setattr(self.experts, POSITIONS_BY_KEY, True)
         self.groups: ExpertGroups | None = None
 
     def shard(self, groups: ExpertGroups, where: str = "") -> None:

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from lightning_pipe.checkpoint import consolidated
+from lightning_pipe.checkpoint.format import NAMES_KEY
 from tests.distributed.launcher import launch
 from tests.distributed.parity import ATOL
-from tests.distributed.scenarios.expert_parallel import ExpertCase, run_reference
+from tests.distributed.scenarios.expert_parallel import ExpertCase, moe_llama, run_reference
 from tests.torch_tiers import refused
 
 pytestmark = [pytest.mark.parity, pytest.mark.distributed]
@@ -53,8 +54,14 @@ def test_expert_parallel_matches_one_device_and_checkpoints_are_layout_free(tmp_
     loaded = merged(results, len(schedules), "start_params")
     for name, value in trained.items():
         torch.testing.assert_close(loaded[name], value, atol=0, rtol=0, msg=f"EP 1 loaded {name}")
-    one_device = {k.removeprefix("state_dict.").removeprefix("model."): v
-                  for k, v in consolidated(ckpt)["state_dict"].items()}
+    single_file = consolidated(ckpt)
+    one_device = {k.removeprefix("state_dict.").removeprefix("model."): v for k, v in single_file["state_dict"].items()}
+    # its optimizer state is positional: in the one-device model's order, each replica's experts in their place
+    listed = [n for group in single_file[NAMES_KEY][0] for n in group]
+    reference = moe_llama(cases[0])
+    reference.configure_model()  # the layers are built there (on meta under the strategy)
+    plain = [n for n, _ in reference.named_parameters()]
+    assert listed == [n for n in plain if n in set(listed)] and len(listed) == len(plain), listed
     for name, value in trained.items():
         torch.testing.assert_close(one_device[name], value, atol=0, rtol=0, msg=f"consolidated {name}")
     error, dense = results[0][-2:]

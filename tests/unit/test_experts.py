@@ -76,6 +76,36 @@ def test_sharding_keeps_global_names_and_marks_the_experts() -> None:
         routed(3).shard(groups, "layers.1.feed_forward.experts")
 
 
+def test_a_checkpoint_orders_sharded_experts_as_the_whole_model_does() -> None:
+    """Each expert-parallel rank holds some experts under their global keys; the ranks' parameter orders merge into
+    the one-device model's ``named_parameters()`` order (a consolidated file's optimizer state is positional in it)."""
+    from lightning_pipe.checkpoint.format import ModuleNames, merge_groups
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.router = nn.Linear(4, 4, bias=False)
+            self.moe = RoutedExperts([nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)) for _ in range(4)])
+            self.post = nn.LayerNorm(4)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.Sequential(nn.Linear(4, 4), Block(), nn.Linear(4, 2))
+
+    whole = [name for name, _ in Model().named_parameters()]
+    orders, groups = {}, []
+    for expert_rank in (1, 0):  # the rank holding the later experts first: no help from the gather order
+        part = Model()
+        sharding = object.__new__(ExpertGroups)
+        sharding.size, sharding.layout = 2, ExpertLayout(2, 2, expert_rank)
+        part.layers[1].moe.shard(sharding)
+        names = ModuleNames(part)
+        orders.update(names.order)
+        groups.append([[{"params": [n for n, _ in part.named_parameters()]}]])
+    assert merge_groups(groups, orders)[0][0]["params"] == whole
+
+
 @pytest.mark.parametrize("world, dp, fsdp, size, match", [
     (4, 2, 1, 3, r"must divide the data-parallel size.*expert_parallel_size=3, data_parallel_size=2"),
     (4, 1, 2, 2, r"FSDP or tensor parallelism.*fsdp_size=2"),
