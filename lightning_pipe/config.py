@@ -210,7 +210,8 @@ class PipelineConfig:
             others = {"fsdp_size": self.fsdp_size, "tensor_parallel_size": self.tensor_parallel_size,
                       "expert_parallel_size": self.expert_parallel_size,
                       "rebalance_every_n_steps": self.rebalance_every_n_steps}
-            clash = [k for k, v in others.items() if v not in (1, None)]
+            # sizes are off at 1; rebalancing is off only at None (every step is a real setting)
+            clash = [k for k, v in others.items() if v is not None and (k == "rebalance_every_n_steps" or v != 1)]
             if clash:
                 raise config_error(
                     "Compiled layers run with data and pipeline parallelism only for now: FSDP's and tensor "
@@ -315,6 +316,17 @@ def _compile(value: Any) -> bool | dict[str, Any]:
     unknown = sorted(set(options) - set(COMPILE_KEYS))
     if unknown:
         raise config_error(rule, f"compile={options!r} (unknown: {unknown})", "compile")
+    kinds = {"fullgraph": (bool,), "disable": (bool,), "dynamic": (bool, type(None)), "mode": (str, type(None)),
+             "options": (dict, type(None))}
+    wrong = [f"{k}={v!r}" for k, v in options.items() if k in kinds and not isinstance(v, kinds[k])]
+    if "backend" in options and not (isinstance(options["backend"], str) or callable(options["backend"])):
+        wrong.append(f"backend={options['backend']!r}")
+    if wrong:
+        raise config_error("compile's options have torch.compile's types: fullgraph and disable true/false, dynamic "
+                           "true/false/null, mode a name, options a dict, backend a name or a callable.",
+                           f"compile={options!r} ({', '.join(wrong)})", "compile")
+    if options.get("mode") is not None and options.get("options"):
+        raise config_error("torch.compile takes `mode` or `options`, not both.", f"compile={options!r}", "compile")
     return options
 
 

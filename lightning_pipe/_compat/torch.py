@@ -340,3 +340,15 @@ PRIVATE_TORCH_API.update({"_batch_p2p": _torch_schedules._batch_p2p,
                           "_wait_batch_p2p": _torch_schedules._wait_batch_p2p,
                           "PipelineScheduleSingle._initialize_stage":
                               _torch_schedules.PipelineScheduleSingle._initialize_stage})
+
+
+# ------------------------------------------------------------------------------------------- torch.compile
+def compile_modes() -> list[str] | None:
+    """The ``mode`` names ``torch.compile`` accepts with inductor (``torch._inductor.list_mode_options``, every
+    checked release), or ``None`` where they cannot be read; imported only when layers are compiled (inductor's
+    import takes a second)."""
+    try:
+        from torch._inductor import list_mode_options
+        return list(list_mode_options())
+    except Exception:  # a release without it: torch.compile checks the mode itself
+        return None

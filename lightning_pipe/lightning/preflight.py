@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader
 
 from lightning_pipe._compat import lightning as _compat
+from lightning_pipe._compat import torch as _compat_torch
 from lightning_pipe.config import MEASURED_PARTITIONS, PartitionSpec, PipelineConfig, config_error
 from lightning_pipe.layers.partition import counts_of
 from lightning_pipe.layers.stages import find_layers
@@ -106,6 +107,12 @@ def check_compiled_plan(config: PipelineConfig, plan: SchedulePlan) -> None:
     verified). Every rank, before any communication."""
     if config.compile is False:
         return
+    options = config.compile_options or {}
+    mode = options.get("mode")
+    modes = _compat_torch.compile_modes() if mode is not None else None
+    if modes is not None and options.get("backend", "inductor") == "inductor" and mode not in modes:
+        raise config_error(f"compile's mode is one of torch.compile's: {', '.join(modes)}.",
+                           f"compile={config.compile!r}", "compile")
     split = split_backward_actions(plan)
     if plan.spec.split_backward or split:
         actions = f", whose actions include {', '.join(split[:4])}, ..." if split else ""

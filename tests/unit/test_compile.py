@@ -20,13 +20,15 @@ EAGER = {"backend": "eager"}  # Dynamo without inductor: the wiring, in a fracti
 
 
 @pytest.mark.parametrize("value,want", [(False, None), (None, None), ("false", None), (True, {}), ("true", {}),
-                                        ({"mode": "max-autotune", "options": {"x": 1}},
-                                         {"mode": "max-autotune", "options": {"x": 1}})])
+                                        ({"mode": "max-autotune"}, {"mode": "max-autotune"}),
+                                        ({"options": {"x": 1}, "dynamic": None}, {"options": {"x": 1}, "dynamic": None})])
 def test_compile_setting(value: object, want: object) -> None:
     assert PipelineConfig(compile=value).compile_options == want
 
 
-@pytest.mark.parametrize("value,seen", [(3, "compile=3"), ({"fullgrph": True}, "unknown: ['fullgrph']")])
+@pytest.mark.parametrize("value,seen", [(3, "compile=3"), ({"fullgrph": True}, "unknown: ['fullgrph']"),
+                                        ({"fullgraph": "yes"}, "fullgraph='yes'"), ({"mode": 3}, "mode=3"),
+                                        ({"mode": "max-autotune", "options": {"x": 1}}, "not both")])
 def test_bad_compile_setting_names_the_key(value: object, seen: str) -> None:
     with pytest.raises(PipelineConfigError, match="strategy.compile") as err:
         PipelineConfig(compile=value)
@@ -34,11 +36,21 @@ def test_bad_compile_setting_names_the_key(value: object, seen: str) -> None:
 
 
 @pytest.mark.parametrize("other", [{"fsdp_size": 2}, {"tensor_parallel_size": 2}, {"rebalance_every_n_steps": 5},
+                                   {"rebalance_every_n_steps": 1},
                                    {"expert_parallel_size": 2, "data_parallel_size": 2}])
 def test_compile_refuses_what_it_does_not_compose_with(other: dict[str, int]) -> None:
     (key, value), *_ = other.items()
     with pytest.raises(PipelineConfigError, match=f"compile=True with {key}={value}.*strategy.compile"):
         PipelineConfig(compile=True, **other)
+
+
+def test_an_unknown_compile_mode_is_refused_at_setup_naming_the_modes() -> None:
+    config = PipelineConfig(compile={"mode": "fastest"})
+    with pytest.raises(PipelineConfigError, match=r"one of torch.compile's: default.*max-autotune.*mode': 'fastest'.*"
+                                                  r"strategy.compile"):
+        check_compiled_plan(config, plan_schedule(config, 2))
+    eager = PipelineConfig(compile={"mode": "fastest", "backend": "eager"})  # not inductor's to check
+    check_compiled_plan(eager, plan_schedule(eager, 2))
 
 
 def test_compile_refuses_schedule_auto() -> None:
