@@ -38,11 +38,18 @@ layers stay placeholders (they are never called).
   until verified.
 - **Not with FSDP or tensor parallelism yet**: their hooks and DTensor parameters under Dynamo are untested here.
 - **Not with rebalancing yet**: its per-layer timing hooks would run inside the compiled region.
+- **Shapes are planned eagerly.** The meta-tensor forwards that plan a new batch shape's transfers ([Note: shapes
+  without re-inference] in runtime/shapes.py) run the layers themselves, a user-compiled one's original module
+  included (:meth:`CompiledLayers.eager`, entered as the stage's ``meta_forward_context``): through the compiled
+  wrappers they would cost Dynamo a recompile per shape on the ``Meta`` dispatch key (its recompile limit counts
+  them) and fail in inductor for some layers (a tuple-returning layer: "Argument 'empty_strided_default' ... was
+  used before it has been defined"), which switched planning off for the run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -55,6 +62,16 @@ def compiled_by_user(layer: nn.Module) -> bool:
         getattr(layer, "_compiled_call_impl", None) is not None)
 
 
+def _uncompiled(layer: nn.Module) -> Callable[..., Any]:
+    """What ``layer`` runs without Dynamo: a user's ``torch.compile(layer)`` its original module, a layer compiled
+    in place (``layer.compile()``) its own forward."""
+    if isinstance(layer, torch._dynamo.eval_frame.OptimizedModule):
+        return layer._orig_mod
+    if getattr(layer, "_compiled_call_impl", None) is not None:
+        return layer._call_impl
+    return layer
+
+
 class CompiledLayers:
     """What a stage calls for each of its layers: the compiled wrapper, or the layer itself ([Note: compiled layers]).
 
@@ -65,8 +82,11 @@ class CompiledLayers:
     def __init__(self, options: Mapping[str, Any] | None) -> None:
         self.options = None if options is None else dict(options)
         self._calls: list[Callable[..., Any]] | None = None
+        self._eager = False
 
     def calls(self, layers: Sequence[nn.Module]) -> Sequence[Callable[..., Any]]:
+        if self._eager:
+            return [_uncompiled(layer) for layer in layers]
         if self.options is None:
             return layers
         if self._calls is None or len(self._calls) != len(layers):
@@ -74,8 +94,17 @@ class CompiledLayers:
                            for layer in layers]
         return self._calls
 
+    @contextlib.contextmanager
+    def eager(self) -> Iterator[None]:
+        """Every layer runs uncompiled inside (the meta forwards that plan shapes: [Note: compiled layers])."""
+        before, self._eager = self._eager, True
+        try:
+            yield
+        finally:
+            self._eager = before
+
     def __getstate__(self) -> dict[str, Any]:
-        return {"options": self.options, "_calls": None}  # derived state: a copy compiles its own
+        return {"options": self.options, "_calls": None, "_eager": False}  # derived state: a copy compiles its own
 
     def __deepcopy__(self, memo: dict[int, Any]) -> CompiledLayers:
         return CompiledLayers(self.options)

@@ -8,6 +8,7 @@ user's ``configure_optimizers`` all see the usual names, only fewer of them.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -173,6 +174,10 @@ class StageModule(nn.Module):
         """Host bytes this stage's offloaded layers hold (bench/memory.py reads them)."""
         self.compiled = CompiledLayers(compile_options)
         """What runs for each layer under ``compile=`` ([Note: compiled layers]); kept outside the module tree."""
+
+    def meta_forward_context(self) -> contextlib.AbstractContextManager[None]:
+        """Around the meta forwards that plan shapes: the layers run uncompiled ([Note: compiled layers])."""
+        return self.compiled.eager()
 
     def forward(self, *args: Any) -> Any:
         layers = list(self.layers)

@@ -214,6 +214,12 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x: Tensor, index: Tensor, weight: Tensor) -> Tensor:
         n, k = index.shape
+        if x.device.type == "meta":
+            # planning a batch shape's transfers on meta tensors ([Note: shapes without re-inference]): routing
+            # reads values (counts, splits) and the exchange is a collective, but the output's shape and dtype are
+            # one expert's on every row, combined as below
+            one = next(iter(self.experts.values()))(x)
+            return (one.unsqueeze(1).expand(n, k, *one.shape[1:]) * weight.unsqueeze(-1).to(one.dtype)).sum(1)
         flat = index.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
         rows = x.repeat_interleave(k, dim=0)[order]

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,7 +81,7 @@ class ShapePlanner:
         self._plans: OrderedDict[Any, dict[int, StageShapes]] = OrderedDict()
         self._cache_size = cache_size
         self._forwards: dict[Any, TensorsAt] = {}
-        self._meta_state: dict[int, dict[str, Tensor]] = {}
+        self._meta_state: dict[int, dict[int, tuple[weakref.ref, Tensor]]] = {}
         self.meta_forwards = 0  # stage forwards run on meta tensors (each distinct input shape once)
         self.exchanges = 0  # plans that needed the boundary messages (cache misses)
         self.error: BaseException | None = None
@@ -164,12 +165,7 @@ class ShapePlanner:
         known = self._forwards.get(key)
         if known is not None:
             return known
-        state = self._meta_state.get(id(module))
-        if state is None:
-            state = {name: t.detach().to("meta") for name, t in
-                     list(module.named_parameters(remove_duplicate=False))
-                     + list(module.named_buffers(remove_duplicate=False))}
-            self._meta_state[id(module)] = state
+        state = self._meta_state.setdefault(id(module), {})
         args = tuple(torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in inputs)
         cpu_rng = torch.get_rng_state()
         self.meta_forwards += 1
@@ -180,7 +176,8 @@ class ShapePlanner:
                     enter = getattr(sub, "meta_forward_context", None)
                     if callable(enter):
                         layers.enter_context(enter())
-                out = torch.func.functional_call(module, state, args, strict=False, tie_weights=True)
+                layers.enter_context(_swapped(module, state))
+                out = module(*args)
         finally:
             torch.set_rng_state(cpu_rng)
         outs = out if isinstance(out, (tuple, list)) else (out,)
@@ -189,6 +186,41 @@ class ShapePlanner:
         result = tuple((tuple(o.shape), o.dtype) for o in outs)
         self._forwards[key] = result
         return result
+
+
+def _meta_twin(t: Tensor) -> Tensor:
+    """``t`` on the meta device, a parameter still a parameter (some layers check)."""
+    meta = t.detach().to("meta")
+    return nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+
+
+@contextlib.contextmanager
+def _swapped(module: nn.Module, twins: dict[int, tuple[weakref.ref, Tensor]]) -> Any:
+    """``module``'s parameters and buffers replaced by their meta twins inside, the originals back after. ``twins``
+    (by the original's id: a shared tensor has one twin) is filled as tensors are met, so it survives a stage
+    whose parameters were replaced since (materialised, moved).
+
+    Each (module, name) slot is swapped once, whatever paths reach it: ``torch.func.functional_call`` swaps per
+    *name*, so a module shared by two layers (one ``nn.Linear`` used twice in a stage) was swapped twice and
+    restored in the same order, leaving the meta tensor in place (with ``tie_weights``), or refused both names
+    ("functional_call got multiple values for keys [...], which are tied"). ``modules()`` visits each module once.
+    """
+    swapped: list[tuple[dict[str, Any], str, Any]] = []
+    try:
+        for sub in module.modules():
+            slot_maps: tuple[dict[str, Any], ...] = (sub._parameters, sub._buffers)
+            for slots in slot_maps:
+                for name, t in list(slots.items()):
+                    if t is not None:
+                        known = twins.get(id(t))
+                        if known is None or known[0]() is not t:  # new, or another tensor at a freed one's id
+                            known = twins[id(t)] = (weakref.ref(t), _meta_twin(t))
+                        swapped.append((slots, name, t))
+                        slots[name] = known[1]
+        yield
+    finally:
+        for slots, name, t in reversed(swapped):
+            slots[name] = t
 
 
 def _encode(tensors: TensorsAt) -> list[int]:

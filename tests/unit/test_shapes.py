@@ -173,3 +173,66 @@ def test_the_private_torch_names_rewritten_exist() -> None:
     assert {"buffer", "tensor_meta", "is_root_arg"} <= set(vars(stage_shapes._RecvInfo("x", 0, tensor_meta=None))
                                                           if not stage_shapes._PERSISTENT_BUFFERS else
                                                           vars(stage_shapes._RecvInfo("x", 0, None, None)))
+
+
+def test_a_module_shared_by_two_layers_of_a_stage_is_planned_and_left_as_it_was() -> None:
+    shared = nn.Linear(6, 6)
+
+    class Use(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = shared
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.lin(x)) + x
+
+    stage = StageModule([Use(), Use(), nn.Linear(6, 3)], range(3))
+    before = {name: p for name, p in stage.named_parameters(remove_duplicate=False)}
+    plan = _planner(stage).plan("key", [(((4, 6), torch.float32),)])
+    assert plan[0].outputs == ((((4, 3), torch.float32),),)
+    after = dict(stage.named_parameters(remove_duplicate=False))
+    assert after.keys() == before.keys() and all(after[n] is p and p.device.type == "cpu" for n, p in before.items())
+
+
+def test_compiled_layers_are_planned_uncompiled() -> None:
+    class Pair(nn.Module):  # returns a tuple: inductor could not compile it on meta tensors
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(6, 6)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = self.fc(x)
+            return h, h * 0.5
+
+    class Join(nn.Module):
+        def forward(self, h: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+            return h + skip
+
+    user_compiled = torch.compile(nn.Linear(6, 6), backend="eager")
+    stage = StageModule([Pair(), Join(), user_compiled], range(3), compile_options={"backend": "eager"})
+    seen: list[object] = []
+    with stage.meta_forward_context():
+        seen = list(stage.compiled.calls(list(stage.layers)))
+    assert seen[0] is stage.layers[0] and seen[2] is user_compiled._orig_mod
+    assert stage.compiled.calls(list(stage.layers))[0] is not stage.layers[0]  # compiled again outside
+    plan = _planner(stage).plan("key", [(((4, 6), torch.float32),)])
+    assert plan[0].outputs == ((((4, 6), torch.float32),),)
+
+
+def test_routed_experts_are_planned_on_meta_tensors() -> None:
+    from lightning_pipe.parallel.experts import RoutedExperts
+
+    class MoE(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.router = nn.Linear(6, 4)
+            self.experts = RoutedExperts([nn.Linear(6, 6) for _ in range(4)])
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            weight, index = F.softmax(self.router(h), -1).topk(2, -1)
+            return h + self.experts(h, index, weight)
+
+    moe = MoE()
+    x = torch.randn(5, 6)
+    plan = _planner(moe).plan("key", [(((5, 6), torch.float32),)])
+    assert plan[0].outputs == (((tuple(moe(x).shape), torch.float32),),)
