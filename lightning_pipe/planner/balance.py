@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from lightning_pipe.config import MEASURED_PARTITIONS, config_error
+from lightning_pipe.config import MEASURED_PARTITIONS, PipelineConfig, PipelineConfigError, config_error
 from lightning_pipe.layers.partition import uniform_counts
 from lightning_pipe.planner.model import ActivationPolicy, Candidate, CostModel, Prediction, predict
 from lightning_pipe.planner.profile import ModelProfile
@@ -71,10 +71,16 @@ def balance_split(profile: ModelProfile, plan: SchedulePlan, batch_size: int, by
     if by == "time":
         counts, pred, replayed, min_peak = best_split(model, compiled, n, dp, budget, exhaustive_limit)
         if pred is None:
+            exhaustive = math.comb(n - 1, plan.num_stages - 1) <= exhaustive_limit
+            levers = _memory_levers(plan, activations)
+            advice = ["raise it"] + ([] if exhaustive else ["use partition='memory' (its search reaches splits this "
+                                                            "one did not)"])
+            advice += [f"enable {lever}" for lever in levers] or ["choose a schedule that keeps fewer activations"]
+            seen = f"memory_budget={budget:,} bytes; the smallest predicted peak is {min_peak:,} bytes"
             raise config_error("No split of this schedule fits the per-device memory budget.",
-                               f"memory_budget={budget:,} bytes; the smallest predicted peak is {min_peak:,} bytes",
-                               "memory_budget", "raise it, use partition='memory', or enable recompute or offload",
-                               also=("recompute", "offload"))
+                               seen + (" over every split" if exhaustive else ""), "memory_budget",
+                               ", ".join(advice[:-1]) + " or " + advice[-1],
+                               also=tuple(levers) or ("schedule",))
     else:
         counts, pred, replayed = _least_memory(model, compiled, n, dp, exhaustive_limit)
 
@@ -86,3 +92,22 @@ def balance_split(profile: ModelProfile, plan: SchedulePlan, batch_size: int, by
     if uniform != tuple(counts):
         ranked.append((cand(uniform), predict(model, compiled, uniform, dp)))
     return SearchResult(ranked, [], budget, replayed)
+
+
+def _memory_levers(plan: SchedulePlan, activations: ActivationPolicy | None) -> list[str]:
+    """The settings that could lower the peak and are not on yet: recompute and offload, each only where the
+    schedule accepts it (the weight-versioned ones refuse recomputation, PipeMare offload too)."""
+    policy = activations or ActivationPolicy()
+    levers = []
+    trials = {"recompute": PipelineConfig(schedule=plan.spec.name, microbatches=plan.microbatches, recompute="all"),
+              "offload": PipelineConfig(schedule=plan.spec.name, microbatches=plan.microbatches, offload="all")}
+    for key, on in (("recompute", bool(policy.recompute)), ("offload", bool(policy.offload))):
+        if on:
+            continue
+        try:
+            if plan.spec.resolve is not None:  # a schedule with its own rules (the standard ones take both)
+                plan.spec.resolve(plan.spec, trials[key], plan.pipeline_size)
+        except PipelineConfigError:
+            continue
+        levers.append(key)
+    return levers

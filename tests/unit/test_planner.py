@@ -193,6 +193,20 @@ def test_replay_refuses_a_deadlocked_order() -> None:
 
 
 # ------------------------------------------------------------------ partition="time"/"memory", validate, calibration
+@pytest.mark.parametrize("name,refused", [("1f1b", []), ("pipedream", ["recompute"]), ("pipemare", ["recompute", "offload"])])
+def test_a_budget_no_split_fits_suggests_only_what_the_schedule_accepts(name: str, refused: list[str]) -> None:
+    from lightning_pipe.planner import balance_split
+
+    with pytest.raises(PipelineConfigError, match="No split of this schedule fits") as err:
+        balance_split(synthetic(6), plan(name, 2, 1, 4), 8, "time", memory_budget=1024)
+    message = str(err.value)
+    assert "over every split" in message and "partition='memory'" not in message  # 6 layers: every split was tried
+    for lever in ("recompute", "offload"):
+        assert (f"enable {lever}" in message) == (lever not in refused), message
+    if len(refused) == 2:
+        assert "choose a schedule" in message and "Change `memory_budget`" in message and "`schedule`" in message
+
+
 @pytest.mark.parametrize("name,v", [("1f1b", 1), ("zbv", 2)])
 def test_balance_split_is_the_best_split_of_the_fixed_schedule(name: str, v: int) -> None:
     from lightning_pipe.planner import balance_split
