@@ -121,8 +121,7 @@ class PipelineEngine:
         self.eval_checked: set[Any] = set()
         # [Note: re-inference on a new shape]; [Note: shapes without re-inference] in shapes.py
         self.shapes = ShapeBook(self.stages, self.schedule, plan.stage_to_rank, groups.pp, device, self._reset_shapes,
-                                self._planning, self._owner, plannable=groups.shard is None and groups.tensor is None
-                                and not self.per_microbatch_updates)
+                                self._planning, self._owner, self._unplannable(plan), plan.spec.name)
         self._mb_targets: list[Any] | None = None  # explicit micro-batches' targets (trim_microbatch)
         # The adapter's flags, agreed over the world with the step's loss ([Note: one collective at the step's end]
         # in agreement.py); read once per step with take_agreed_flags.
@@ -162,6 +161,17 @@ class PipelineEngine:
                 stage.keep_saved_outputs()
         return stages, schedule
 
+
+    def _unplannable(self, plan: SchedulePlan) -> tuple[str, tuple[str, ...]] | None:
+        """Why this layout cannot plan a batch's shapes on meta tensors, and the settings that decide it; None if it
+        can ([Note: shapes without re-inference] in shapes.py)."""
+        if self.groups.shard is not None:
+            return "FSDP stages (fsdp_size > 1)", ("fsdp_size",)
+        if self.groups.tensor is not None:
+            return "tensor-parallel stages (tensor_parallel_size > 1)", ("tensor_parallel_size",)
+        if self.per_microbatch_updates:
+            return f"schedule {plan.spec.name!r}, which updates the weights per micro-batch", ("schedule",)
+        return None
     # ------------------------------------------------------------------ phase plumbing
     @contextlib.contextmanager
     def running(self, phase: str, batch_idx: int | None = None) -> Iterator[None]:

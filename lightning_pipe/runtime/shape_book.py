@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from lightning_pipe._compat import stage_shapes as _stage_shapes
+from lightning_pipe.config import PipelineConfigError, config_error
 from lightning_pipe.layers.batches import Signature
 from lightning_pipe.runtime.shapes import PlanFailed, ShapePlanner, StageShapes, TensorsAt
 
@@ -36,17 +37,22 @@ class ShapeBook:
 
     def __init__(self, stages: list[Any], schedule: Any, stage_to_rank: Callable[[int], int], group: Any,
                  device: torch.device, reset: Callable[[], None],
-                 guard: Callable[[], contextlib.AbstractContextManager], owner: str, plannable: bool) -> None:
+                 guard: Callable[[], contextlib.AbstractContextManager], owner: str,
+                 unplannable: tuple[str, tuple[str, ...]] | None, schedule_name: str = "") -> None:
+        """``unplannable``: why this layout cannot plan shapes and the settings that decide it (None: it can)."""
         self.stages, self.schedule, self.device, self._reset, self._owner = stages, schedule, device, reset, owner
         self.signature: Signature | None = None  # what torch last inferred shapes for
         self.planner: ShapePlanner | None = None  # None: every new shape re-infers
         self.planned: dict[int, StageShapes] | None = None  # this step's shapes, applied after torch's init
         self._states: dict[Signature, Any] = {}
-        self.why_not = "" if plannable else "FSDP / tensor-parallel stages or per-micro-batch updates"
-        if plannable and _stage_shapes.after_initialize(schedule, self.apply):
+        self.why_not, self.settings = unplannable or ("", ())
+        if unplannable is None and _stage_shapes.after_initialize(schedule, self.apply):
             self.planner = ShapePlanner(stages, stage_to_rank, group, device, guard)
-        elif plannable:
-            self.why_not = f"torch {torch.__version__}'s stages or this schedule's runtime"
+        elif unplannable is None and not _stage_shapes.SUPPORTED:
+            self.why_not, self.settings = (f"torch {torch.__version__} (planned shapes need torch >= 2.12)", ())
+        elif unplannable is None:
+            self.why_not = f"schedule {schedule_name!r}, which runs its own schedule class"
+            self.settings = ("schedule",)
 
     def use(self, sig: Signature, inputs: list[TensorsAt], explicit: bool) -> None:
         """Before a schedule call: plan this batch's shapes (``inputs``: each micro-batch's first-stage inputs) and
@@ -65,12 +71,14 @@ class ShapeBook:
                                   "shape re-runs torch's shape inference ([Note: shapes without re-inference]).",
                                   stacklevel=3)
         if explicit and self.planner is None:
-            raise NotImplementedError(
-                f"{self._owner}.trim_microbatch gave micro-batches of different shapes, which needs planned shapes "
-                "([Note: shapes without re-inference]): torch >= 2.12, no FSDP / tensor-parallel stages, no "
-                "per-micro-batch updates, and stage forwards that run on meta tensors. Not here: "
-                f"{self.why_not}. Return the micro-batches unchanged from trim_microbatch (one shape per batch), "
-                "or remove the hook.")
+            rule = (f"{self._owner}.trim_microbatch gave micro-batches of different shapes, which needs planned "
+                    "shapes ([Note: shapes without re-inference]): torch >= 2.12, no FSDP or tensor-parallel stages, "
+                    "a schedule on torch's runtime without per-micro-batch updates, and stage forwards that run on "
+                    "meta tensors.")
+            fix = "Return the micro-batches unchanged from trim_microbatch (one shape per batch), or remove the hook"
+            if self.settings:
+                raise config_error(rule, f"{self.why_not}", self.settings[0], also=self.settings[1:], fix=fix)
+            raise PipelineConfigError(f"{rule} Not here: {self.why_not}. {fix}.")
         self._switch(key)
 
     def _switch(self, key: Signature) -> None:

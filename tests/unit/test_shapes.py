@@ -236,3 +236,22 @@ def test_routed_experts_are_planned_on_meta_tensors() -> None:
     x = torch.randn(5, 6)
     plan = _planner(moe).plan("key", [(((5, 6), torch.float32),)])
     assert plan[0].outputs == (((tuple(moe(x).shape), torch.float32),),)
+
+
+@pytest.mark.parametrize("unplannable,name,want", [
+    (("schedule 'pipedream', which updates the weights per micro-batch", ("schedule",)), "pipedream",
+     r"Got schedule 'pipedream', which updates the weights per micro-batch\. Return the micro-batches unchanged .*"
+     r"Or change `schedule`"),
+    (("FSDP stages (fsdp_size > 1)", ("fsdp_size",)), "1f1b", r"Got FSDP stages.*Or change `fsdp_size`"),
+    (None, "chimera", r"Got schedule 'chimera', which runs its own schedule class.*Or change `schedule`"),
+])
+def test_trimmed_micro_batches_where_shapes_cannot_be_planned_name_the_setting(unplannable, name, want) -> None:
+    from lightning_pipe.config import PipelineConfigError
+    from lightning_pipe.runtime.shape_book import ShapeBook
+
+    if unplannable is None and not stage_shapes.SUPPORTED:
+        pytest.skip("this torch plans no shapes at all (its own message)")
+    book = ShapeBook([], object(), lambda s: 0, None, torch.device("cpu"), lambda: None, contextlib.nullcontext,
+                     "Tok", unplannable, name)  # object(): not a torch schedule, as Chimera's runtime is not
+    with pytest.raises(PipelineConfigError, match=r"Tok.trim_microbatch gave micro-batches of different shapes.*" + want):
+        book.use(None, [], explicit=True)  # type: ignore[arg-type]
