@@ -17,7 +17,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from typing_extensions import override
@@ -377,6 +377,11 @@ class PipelineStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpointer = self._checkpointer()
         checkpoint = checkpointer.load(checkpoint_path)
+        plan = self.plan
+        if plan is not None and plan.spec.resume_caveat is not None:  # what the checkpoint could not hold
+            caveat = plan.spec.resume_caveat(self.pipeline_config)
+            if caveat is not None:
+                rank_zero_warn(f"lightning_pipe: resuming under schedule={plan.spec.name!r}: {caveat}.")
         if self.rebalancer is not None:  # back to the split it was saved with ([Note: resuming a rebalanced run])
             self.rebalancer.resume(checkpoint, checkpointer.saved_layout)
         return checkpoint

@@ -56,6 +56,9 @@ class ScheduleSpec:
     (same arguments), for schedules that run more than one torch pipeline per rank (Chimera:
     ``schedules/chimera/engine.py``); ``None``: ``PipelineEngine``. The spec lives in its schedule's folder, above the
     runtime, so it names the class itself."""
+    resume_caveat: Callable[[PipelineConfig], str | None] | None = None
+    """config -> what a checkpoint of this schedule does not hold under it, so that a resumed run departs from an
+    uninterrupted one (said as a warning when a run resumes); ``None`` (or a ``None`` answer): resumes are exact."""
     tensor_parallel: bool = False
     """Verified with tensor-parallel stages (tests/distributed/test_tensor_parallel.py; why the built-in ones hold:
     [Note: tensor parallel stages] in parallel/tensor_parallel.py). A schedule that does not declare it is refused

@@ -124,3 +124,21 @@ def test_each_seed_schedule_lives_in_its_folder() -> None:
             assert cls.__module__.startswith(f"lightning_pipe.schedules.{folder}."), (name, cls)
         if spec.stage_class is not None:
             assert issubclass(spec.stage_class, PipelineStage)
+
+
+def test_a_resume_says_what_the_checkpoint_could_not_hold() -> None:
+    """PipeDream-2BW's stash and PipeMare's correction velocity are not checkpointed: resuming warns (the strategy
+    says the spec's caveat); PipeDream (stashes drained at each batch's end) and PipeMare without correction resume
+    exactly and say nothing."""
+    from lightning_pipe.config import PipelineConfig
+    from lightning_pipe.schedules.registry import get_schedule_spec
+
+    def caveat(name: str, **options: object) -> str | None:
+        spec = get_schedule_spec(name)
+        config = PipelineConfig(schedule=name, schedule_options=dict(options))
+        return spec.resume_caveat(config) if spec.resume_caveat is not None else None
+
+    assert "stash" in (caveat("pipedream_2bw") or "")
+    assert "delta" in (caveat("pipemare") or "")
+    assert caveat("pipemare", discrepancy_correction=False) is None
+    assert caveat("pipedream") is None and caveat("1f1b") is None

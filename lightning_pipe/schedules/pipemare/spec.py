@@ -35,9 +35,18 @@ def resolve_pipemare(spec: ScheduleSpec, config: PipelineConfig, pipeline_size: 
     return resolve_versioned(spec, config, pipeline_size)
 
 
+def _resume_caveat(config: PipelineConfig) -> str | None:
+    if rule_from_options(config.schedule_options).decay is None:
+        return None  # without discrepancy correction a resume is exact
+    return ("its discrepancy correction's velocity estimate (delta) is not in the checkpoint and restarts at 0: the "
+            "first updates after the resume run uncorrected backwards, so the run departs from an uninterrupted one "
+            "(docs/seed-schedules.md; schedule.options.discrepancy_correction=false resumes exactly)")
+
+
 PIPEMARE = ScheduleSpec(
     "pipemare", torch_schedules.Schedule1F1B,
     "PipeMare: 1F1B on one weight version per stage, one update per micro-batch, LR rescheduling and "
     "discrepancy correction",
     theory_bubble=_bubble_flush, resolve=resolve_pipemare, order=_order_1f1b, options=OPTIONS,
-    stage_class=PipeMareStage)
+    stage_class=PipeMareStage,
+    resume_caveat=_resume_caveat)
