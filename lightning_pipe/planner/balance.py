@@ -95,19 +95,23 @@ def balance_split(profile: ModelProfile, plan: SchedulePlan, batch_size: int, by
 
 
 def _memory_levers(plan: SchedulePlan, activations: ActivationPolicy | None) -> list[str]:
-    """The settings that could lower the peak and are not on yet: recompute and offload, each only where the
-    schedule accepts it (the weight-versioned ones refuse recomputation, PipeMare offload too)."""
+    """The settings that could lower the peak and are not on yet: recompute and offload, each unless the schedule's
+    own rules refuse it (the weight-versioned ones refuse recomputation, PipeMare offload too). A schedule whose rules
+    cannot be replayed from the plan alone (custom action lists live in options) keeps both."""
     policy = activations or ActivationPolicy()
-    levers = []
-    trials = {"recompute": PipelineConfig(schedule=plan.spec.name, microbatches=plan.microbatches, recompute="all"),
-              "offload": PipelineConfig(schedule=plan.spec.name, microbatches=plan.microbatches, offload="all")}
-    for key, on in (("recompute", bool(policy.recompute)), ("offload", bool(policy.offload))):
-        if on:
-            continue
+    resolve = plan.spec.resolve
+
+    def accepted(**lever: str) -> bool:
+        if resolve is None:  # the standard rules take both
+            return True
+        config = PipelineConfig(schedule=plan.spec.name, microbatches=plan.microbatches,
+                                stages_per_rank=plan.stages_per_rank, **lever)  # type: ignore[arg-type]
         try:
-            if plan.spec.resolve is not None:  # a schedule with its own rules (the standard ones take both)
-                plan.spec.resolve(plan.spec, trials[key], plan.pipeline_size)
+            resolve(plan.spec, config, plan.pipeline_size)
         except PipelineConfigError:
-            continue
-        levers.append(key)
-    return levers
+            return False
+        return True
+
+    replayable = accepted()
+    return [key for key, on in (("recompute", bool(policy.recompute)), ("offload", bool(policy.offload)))
+            if not on and (not replayable or accepted(**{key: "all"}))]

@@ -161,7 +161,6 @@ class PipelineEngine:
                 stage.keep_saved_outputs()
         return stages, schedule
 
-
     def _unplannable(self, plan: SchedulePlan) -> tuple[str, tuple[str, ...]] | None:
         """Why this layout cannot plan a batch's shapes on meta tensors, and the settings that decide it; None if it
         can ([Note: shapes without re-inference] in shapes.py)."""
@@ -172,6 +171,7 @@ class PipelineEngine:
         if self.per_microbatch_updates:
             return f"schedule {plan.spec.name!r}, which updates the weights per micro-batch", ("schedule",)
         return None
+
     # ------------------------------------------------------------------ phase plumbing
     @contextlib.contextmanager
     def running(self, phase: str, batch_idx: int | None = None) -> Iterator[None]:

@@ -77,7 +77,7 @@ class ShapeBook:
                     "meta tensors.")
             fix = "Return the micro-batches unchanged from trim_microbatch (one shape per batch), or remove the hook"
             if self.settings:
-                raise config_error(rule, f"{self.why_not}", self.settings[0], also=self.settings[1:], fix=fix)
+                raise config_error(rule, self.why_not, self.settings[0], also=self.settings[1:], fix=fix)
             raise PipelineConfigError(f"{rule} Not here: {self.why_not}. {fix}.")
         self._switch(key)
 

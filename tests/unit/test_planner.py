@@ -207,6 +207,14 @@ def test_a_budget_no_split_fits_suggests_only_what_the_schedule_accepts(name: st
         assert "choose a schedule" in message and "Change `memory_budget`" in message and "`schedule`" in message
 
 
+def test_a_schedule_whose_rules_need_its_options_keeps_both_memory_levers() -> None:
+    from lightning_pipe.planner.balance import _memory_levers
+
+    custom = plan_schedule(PipelineConfig(schedule="custom", schedule_options={
+        "actions": [["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F1", "1B1"]]}), 2)
+    assert _memory_levers(custom, None) == ["recompute", "offload"]  # its rules refuse no lever, only missing lists
+
+
 @pytest.mark.parametrize("name,v", [("1f1b", 1), ("zbv", 2)])
 def test_balance_split_is_the_best_split_of_the_fixed_schedule(name: str, v: int) -> None:
     from lightning_pipe.planner import balance_split
