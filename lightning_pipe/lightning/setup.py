@@ -1,5 +1,5 @@
 """The order of ``PipelineStrategy.setup``: check the module, choose the layout (planner or measured partition),
-split it into this rank's engine, then optimizers, precision and rebalancing.
+split it into this rank's engine, then optimizers, precision and rebalancing; and the module's move at teardown.
 
 Kept apart from the strategy's hooks because the order is the contract: every check that can refuse the run comes
 before the split (a refused run must not hold half-moved layers), and the optimizers are built only over the layers
@@ -8,6 +8,8 @@ this rank keeps.
 
 from __future__ import annotations
 
+import sys
+import warnings
 from typing import Any
 
 import torch
@@ -101,3 +103,26 @@ def _sharding_options(strategy: Any) -> ShardingOptions:
     bf16 = strategy.precision_plugin.precision == "bf16-mixed"
     return ShardingOptions(reshard_after_forward=strategy.pipeline_config.fsdp_reshard_after_forward,
                            param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32 if bf16 else None)
+
+
+def release_to_cpu(module: torch.nn.Module) -> None:
+    """What Lightning's teardown does to free an accelerator's memory (move the module to CPU), only where a tensor
+    lives on one, and never in the way of the error that ended the run.
+
+    A CPU module has nothing to free, and a meta one (a setup that failed before allocation) cannot move. Tensor
+    subclasses (DTensor: tensor parallelism, FSDP2) are moved by swapping the parameter objects, which torch refuses
+    while anything else holds them, as the frames of an exception in flight do after a failed step: Lightning's
+    ``.cpu()`` then raised "_apply(): Couldn't swap Linear.weight" from the teardown, and that error replaced the
+    step's own (a peer's lost connection, a layer's error) in what the user saw. With an exception in flight, a
+    failed move is a warning; without one, it raises."""
+    devices = {t.device.type for t in (*module.parameters(), *module.buffers())}
+    if devices <= {"cpu"} or "meta" in devices:
+        return
+    failed_run = sys.exc_info()[1] is not None  # read here: inside the except below it is the move's own error
+    try:
+        module.cpu()
+    except RuntimeError as err:
+        if not failed_run:
+            raise
+        warnings.warn(f"lightning_pipe: the teardown after a failed run could not move the module to CPU ({err}); "
+                      f"its tensors stay on {sorted(devices - {'cpu'})} until the process ends.", stacklevel=2)

@@ -34,7 +34,7 @@ from lightning_pipe.lightning.optimizers import empty_parameter_lists_allowed
 from lightning_pipe.lightning.precision import PipelinePrecision, to_pipeline_precision
 from lightning_pipe.lightning.preflight import check_compiled_plan, check_last_batch, resolve_settings
 from lightning_pipe.lightning.rebalancing import StrategyRebalancer
-from lightning_pipe.lightning.setup import check_rank_optimizers, setup_pipeline
+from lightning_pipe.lightning.setup import check_rank_optimizers, release_to_cpu, setup_pipeline
 from lightning_pipe.parallel.group_cache import forget_groups
 from lightning_pipe.parallel.topology import Topology
 from lightning_pipe.planner.plan import apply_plan
@@ -447,8 +447,9 @@ class PipelineStrategy(ParallelStrategy):
             self._precision_plugin.engine = None
         self.engine = None
         module = self._lightning_module
-        if module is not None and any(p.is_meta for p in module.parameters()):
-            self._lightning_module = None  # a setup that failed before allocation: Lightning's .cpu() would raise
+        if module is not None:
+            release_to_cpu(module)
+        self._lightning_module = None  # Lightning's teardown moves it to CPU: done above where there was a reason to
         super().teardown()
         self._lightning_module = module
 

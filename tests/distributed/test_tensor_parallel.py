@@ -107,6 +107,10 @@ ERRORS = [
     (TrainingCase(model="gpt_split_head", n_layers=5, tied=True, optimizer="adamw", tp=2, steps=1, n_data=64,
                   validate=False, check_grad_norms=False, expect_error=True), "copies of a tied parameter"),
 ]
+# A step that fails on every rank (pipeline 1 x 2 replicas x 2 tensor ranks: every rank computes the loss) while its
+# graph holds the split weights: each rank reports the loss's own error (the teardown once replaced it with
+# "_apply(): Couldn't swap Linear.weight", moving DTensor parameters to CPU they already lay on).
+LOSS_FAILS = TrainingCase(model="tp_loss_fails", tp=2, dp=2, steps=3, validate=False, expect_error=True)
 # Dropout in the whole parts of a layer (embedding, residual branches) with a different seed on every rank: the
 # strategy starts the tensor ranks from one random state, so they drop the same elements (not a parity case: one
 # device draws other masks).
@@ -186,6 +190,7 @@ def pp2_tp2_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     add("fsdp_ckpt_resume", ("ckpt_resume", CheckpointCase(tp=2, n_layers=FSDP_TP_LAYERS, steps=3, steps_per_epoch=2,
                                                            resume_from=str(fsdp_saved / STEP2))))
     add("fsdp_counts", ("fsdp_counts", FSDP_COUNTS))
+    add("loss_fails", ("training", LOSS_FAILS))
     return {"root": root, "fsdp_saved": fsdp_saved, "at": at,
             "results": launch_runs(4, runs, root / "out", timeout=600)}
 
@@ -219,6 +224,14 @@ def test_tensor_parallel_refuses_what_it_cannot_do(pp2_tp2: list[list[dict[str, 
         for res in pp2_tp2:
             assert not res[i]["ok"] and needle in res[i]["error"], res[i]
             assert "tensor_parallel_size" in res[i]["error"]
+
+
+@pytest.mark.timeout(600)
+def test_a_failed_step_reports_its_own_error(pp2_tp2: list[list[dict[str, Any]]],
+                                            pp2_tp2_at: dict[str, int]) -> None:
+    i = pp2_tp2_at["loss_fails"]
+    for res in pp2_tp2:
+        assert not res[i]["ok"] and res[i]["error"] == "ValueError: injected failure in loss_fn at step 1", res[i]
 
 
 @pytest.mark.timeout(600)

@@ -7,6 +7,7 @@ of a result, so tests can assert on the messages of expected failures.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -22,6 +23,7 @@ from tests.distributed.scenarios import SCENARIOS, Failure
 
 
 def main() -> None:
+    faulthandler.enable()  # a crash in C++ (SIGSEGV, SIGABRT) prints every thread's Python stack to the rank's log
     out_dir = Path(sys.argv[1])
     runs = json.loads((out_dir / "runs.json").read_text())
     rank = int(os.environ["RANK"])

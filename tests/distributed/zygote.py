@@ -20,6 +20,7 @@ Everything a rank does after its imports (process group, Trainer, scenarios, exi
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 
@@ -41,6 +42,7 @@ def run_rank(env: dict[str, str], cwd: str, out_dir: str, log_path: str) -> None
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
+    faulthandler.enable()  # a crash in C++ (SIGSEGV, SIGABRT) prints every thread's Python stack to the log
     os.environ.clear()
     os.environ.update(env)
     _reset_rank_zero_only()

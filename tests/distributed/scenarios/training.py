@@ -198,6 +198,22 @@ def tp_hook_failing_first(case: TrainingCase) -> L.LightningModule:
     return model
 
 
+def tp_loss_failing(case: TrainingCase) -> L.LightningModule:
+    """The tensor-parallel toy whose loss raises at the second optimizer step on every rank that computes it, while
+    the step's autograd graph still holds the split (DTensor) weights: the teardown must not replace that error with
+    its own (torch swaps tensor subclasses to move them, and refuses while the graph holds them)."""
+    model = toy(TensorParallelRegressor)(case)
+    loss = model.loss_fn
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if model.trainer.global_step == 1:
+            raise ValueError("injected failure in loss_fn at step 1")
+        return loss(output, target)
+
+    model.loss_fn = loss_fn  # type: ignore[method-assign]
+    return model
+
+
 def toy(cls: type[ToyRegressor]) -> Callable[[TrainingCase], L.LightningModule]:
     def build(case: TrainingCase) -> L.LightningModule:
         return cls(n_layers=case.n_layers, optimizer=case.optimizer, tied=case.tied,
@@ -230,7 +246,7 @@ def packed_token_data(n: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
 MODELS: dict[str, Callable[[TrainingCase], L.LightningModule]] = {
     "toy": toy(ToyRegressor), "no_layers": toy(NoLayerList), "meta": toy(MetaBuiltRegressor), "gpt": tiny_gpt,
     "tp": toy(TensorParallelRegressor), "gpt_split_head": gpt_splitting_its_head, "llama": tiny_llama,
-    "tp_hook_fails": tp_hook_failing_first, "gpt_packed": tiny_gpt, "llama_packed": tiny_llama,
+    "tp_hook_fails": tp_hook_failing_first, "tp_loss_fails": tp_loss_failing, "gpt_packed": tiny_gpt, "llama_packed": tiny_llama,
     "saved_outputs": toy(SavedOutputRegressor), "weight_norm": toy(WeightNormRegressor),
     "recurrent": toy(RecurrentRegressor), "frozen_front": toy(FrozenFrontRegressor),
     "param_free_front": toy(ParamFreeFrontRegressor)}
