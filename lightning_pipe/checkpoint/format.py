@@ -7,7 +7,8 @@ A pipeline checkpoint is a *directory* (Lightning's FSDP/ModelParallel conventio
   ``state_dict.<name>`` — every entry of the plain module's ``state_dict()`` under its original name (both names of a
   tied parameter, as the plain module has them) — and ``optimizer_<i>.state.<param name>.<key>`` — optimizer state
   keyed by parameter *name*, not position. A tied parameter's optimizer state is stored once, under its canonical
-  (first) name, by the rank that holds that layer.
+  (first) name, by the rank that holds that layer. Schedules whose stages keep a per-parameter tensor across batches
+  add ``stage_state.<param name>.<key>`` the same way ([Note: stage state in checkpoints]).
 * ``meta.pt`` (rank 0): the rest of Lightning's checkpoint (loops, callbacks, LR schedulers, precision, hparams) plus
   ``meta["pipeline"]``: the format tag, the writing layout (informative only), per optimizer its param groups'
   hyper-parameters with the *names* of their parameters in the plain model's order, and the name of the checksum file.
@@ -33,6 +34,9 @@ META_FILENAME = "meta.pt"  # the same name Lightning's sharded strategies use (l
 DCP_METADATA = ".metadata"
 CHECKSUMS_FILENAME = "checksums.json"
 MODEL_PREFIX = "state_dict."
+STAGE_STATE_PREFIX = "stage_state."
+"""Flat-key prefix of what a schedule's stages keep per parameter across batches: [Note: stage state in checkpoints]
+in ``lightning_pipe/runtime/stage_state.py``."""
 NAMES_KEY = "optimizer_param_names"  # in consolidated files: per optimizer, per group, the parameter names
 
 

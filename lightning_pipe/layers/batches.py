@@ -10,8 +10,11 @@ the whole batch (``sum / max(count, 1)``). The backward is linear in the loss, s
 each micro-batch's *sum* as the loss (times ``1 / (accumulate_grad_batches * N)``, ``N`` the batch's target element
 count, only so that gradient magnitudes stay those of a mean, which matters to fp16 loss scaling), learns the counts
 on the last stage, and then multiplies this batch's fresh gradients by ``N * dp / global_count`` — ``dp``
-because the replicas' gradients are averaged afterwards (lightning_pipe/parallel/grads.py). With ``accumulate_grad_batches``
-each batch is normalised by its own count, as Lightning does on one device.
+because the replicas' gradients are averaged afterwards (lightning_pipe/parallel/grads.py). Where they are averaged
+*before* that factor (the overlapped data-parallel sync, FSDP's reduce-scatter in the schedule, expert gradients
+that sum several replicas' losses), ``N`` is the data ranks' mean count, the same on every rank: a per-rank factor
+applied after averaging would scale each shard's slice by its own rank's count (a padded batch holds different counts
+per rank). With ``accumulate_grad_batches`` each batch is normalised by its own count, as Lightning does on one device.
 """
 
 from __future__ import annotations
@@ -94,7 +97,9 @@ def check_target(target: Any, microbatches: int, owner: str, rows: int | None = 
         + (f" and {rows} input rows" if rows is not None else "") + ". Rule: in training the target is a tensor "
         "with the batch in dim 0, or a dict / tuple / list of such tensors with the inputs' rows in dim 0 (it is "
         "cut into micro-batches with the inputs and given to loss_fn on the last stage, in the same structure). "
-        "Return `(inputs, target)` with such a target from split_batch.")
+        "Return `(inputs, target)` with such a target from split_batch."
+        + (" None usually means the batch holds no target at all: a dict batch without its 'labels' (transformers' "
+           "collators, HFCausalLM) or 'target' key." if target is None else ""))
 
 
 # [Note: structured targets]

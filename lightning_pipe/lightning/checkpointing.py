@@ -30,6 +30,7 @@ from lightning_pipe.checkpoint.format import (
     META_FILENAME,
     MODEL_PREFIX,
     NAMES_KEY,
+    STAGE_STATE_PREFIX,
     CheckpointError,
     ModuleNames,
     ShardedOptimizerState,
@@ -44,9 +45,10 @@ from lightning_pipe.checkpoint.format import (
     optimizer_prefix,
 )
 from lightning_pipe.config import PipelineConfig
-from lightning_pipe.parallel.dtensor import full_values, shard_optimizer_state, shard_state_like
+from lightning_pipe.parallel.dtensor import full_values, shard_like, shard_optimizer_state, shard_state_like
 from lightning_pipe.parallel.experts import is_expert
 from lightning_pipe.parallel.topology import Topology
+from lightning_pipe.runtime import stage_state
 
 T = TypeVar("T")
 P = TypeVar("P")
@@ -96,11 +98,14 @@ class ShardedCheckpointer:
     """Save and load one PipelineStrategy's sharded checkpoints; every method runs on every rank."""
 
     def __init__(self, ranks: RankGroup, module: LightningModule, optimizers: Sequence[torch.optim.Optimizer],
-                 config: PipelineConfig, topology: Topology) -> None:
+                 config: PipelineConfig, topology: Topology, stages: Sequence[object] = ()) -> None:
         self.ranks, self.module, self.optimizers = ranks, module, list(optimizers)
         self.config, self.topology = config, topology
+        self.stages = list(stages)  # this rank's pipeline stages: [Note: stage state in checkpoints]
         self.saved_layout: dict[str, Any] | None = None
         """After :meth:`load` of a sharded checkpoint: the layout it was saved with (schedule, sizes, stages)."""
+        self.stage_state_complete = True
+        """After :meth:`load` for fitting: whether every rank's stages found all they keep across batches."""
 
     def names(self) -> ModuleNames:
         layout = getattr(self.module, "_pipeline_layout", None)
@@ -151,6 +156,14 @@ class ShardedCheckpointer:
             prefix = optimizer_prefix(i)
             state.update({k: v for k, v in flat.items() if written(k.removeprefix(prefix).rpartition(".")[0])})
         state.update({MODEL_PREFIX + k: v for k, v in model_sd.items() if written(k)})
+        if opt_states is not None:  # what the stages keep across batches, with the training state it belongs to
+            names = self.names()
+            # every tensor rank gathers (a collective), then the writers keep theirs, as for the module's state
+            kept = full_values({f"{STAGE_STATE_PREFIX}{names.name_of[id(p)]}.{key}": value
+                                for p, key, value in stage_state.checkpoint_state(self.stages)
+                                if id(p) in names.owned})
+            state.update({k: v for k, v in kept.items()
+                          if written(k.removeprefix(STAGE_STATE_PREFIX).rpartition(".")[0])})
         groups = [s["groups"] for s in opt_states] if opt_states is not None else None
         # the target check and every rank's size in one gather (the size names what a full disk lacked)
         needed = sum(ranks.agree(check_target, payload=files.state_bytes(state)))
@@ -222,12 +235,14 @@ class ShardedCheckpointer:
                                    strict=False)
             if fitting:
                 self._load_positional_optimizers(ckpt, names)
+                self._restore_stage_state({})  # a single-file checkpoint holds none
             return {k: v for k, v in ckpt.items() if k not in ("state_dict", "optimizer_states")}
 
         saved_opts = meta["pipeline"].get("optimizers")
         # (a sharded parameter reads its full tensor, then keeps its own shard: shard_state_like)
         keys: dict[str, Any] = {MODEL_PREFIX + k: None if isinstance(v, DTensor) else v for k, v in local_sd.items()
                                 if k in available}
+        kept: dict[str, tuple[Tensor, str]] = {}  # flat key -> (live parameter, key) of the stages' state
         if fitting:
             ranks.agree(lambda: self._check_optimizers(saved_opts, names))
             for i, opt in enumerate(self.optimizers):
@@ -235,6 +250,11 @@ class ShardedCheckpointer:
                 for p in (p for g in opt.param_groups for p in g["params"]):
                     for flat_key in entries.get(names.name_of[id(p)], {}).values():
                         keys[flat_key] = None
+            for p, key in stage_state.state_slots(self.stages):
+                flat_key = f"{STAGE_STATE_PREFIX}{names.name_of.get(id(p))}.{key}"
+                if id(p) in names.name_of and flat_key in md.state_dict_metadata:
+                    keys[flat_key] = None
+                    kept[flat_key] = (p, key)
         loaded = ranks.agree(lambda: files.load_flat(path, keys, md))  # a failed read stops every rank
         module.load_state_dict(shard_state_like({k: loaded[MODEL_PREFIX + k] for k in local_sd if k in available},
                                                 local_sd), strict=False)
@@ -247,8 +267,13 @@ class ShardedCheckpointer:
 
                 opt.load_state_dict(shard_optimizer_state(
                     opt, build_local_optimizer_state(opt, names, saved_opts[i], state_of)))
+            self._restore_stage_state({(id(p), key): shard_like(loaded[k], p) for k, (p, key) in kept.items()})
         self.saved_layout = meta["pipeline"].get("layout")
         return {k: v for k, v in meta.items() if k != "pipeline"}
+
+    def _restore_stage_state(self, values: dict[tuple[int, str], Tensor]) -> None:
+        """Hand the stages what they keep across batches; whether every rank's found all of it (one gather)."""
+        self.stage_state_complete = all(self.ranks.gather(stage_state.restore_state(self.stages, values)))
 
     def _check_names(self, path: Any, local_sd: dict[str, Any], available: Any, shapes: dict[str, tuple],
                      strict: bool) -> None:

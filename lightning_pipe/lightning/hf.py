@@ -126,6 +126,13 @@ class HFCausalLM(PipelineModule):
                     f"{tuple(input_ids.shape)} and labels {tuple(labels.shape)}. Pad or truncate both alike in the "
                     "collator (e.g. DataCollatorForLanguageModeling / DataCollatorForSeq2Seq).")
             mask, position_ids = batch.get("attention_mask"), batch.get("position_ids")
+            for key, value in (("attention_mask", mask), ("position_ids", position_ids)):
+                if isinstance(value, Tensor) and isinstance(input_ids, Tensor) and value.shape != input_ids.shape:
+                    raise ValueError(  # on every rank, before the schedule (as for labels above)
+                        f"{type(self).__name__}: a batch's '{key}' must have the shape of its 'input_ids' (one "
+                        f"entry per token, [batch, sequence]); got input_ids {tuple(input_ids.shape)} and {key} "
+                        f"{tuple(value.shape)}. Pad or truncate them alike in the collator (e.g. "
+                        "DataCollatorWithPadding, or tokenizer(..., padding=True) on the whole batch).")
             if position_ids is not None and mask is None:
                 # packed rows, as transformers' DataCollatorWithFlattening gives them ([Note: packed rows] in
                 # lightning_pipe/hf/layers.py): the 4th tensor marks them, the mask slot holds a placeholder
@@ -140,6 +147,12 @@ class HFCausalLM(PipelineModule):
             else:
                 inputs = (input_ids, mask, position_ids)
             return inputs, labels
+        if isinstance(batch, Mapping):
+            raise TypeError(
+                f"{type(self).__name__}.split_batch takes a dict with 'input_ids' (and optionally 'attention_mask', "
+                f"'position_ids', 'labels'; training needs 'labels'), as transformers' collators give it; got a "
+                f"dict with keys {sorted(map(str, batch))}. Rename the keys in the collator, or override "
+                "split_batch.")
         return super().split_batch(batch)
 
     def loss_fn(self, logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:

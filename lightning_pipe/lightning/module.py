@@ -149,8 +149,10 @@ class PipelineModule(pl.LightningModule):
         inputs, target = self.split_batch(batch)
         if target is None:
             raise ValueError(
-                "compute_loss needs a target, but split_batch returned None for it; "
-                "return `(inputs, target)` from split_batch for training/validation batches."
+                f"compute_loss needs a target, but {type(self).__name__}.split_batch returned None for it; "
+                "return `(inputs, target)` from split_batch for training/validation batches. None usually means "
+                "the batch holds no target at all: a dict batch without its 'labels' (transformers' collators, "
+                "HFCausalLM) or 'target' key."
             )
         input_args(inputs, type(self).__name__)  # the pipeline's rule on one device too, even under an own forward
         # aux terms (attach_aux_loss) join the loss as graph terms: Lightning's accumulation / AMP scale them

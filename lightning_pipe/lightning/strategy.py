@@ -378,7 +378,7 @@ class PipelineStrategy(ParallelStrategy):
         checkpointer = self._checkpointer()
         checkpoint = checkpointer.load(checkpoint_path)
         plan = self.plan
-        if plan is not None and plan.spec.resume_caveat is not None:  # what the checkpoint could not hold
+        if plan is not None and plan.spec.resume_caveat is not None and not checkpointer.stage_state_complete:
             caveat = plan.spec.resume_caveat(self.pipeline_config)
             if caveat is not None:
                 rank_zero_warn(f"lightning_pipe: resuming under schedule={plan.spec.name!r}: {caveat}.")
@@ -390,7 +390,7 @@ class PipelineStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         ranks = RankGroup(self.global_rank, self.world_size, self.broadcast, self.barrier)
         return ShardedCheckpointer(ranks, self.lightning_module, self.optimizers, self.pipeline_config,
-                                   self._topology())
+                                   self._topology(), getattr(self.engine, "stages", ()))
 
     # ------------------------------------------------------------------ collectives
     @property

@@ -64,10 +64,7 @@ class DataParallelHandoff:
         self.overlapped = bool(overlap is not None and self.enabled and self.optimizer_step_follows)
         if not self.overlapped or overlap is None:
             return None, elements
-        mean = torch.tensor([elements], dtype=torch.float64, device=device)
-        dist.all_reduce(mean, group=group)
-        # kept on the device (a 0-d float64): only ever multiplied into the loss and the gradient factor
-        elements_mean = mean[0] / replicas
+        elements_mean = mean_count(elements, group, replicas, device)
         carry = not self.grads_averaged and not self.zero_grad_follows
         overlap.begin(self.microbatches_per_stage, carry=saved if carry else None)
         return overlap, elements_mean
@@ -95,6 +92,16 @@ class DataParallelHandoff:
         if not self.grads_averaged and self.overlap is not None:  # (FSDP averages in its reduce-scatter)
             self.counts["after_schedule"] += 1
         self.grads_averaged = True
+
+
+def mean_count(elements: float | Tensor, group: dist.ProcessGroup | None, ranks: int, device: torch.device
+               ) -> Tensor:
+    """``N`` of [Note: token-weighted loss] where gradients are averaged before its factor: the mean over the
+    ``ranks`` data ranks of ``group``. Kept on the device (a 0-d float64): only ever multiplied into the loss and the
+    gradient factor."""
+    total = torch.as_tensor(elements, dtype=torch.float64, device=device).reshape(1).clone()
+    dist.all_reduce(total, group=group)
+    return total[0] / ranks
 
 
 def settle(params: Sequence[nn.Parameter], carry: _Carry | None, averaged: bool) -> bool:

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from lightning_pipe._compat import torch as _compat
 from lightning_pipe._compat.stage_shapes import SplitOverride
-from lightning_pipe.config import config_error
+from lightning_pipe.config import PipelineConfigError, config_error
 from lightning_pipe.layers.aux import aux_loss_context
 from lightning_pipe.layers.batches import (
     LossParts,
@@ -49,7 +49,7 @@ from lightning_pipe.layers.batches import (
     target_elements,
 )
 from lightning_pipe.layers.stages import StageModule
-from lightning_pipe.parallel.dp_handoff import DataParallelHandoff
+from lightning_pipe.parallel.dp_handoff import DataParallelHandoff, mean_count
 from lightning_pipe.parallel.dp_overlap import DataParallelOverlap
 from lightning_pipe.parallel.grads import GradientSync
 from lightning_pipe.parallel.topology import ProcessGroups
@@ -121,7 +121,8 @@ class PipelineEngine:
         self.eval_checked: set[Any] = set()
         # [Note: re-inference on a new shape]; [Note: shapes without re-inference] in shapes.py
         self.shapes = ShapeBook(self.stages, self.schedule, plan.stage_to_rank, groups.pp, device, self._reset_shapes,
-                                self._planning, self._owner, self._unplannable(plan), plan.spec.name)
+                                self._planning, self._owner, self._unplannable(plan), plan.spec.name,
+                                together=groups.shard)
         self._mb_targets: list[Any] | None = None  # explicit micro-batches' targets (trim_microbatch)
         # The adapter's flags, agreed over the world with the step's loss ([Note: one collective at the step's end]
         # in agreement.py); read once per step with take_agreed_flags.
@@ -200,8 +201,14 @@ class PipelineEngine:
         elif self._mb_targets is not None:  # target: this micro-batch's index ([Note: micro-batches of ...])
             target = self._mb_targets[int(target.reshape(-1)[0])]
         loss_fn, stream = self.module.loss_fn, self.streams.loss  # stream: None where the held one is in force
-        parts = loss_parts(loss_fn(output, target) if stream is None else stream.run(loss_fn, output, target),
-                           self._owner)
+        try:
+            value = loss_fn(output, target) if stream is None else stream.run(loss_fn, output, target)
+        except Exception as err:
+            mismatch = self._rows_mismatch(output, target, err)
+            if mismatch is not None:  # (the loss's own error stays its context, with its traceback)
+                raise mismatch  # noqa: B904  (not `from err`: peers name the innermost cause of a chain)
+            raise
+        parts = loss_parts(value, self._owner)
         if not self._inferring:  # torch's shape inference calls the loss too: not one of the step's micro-batches
             self._records.append(parts.detached())
         if self.per_microbatch_updates:  # each update takes its own micro-batch's mean loss (schedules/pipedream/)
@@ -209,6 +216,30 @@ class PipelineEngine:
         else:  # [Note: loss scaling]; a (sum, count) pair: [Note: token-weighted loss]
             scaled = parts.value * (self._loss_scale if parts.count is None else self._sum_scale)
         return self.loss_scaler(scaled) if self.loss_scaler is not None else scaled
+
+    def _rows_mismatch(self, output: Any, target: Any, err: Exception) -> PipelineConfigError | None:
+        """A failed loss whose output (from the first stage's batch) and target (this rank's batch) disagree in
+        rows: the pipeline's ranks read different batches. Said only on failure (a layer may reshape its rows)."""
+        def rows(value: Any) -> int | None:
+            if isinstance(value, (tuple, list)) and value:
+                return rows(value[0])
+            if isinstance(value, dict) and value:
+                return rows(next(iter(value.values())))
+            return value.shape[0] if isinstance(value, Tensor) and value.dim() > 0 else None
+
+        out_rows, target_rows = rows(output), rows(target)
+        if out_rows is None or target_rows is None or out_rows == target_rows:
+            return None
+        m = self.plan.microbatches
+        return config_error(
+            f"{self._owner}.loss_fn failed ({type(err).__name__}: {' '.join(str(err).split())[:300]}) on a "
+            f"micro-batch whose output from the first stage has {out_rows} rows while this rank's target has "
+            f"{target_rows}. Rule: every rank of a pipeline reads the same batches, of the same size and order "
+            "(its first stage's inputs and its last stage's targets come from the same batch).",
+            f"a first-stage micro-batch of {out_rows} rows, this rank's batch of {target_rows * m} rows "
+            f"(microbatches={m}, batch_idx {self.batch_idx})", "batch_size",
+            "build every rank's DataLoader alike, and let Lightning's distributed sampler shard the data "
+            "(use_distributed_sampler=True)")
 
     @contextlib.contextmanager
     def _inference_guard(self, stage_module: nn.Module, forward: bool) -> Iterator[None]:
@@ -322,6 +353,9 @@ class PipelineEngine:
                                                   self.groups.topology.data_parallel_size, self.device)
         if overlap is None and self.groups.experts is not None:  # an expert gradient mixes replicas' losses:
             elements = self.groups.experts.mean_count(elements, self.device)  # one N for all ([Note: expert ...])
+        elif overlap is None and self.groups.shard is not None and self.groups.dp is not None:
+            # FSDP averages every data rank's gradients in the schedule, before the factor: one N for all
+            elements = mean_count(elements, self.groups.dp, self.groups.topology.dp_degree, self.device)
         self._sum_scale = 1.0 / (self.accumulate_grad_batches * elements)
         count_targets = ([self._structured_target if self._structured_target is not None else target]
                          if mbs is None else mbs.targets)

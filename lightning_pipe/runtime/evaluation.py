@@ -114,7 +114,8 @@ def eval_loss(engine: Any, module: Any, batch: Any) -> Tensor:
     owner = engine._owner
     inputs, target = module.split_batch(batch)
     if target is None:
-        raise ValueError(f"compute_loss needs a target, but {owner}.split_batch returned None for it.")
+        raise ValueError(f"compute_loss needs a target, but {owner}.split_batch returned None for it (a batch "
+                         "without its 'labels' or 'target' key?).")
     args = input_args(inputs, owner)
     mbs = explicit_microbatches(module, inputs, args, target, engine.plan.microbatches, owner)
     out = forward_only(engine, args, mbs)

@@ -13,6 +13,11 @@ in shapes.py) the key is the signature's *structure* (mode, each tensor's rank, 
 length costs no inference, only planned shapes. Without one (torch 2.11, FSDP / tensor-parallel stages, a forward
 that does not run on meta tensors) the key holds every shape, and a new shape costs about one micro-batch's forward
 and backward per stage (docs/module-contract.md).
+
+FSDP shards read different batches, so their signatures change at different steps, but an inference forward
+gathers the stage's parameters over the shards (a collective): a shard that infers alone waits forever in that
+gather while its peers run their step. So with FSDP stages the shards agree whether any of them re-infers (one MAX
+all-reduce of a flag and its host read before each schedule call), and then all do, each with its own shapes.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from lightning_pipe._compat import stage_shapes as _stage_shapes
 from lightning_pipe.config import PipelineConfigError, config_error
@@ -38,9 +44,12 @@ class ShapeBook:
     def __init__(self, stages: list[Any], schedule: Any, stage_to_rank: Callable[[int], int], group: Any,
                  device: torch.device, reset: Callable[[], None],
                  guard: Callable[[], contextlib.AbstractContextManager], owner: str,
-                 unplannable: tuple[str, tuple[str, ...]] | None, schedule_name: str = "") -> None:
-        """``unplannable``: why this layout cannot plan shapes and the settings that decide it (None: it can)."""
+                 unplannable: tuple[str, tuple[str, ...]] | None, schedule_name: str = "",
+                 together: Any = None) -> None:
+        """``unplannable``: why this layout cannot plan shapes and the settings that decide it (None: it can).
+        ``together``: the group whose ranks re-infer together (FSDP shards: [Note: re-inference on a new shape])."""
         self.stages, self.schedule, self.device, self._reset, self._owner = stages, schedule, device, reset, owner
+        self._together = together
         self.signature: Signature | None = None  # what torch last inferred shapes for
         self.planner: ShapePlanner | None = None  # None: every new shape re-infers
         self.planned: dict[int, StageShapes] | None = None  # this step's shapes, applied after torch's init
@@ -84,7 +93,12 @@ class ShapeBook:
     def _switch(self, key: Signature) -> None:
         """[Note: re-inference on a new shape]: torch infers again when the key changes, unless the planner kept
         torch's state for this key (a train <-> eval switch)."""
-        if key == self.signature:
+        changed = key != self.signature
+        if self._together is not None and self.signature is not None and self.planner is None:
+            flag = torch.tensor([1.0 if changed else 0.0], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._together)
+            changed = bool(flag.item() > 0)  # before the schedule: the shards' steps must match
+        if not changed:
             return
         if self.signature is not None:
             if self.planner is None:

@@ -82,10 +82,10 @@ def assert_case_parity(results: Results, case_idx: int, case: TrainingCase) -> N
     for losses in by_replica.values():
         for other in losses[1:]:
             torch.testing.assert_close(other, losses[0], atol=0, rtol=0)
-    # A token-weighted loss over replicas of uneven token counts: each replica logs its own sum / count (and
-    # sync_dist averages those), one device the global sum / count; the gradients follow the global one (the
-    # parameters above compare), the logged numbers are compared where there is one replica.
-    replica_weighted = case.dp > 1 and case.model in TOKEN_WEIGHTED
+    # A token-weighted loss over data ranks (replicas, FSDP shards) of uneven token counts: each logs its own
+    # sum / count (and sync_dist averages those), one device the global sum / count; the gradients follow the global
+    # one (the parameters above compare), the logged numbers are compared where one rank reads all the data.
+    replica_weighted = case.dp * case.fsdp > 1 and case.model in TOKEN_WEIGHTED
     mean_loss = torch.stack([losses[0] for losses in by_replica.values()]).mean(0)
     if not replica_weighted:
         torch.testing.assert_close(mean_loss, torch.tensor(ref["losses"]), atol=ATOL, rtol=0)

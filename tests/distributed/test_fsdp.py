@@ -49,6 +49,10 @@ TRAINING = [
     # weights autograd saves are left alone ([Note: activation offload]), the activations make the round trip
     TrainingCase(schedule="1f1b", fsdp=2, fsdp_reshard=True, offload="all", acc=2, optimizer="adamw",
                  validate=False),
+    # packed rows: a token-weighted loss whose counts differ per shard; FSDP averages the shards' gradients before
+    # the count's factor, so N must be the shards' mean (each shard once scaled its slice by its own count)
+    TrainingCase(model="gpt_packed", n_layers=6, tied=True, n_data=64, schedule="1f1b", fsdp=2, acc=2,
+                 check_grad_norms=False, validate=False),
 ]
 
 

@@ -122,7 +122,7 @@ def test_pipedream_matches_its_one_process_reference(tmp_path) -> None:
     """2 stages, 3 batches of 4 micro-batches: SGD with momentum (validation during and after fit sees the live
     weights); AdamW with a per-batch scheduler and per-stage clipping; the recipe's GPT (embedding tied to the head
     across the stages); a tied weight under per-stage clipping (by norm, by value). Then every setting the schedule refuses, with its message, on every rank; and an exact
-    resume from a checkpoint written mid-run."""
+    resume from a checkpoint written mid-run, also under PipeDream-2BW."""
     cases = [
         TrainingCase(schedule="pipedream", steps=3),
         TrainingCase(schedule="pipedream", steps=3, clip=0.05, optimizer="adamw", validate=False),
@@ -136,20 +136,23 @@ def test_pipedream_matches_its_one_process_reference(tmp_path) -> None:
                      validate=False),
         TrainingCase(schedule="pipedream", steps=1, precision="16-mixed", validate=False, expect_error=True),
     ]
-    # then, in the same processes: 8 batches with a checkpoint after 4, and a run resumed from it
-    resume = CheckpointCase(schedule="pipedream", dir=str(tmp_path / "ckpt"), resume_from=str(tmp_path / "ckpt" / STEP4))
-    results = launch_runs(P, [*(("pipedream", case) for case in cases), ("ckpt_train", resume)], tmp_path / "out",
-                          timeout=360)
+    # then, in the same processes: 8 batches with a checkpoint after 4, and a run resumed from it; the same under
+    # PipeDream-2BW, whose next batch runs on the stash the checkpoint holds ([Note: stage state in checkpoints])
+    resumes = [CheckpointCase(schedule=name, dir=str(tmp_path / name), resume_from=str(tmp_path / name / STEP4))
+               for name in ("pipedream", "pipedream_2bw")]
+    results = launch_runs(P, [*(("pipedream", case) for case in cases), *(("ckpt_train", r) for r in resumes)],
+                          tmp_path / "out", timeout=360)
     for index in (0, 1, 2, 4, 5):
         check(results, index, cases[index])
     lrs = [rank_results[1]["lrs"] for rank_results in results]
     assert lrs[0] == lrs[1] and len(set(lrs[0])) == 3  # AdamW's StepLR: once per batch, not per update
     expected = validation_loss(cases[0], pipedream_reference(cases[0]))
-    for rank_results in results:  # resumed == uninterrupted: between batches a stage holds no stash
-        full, resumed = rank_results[len(cases)]["full"], rank_results[len(cases)]["resumed"]
-        assert resumed["global_step"] == 8
-        for name, value in resumed["params"].items():
-            torch.testing.assert_close(value, full["params"][name], rtol=0, atol=1e-6)
+    for rank_results in results:  # resumed == uninterrupted (PipeDream: between batches a stage holds no stash)
+        for run in rank_results[len(cases):]:
+            full, resumed = run["full"], run["resumed"]
+            assert resumed["global_step"] == 8
+            for name, value in resumed["params"].items():
+                torch.testing.assert_close(value, full["params"][name], rtol=0, atol=1e-6)
     for rank_results in results:
         assert rank_results[0]["val_loss"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
         # Lightning's hooks around its (skipped) optimizer step: zero_grad and backward once per batch, no

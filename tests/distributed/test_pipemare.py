@@ -166,11 +166,11 @@ STASHING = TrainingCase(schedule="pipedream", steps=1, validate=False)
 def test_pipemare_matches_its_one_process_reference(tmp_path) -> None:
     """3 stages, 3 batches of 4 micro-batches: the cases above, then the settings the schedule refuses (each with its
     message, on every rank), PipeDream's stashes on the same model against PipeMare's copies, and a resume."""
-    # resumed after 4 of 8 batches == uninterrupted: the learning-rate annealing continues from global_step * m
-    # (correction off: delta is not checkpointed)
+    # resumed after 4 of 8 batches == uninterrupted: the learning-rate annealing continues from global_step * m,
+    # the correction from the checkpoint's delta ([Note: stage state in checkpoints])
     resume = CheckpointCase(schedule="pipemare", microbatches=4, dir=str(tmp_path / "ckpt"),
                             resume_from=str(tmp_path / "ckpt" / STEP4),
-                            schedule_options={"lr_reschedule": 40, "discrepancy_correction": False})
+                            schedule_options={"lr_reschedule": 40, "discrepancy_correction": True})
     runs = [*(("pipedream", case) for case in CASES), *(("pipedream", case) for case, _ in REFUSED),
             ("pipedream", STASHING), ("ckpt_train", resume)]
     results = launch_runs(P, runs, tmp_path / "out", timeout=360)

@@ -180,6 +180,9 @@ def pp2_tp2_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     add("dropout", ("training", DROPOUT))
     add("precision", *(("training", case) for case in BF16))
     add("versioned", *(("training", case) for case in VERSIONED))
+    # PipeDream-2BW's stash (DTensor, like its parameter) saved whole and cut again on resume
+    add("versioned_ckpt", ("ckpt_train", CheckpointCase(schedule="pipedream_2bw", dir=str(root / "2bw"),
+                                                        resume_from=str(root / "2bw" / STEP2), **PP2_TP2_CKPT)))
     add("stashing", *(("pipedream", case) for case in STASHING))
     add("chimera", *(("training", case) for case in CHIMERA))
     # tensor parallel x FSDP: training, bf16, a checkpoint (train, resume), that checkpoint into pipeline 2 x tensor 2
@@ -249,6 +252,16 @@ def test_checkpoint_pp2_tp2_resumes_and_loads_on_one_device(pp2_tp2_run: dict[st
     case = CheckpointCase(model=model, **PP2_TP2_CKPT)
     ref, _, _ = run_reference(case, ckpt_lib.consolidate(saved / STEP2, tmp_path / "one.ckpt"), steps=case.steps)
     assert_same(ref["params"], uninterrupted, 1e-5, "pp2 x tp2 -> one device")
+
+
+@pytest.mark.timeout(600)
+def test_pipedream_2bw_resumes_its_stash_under_tensor_parallelism(pp2_tp2: list[list[dict[str, Any]]],
+                                                                  pp2_tp2_at: dict[str, int]) -> None:
+    i = pp2_tp2_at["versioned_ckpt"]
+    for rank in pp2_tp2:  # [Note: stage state in checkpoints]: stopped at step 2 and resumed == uninterrupted
+        full, resumed = rank[i]["full"], rank[i]["resumed"]
+        assert resumed["global_step"] == 4
+        assert_same(resumed["params"], full["params"], 1e-6, "pipedream_2bw pp2 x tp2 resumed")
 
 
 @pytest.mark.timeout(600)

@@ -364,6 +364,14 @@ def test_module_splits_collator_batches_and_builds_from_a_directory(tmp_path):
     # labels of another length than the tokens: refused on every rank, before any schedule runs
     with pytest.raises(ValueError, match=r"'labels' must have the shape of its 'input_ids'.*labels \(\d+, \d+\)"):
         module.split_batch({**batch, "labels": labels[:, :-2]})
+    # so are a mask of another length, and a dict without input_ids (its keys named); a batch without labels trains
+    # nowhere, and the error says what None means
+    with pytest.raises(ValueError, match=r"'attention_mask' must have the shape.*attention_mask \(\d+, \d+\)"):
+        module.split_batch({**batch, "attention_mask": torch.ones(mask.shape[0], mask.shape[1] + 3)})
+    with pytest.raises(TypeError, match=r"a dict with 'input_ids'.*keys \['ids', 'labels', 'mask'\]"):
+        module.split_batch({"ids": input_ids, "mask": mask, "labels": labels})
+    with pytest.raises(ValueError, match="without its 'labels'"):
+        module.compute_loss({"input_ids": input_ids, "attention_mask": mask})
 
     seeded = [HFCausalLM(config=make_config("gpt2"), seed=3) for _ in range(2)]
     for m in seeded:

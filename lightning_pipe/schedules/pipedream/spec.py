@@ -63,9 +63,10 @@ PIPEDREAM_2BW = ScheduleSpec(
     "PipeDream-2BW: 1F1B on the previous batch's weights (two versions per stage), one update per batch",
     theory_bubble=_bubble_flush, resolve=resolve_versioned, order=_order_1f1b,
     stage_class=VersionedPipelineStage, tensor_parallel=True,
-    resume_caveat=lambda config: "the previous weight version (the stash) is not in the checkpoint: the first batch "
-    "after the resume runs on the loaded weights instead of the version before them, so the run departs from an "
-    "uninterrupted one from there on (docs/seed-schedules.md)")
+    resume_caveat=lambda config: "the checkpoint holds no previous weight version (the stash) for this layout's "
+    "stages (it was written under another schedule, consolidated to a single file, or before the first batch): the "
+    "first batch after the resume runs on the loaded weights instead of the version before them, so the run departs "
+    "from an uninterrupted one from there on (docs/seed-schedules.md)")
 
 
 PIPEDREAM = ScheduleSpec(

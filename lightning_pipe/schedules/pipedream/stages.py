@@ -64,7 +64,7 @@ forward on the live weights): the schedule refuses both (``schedules/pipedream/s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -74,6 +74,9 @@ from torch import Tensor, nn
 from lightning_pipe.parallel.dtensor import local
 from lightning_pipe.parallel.grads import all_reduce_coalesced
 from lightning_pipe.runtime.stage import PipelineStage
+
+STASH_KEY = "pipedream_2bw_stash"
+"""Checkpoint key of a PipeDream-2BW stage's stashed weight version ([Note: stage state in checkpoints])."""
 
 
 def parameter_slots(submod: torch.nn.Module) -> tuple[list[Tensor], list[tuple[str, int]]]:
@@ -109,6 +112,24 @@ class VersionedPipelineStage(PipelineStage):
         if self._stash is None:  # W(-1) = W(0)
             self._stash = [p.detach().clone().requires_grad_(p.requires_grad) for p in self._live]
         return {name: self._stash[i] for name, i in self._slots}
+
+    # ------------------------------------------------------------------ checkpoints
+    # The stash is the next batch's weights: [Note: stage state in checkpoints] in runtime/stage_state.py.
+    def state_slots(self) -> list[tuple[Tensor, str]]:
+        return [(p, STASH_KEY) for p in self._live]
+
+    def checkpoint_state(self) -> list[tuple[Tensor, str, Tensor]]:
+        if self._stash is None:  # before the first batch: W(-1) = W(0), nothing to keep
+            return []
+        return [(live, STASH_KEY, stashed.detach()) for live, stashed in zip(self._live, self._stash)]
+
+    def restore_state(self, values: Mapping[tuple[int, str], Tensor]) -> bool:
+        saved = [values.get((id(p), STASH_KEY)) for p in self._live]
+        if any(v is None for v in saved):
+            return False
+        self._stash = [v.detach().to(dtype=p.dtype).clone().requires_grad_(p.requires_grad)  # type: ignore[union-attr]
+                       for v, p in zip(saved, self._live)]
+        return True
 
     def stash_live(self) -> None:
         """Copy the live parameters into the stash (in place: the step's graphs are gone by now)."""

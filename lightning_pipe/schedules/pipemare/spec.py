@@ -38,9 +38,10 @@ def resolve_pipemare(spec: ScheduleSpec, config: PipelineConfig, pipeline_size: 
 def _resume_caveat(config: PipelineConfig) -> str | None:
     if rule_from_options(config.schedule_options).decay is None:
         return None  # without discrepancy correction a resume is exact
-    return ("its discrepancy correction's velocity estimate (delta) is not in the checkpoint and restarts at 0: the "
-            "first updates after the resume run uncorrected backwards, so the run departs from an uninterrupted one "
-            "(docs/seed-schedules.md; schedule.options.discrepancy_correction=false resumes exactly)")
+    return ("the checkpoint holds no velocity estimate (delta) of the discrepancy correction for this layout's "
+            "stages (it was written under another schedule or correction setting, consolidated to a single file, or "
+            "before the first batch), so delta restarts at 0: the first updates after the resume run uncorrected "
+            "backwards and the run departs from an uninterrupted one (docs/seed-schedules.md)")
 
 
 PIPEMARE = ScheduleSpec(

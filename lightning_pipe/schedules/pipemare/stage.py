@@ -24,7 +24,7 @@ installed inside the stage do not compose (the innermost hooks win): offload is 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -32,6 +32,9 @@ from torch import Tensor
 
 from lightning_pipe.runtime.stage import PipelineStage
 from lightning_pipe.schedules.pipemare.rule import PipeMareRule, stage_delay
+
+DELTA_KEY = "pipemare_delta"
+"""Checkpoint key of a PipeMare stage's velocity estimate ([Note: stage state in checkpoints])."""
 
 
 class PipeMareStage(PipelineStage):
@@ -70,6 +73,29 @@ class PipeMareStage(PipelineStage):
         self.rule = rule
         self.delay = stage_delay(self.stage_index, self.num_stages, microbatches)
         self._updates_done = updates_done
+
+    # ------------------------------------------------------------------ checkpoints
+    # delta carries across batches: [Note: stage state in checkpoints] in runtime/stage_state.py.
+    def state_slots(self) -> list[tuple[Tensor, str]]:
+        if self.rule.gamma(self.delay) is None:  # no correction on this stage: nothing kept
+            return []
+        return [(p, DELTA_KEY) for p in self._live]
+
+    def checkpoint_state(self) -> list[tuple[Tensor, str, Tensor]]:
+        if self._delta is None:
+            return []
+        return [(live, DELTA_KEY, delta) for live, delta in zip(self._live, self._delta)]
+
+    def restore_state(self, values: Mapping[tuple[int, str], Tensor]) -> bool:
+        if not self.state_slots():
+            return True
+        saved = [values.get((id(p), DELTA_KEY)) for p in self._live]
+        if any(v is None for v in saved):
+            return False
+        self._delta = [v.detach().to(dtype=torch.promote_types(p.dtype, torch.float32)).clone()  # type: ignore[union-attr]
+                       for v, p in zip(saved, self._live)]
+        self.max_copy_bytes = sum(t.untyped_storage().nbytes() for t in self._delta)
+        return True
 
     def take_versions(self) -> list[tuple[int, int, int]]:
         used, self.versions_used = self.versions_used, []

@@ -18,6 +18,7 @@ import lightning.pytorch as L
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from lightning_pipe import PipelinePrecision, PipelineStrategy
@@ -47,6 +48,7 @@ class HardeningCase:
     schedule: str = "1f1b"
     microbatches: int = 4
     dp: int = 1
+    fsdp: int = 1  # FSDP2 shards per stage (fsdp_size); replicas x shards read different data
     stages_per_rank: int | None = None
     actions: tuple[tuple[str, ...], ...] | None = None  # schedule="custom": per-rank compute actions
     steps: int = 3  # optimizer steps
@@ -130,7 +132,8 @@ def _trainer(case: HardeningCase, pipeline: bool, recorder: Callback) -> L.Train
     if pipeline:
         options = {"actions": [list(row) for row in case.actions]} if case.actions is not None else None
         strategy = PipelineStrategy(schedule=case.schedule, microbatches=case.microbatches,
-                                    data_parallel_size=case.dp, stages_per_rank=case.stages_per_rank,
+                                    data_parallel_size=case.dp, fsdp_size=case.fsdp,
+                                    stages_per_rank=case.stages_per_rank,
                                     schedule_options=options)
         devices = int(os.environ["TEST_WORLD_SIZE"])  # Lightning deletes WORLD_SIZE at teardown
     precision: dict[str, Any] = {"precision": case.precision}
@@ -147,7 +150,7 @@ def _run(case: HardeningCase, pipeline: bool) -> dict[str, Any]:
     torch.manual_seed(1234)
     model = MODELS[case.model](case)
     data = _data(case, case.n_data)
-    batch = case.batch * (1 if pipeline else case.dp)
+    batch = case.batch * (1 if pipeline else case.dp * case.fsdp)
     recorder = Recorder()
     trainer = _trainer(case, pipeline, recorder)
     val = _loader(case, _data(case, 40, seed=3), batch, drop_last=False) if case.validate else None
@@ -155,7 +158,9 @@ def _run(case: HardeningCase, pipeline: bool) -> dict[str, Any]:
         warnings.simplefilter("always")
         trainer.fit(model, _loader(case, data, batch, reference_train=not pipeline), val)
     out: dict[str, Any] = {
-        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        # FSDP shards: whole tensors (collective, the same order on every shard)
+        "params": {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                   for n, p in model.named_parameters()},
         "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
         "losses": recorder.losses, "fit_val_losses": recorder.val_losses,
         "step_seconds": recorder.step_seconds, "inferences": recorder.inferences, "scales": recorder.scales,
