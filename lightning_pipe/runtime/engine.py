@@ -123,6 +123,8 @@ class PipelineEngine:
         self.shapes = ShapeBook(self.stages, self.schedule, plan.stage_to_rank, groups.pp, device, self._reset_shapes,
                                 self._planning, self._owner, self._unplannable(plan), plan.spec.name,
                                 together=groups.shard)
+        for stage in self.stages:  # [Note: sends of the receiver's shape] in stage.py
+            stage.expected_sends = self.shapes.expected_sends
         self._mb_targets: list[Any] | None = None  # explicit micro-batches' targets (trim_microbatch)
         # The adapter's flags, agreed over the world with the step's loss ([Note: one collective at the step's end]
         # in agreement.py); read once per step with take_agreed_flags.

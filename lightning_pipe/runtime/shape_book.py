@@ -113,6 +113,19 @@ class ShapeBook:
                     self._reset()
         self.signature = key
 
+    def expected_sends(self, stage: Any, microbatch: int) -> list[tuple[int, ...] | None] | None:
+        """The shapes the next stage receives ``stage``'s outputs of ``microbatch`` into (per output), or ``None``
+        where unknown: this step's planned shapes, or torch's inferred ones (re-inferred per signature without a
+        planner). The receiver's buffer has that shape: [Note: sends of the receiver's shape] in runtime/stage.py."""
+        if self.planned is not None:
+            shapes = self.planned.get(stage.stage_index)
+            if shapes is None or microbatch >= len(shapes.outputs):
+                return None
+            return [tuple(t[0]) for t in shapes.outputs[microbatch]]
+        if self.planner is not None:
+            return None
+        return _stage_shapes.inferred_output_shapes(stage)
+
     def apply(self) -> None:
         """Right after torch's stage initialisation in each step: this step's shapes into the receive descriptors."""
         planned = self.planned

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from lightning_pipe._compat import torch as _compat
 from lightning_pipe._compat.stage_shapes import ChunkShapes
+from lightning_pipe.layers.stages import LayerContractError
 from lightning_pipe.runtime.rng import StageStream
 from lightning_pipe.runtime.wire import own_outputs, tag_receives, tag_sends
 
@@ -161,8 +162,34 @@ class PipelineStage(CallHooks, ChunkShapes, _compat.GuardedPipelineStage):
         if ops:
             table = self.act_send_info
             sends = [(i, dst) for i in sorted(table) for dst in table[i] if dst is not None]
-            tag_sends(ops, self.stage_index, fwd_chunk_id, "forward send", *_unzip(sends))
+            positions, peers = _unzip(sends)
+            self._check_send_shapes(ops, positions, fwd_chunk_id)
+            tag_sends(ops, self.stage_index, fwd_chunk_id, "forward send", positions, peers)
         return ops
+
+    expected_sends: Callable[[Any, int], list[tuple[int, ...] | None] | None] | None = None
+    """(stage, micro-batch) -> the shapes the next stage receives into (set by the engine: ShapeBook)."""
+
+    def _check_send_shapes(self, ops: list[Any], positions: list[int], microbatch: int) -> None:
+        """[Note: sends of the receiver's shape]
+        The next stage receives into a buffer shaped by the batch's shapes (planned, or inferred per signature),
+        not by what this stage computed. A layer whose output shape follows its input's *values* (a data-dependent
+        selection) sends another size: a smaller tensor lands in a larger buffer unnoticed in a forward-only pass
+        (stale rows read as outputs), a larger one aborts gloo. So every forward send is checked against that
+        shape, on the host (shapes only, no device sync)."""
+        expected = self.expected_sends(self, microbatch) if self.expected_sends is not None else None
+        if expected is None or len(positions) != len(ops):
+            return
+        for op, position in zip(ops, positions):
+            want = expected[position] if position < len(expected) else None
+            if want is not None and tuple(op.tensor.shape) != want:
+                raise LayerContractError(
+                    f"Stage {self.stage_index}, micro-batch {microbatch}: output {position} has shape "
+                    f"{tuple(op.tensor.shape)}, but the next stage receives it into {want}, the shape this batch's "
+                    "input shapes give. Rule: a layer's output shape follows from its input shapes, not from their "
+                    "values (a selection like x[x > 0] or x[:, :n] with n read from the data changes it). Keep such "
+                    "a selection inside one stage, or pad its result back to a shape the input decides "
+                    "(docs/module-contract.md).")
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[Any]:
         ops = super().get_bwd_send_ops(bwd_chunk_id)

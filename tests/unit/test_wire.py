@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -59,3 +60,23 @@ def test_a_failed_send_names_stage_microbatch_position_shape_dtype_and_layout(gr
             "to stage 1: shape (4, 3), torch.float32, not contiguous (stride (1, 4)), on cpu") in message, message
     assert "torch said: RuntimeError" in message and "contiguous" in message.split("torch said:")[1]
     assert torch_schedules._batch_p2p.__name__ == "_batch_p2p"  # the wrap ends with the context
+
+
+def test_a_send_of_another_shape_than_its_receiver_expects_is_refused() -> None:
+    """[Note: sends of the receiver's shape]: a layer whose output shape follows its input's values (a data-dependent
+    selection) sends a size the next stage does not receive into; refused with the rule, before the send."""
+
+    from lightning_pipe.layers.stages import LayerContractError
+    from lightning_pipe.runtime.stage import PipelineStage
+
+    def stage(expected: list[tuple[int, ...] | None] | None) -> Any:
+        return SimpleNamespace(stage_index=0, expected_sends=lambda st, mb: expected)
+
+    ops = [SimpleNamespace(tensor=torch.zeros(8, 8)), SimpleNamespace(tensor=torch.zeros(8, 2))]
+    check = PipelineStage._check_send_shapes
+    check(stage([(8, 8), (8, 2)]), ops, [0, 1], 0)  # type: ignore[arg-type]
+    check(stage(None), ops, [0, 1], 0)  # type: ignore[arg-type]  # nothing known: nothing checked
+    check(stage([(8, 8), None]), ops, [0, 1], 0)  # type: ignore[arg-type]  # a non-tensor output slot
+    with pytest.raises(LayerContractError, match=r"micro-batch 3: output 1 has shape \(8, 2\), but the next stage "
+                                                 r"receives it into \(8, 16\).*not from their values"):
+        check(stage([(8, 8), (8, 16)]), ops, [0, 1], 3)  # type: ignore[arg-type]
