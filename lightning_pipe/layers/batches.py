@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_pipe.config import PipelineConfigError, config_error
 from lightning_pipe.layers.stages import LayerContractError, check_layer_io, layer_args
 
 TensorSpec = tuple[tuple[int, ...], torch.dtype, bool]  # shape without the batch rows, dtype, requires_grad
@@ -100,6 +101,32 @@ def check_target(target: Any, microbatches: int, owner: str, rows: int | None = 
         "Return `(inputs, target)` with such a target from split_batch."
         + (" None usually means the batch holds no target at all: a dict batch without its 'labels' (transformers' "
            "collators, HFCausalLM) or 'target' key." if target is None else ""))
+
+
+def rows_mismatch(owner: str, output: Any, target: Any, err: Exception, microbatches: int, batch_idx: Any
+                  ) -> PipelineConfigError | None:
+    """A failed loss whose output (from the first stage's batch) and target (this rank's batch) disagree in rows:
+    the pipeline's ranks read different batches. Said only on failure (a layer may reshape its rows)."""
+    def rows(value: Any) -> int | None:
+        if isinstance(value, (tuple, list)) and value:
+            return rows(value[0])
+        if isinstance(value, dict) and value:
+            return rows(next(iter(value.values())))
+        return value.shape[0] if isinstance(value, Tensor) and value.dim() > 0 else None
+
+    out_rows, target_rows = rows(output), rows(target)
+    if out_rows is None or target_rows is None or out_rows == target_rows:
+        return None
+    m = microbatches
+    return config_error(
+        f"{owner}.loss_fn failed ({type(err).__name__}: {' '.join(str(err).split())[:300]}) on a micro-batch whose "
+        f"output from the first stage has {out_rows} rows while this rank's target has {target_rows}. Rule: every "
+        "rank of a pipeline reads the same batches, of the same size and order (its first stage's inputs and its "
+        "last stage's targets come from the same batch).",
+        f"a first-stage micro-batch of {out_rows} rows, this rank's batch of {target_rows * m} rows "
+        f"(microbatches={m}, batch_idx {batch_idx})", "batch_size",
+        "build every rank's DataLoader alike, and let Lightning's distributed sampler shard the data "
+        "(use_distributed_sampler=True)")
 
 
 # [Note: structured targets]

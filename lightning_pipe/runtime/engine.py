@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from lightning_pipe._compat import torch as _compat
 from lightning_pipe._compat.stage_shapes import SplitOverride
-from lightning_pipe.config import PipelineConfigError, config_error
+from lightning_pipe.config import config_error
 from lightning_pipe.layers.aux import aux_loss_context
 from lightning_pipe.layers.batches import (
     LossParts,
@@ -44,6 +44,7 @@ from lightning_pipe.layers.batches import (
     input_args,
     is_structured,
     loss_parts,
+    rows_mismatch,
     select_rows,
     signature,
     target_elements,
@@ -206,7 +207,7 @@ class PipelineEngine:
         try:
             value = loss_fn(output, target) if stream is None else stream.run(loss_fn, output, target)
         except Exception as err:
-            mismatch = self._rows_mismatch(output, target, err)
+            mismatch = rows_mismatch(self._owner, output, target, err, self.plan.microbatches, self.batch_idx)
             if mismatch is not None:  # (the loss's own error stays its context, with its traceback)
                 raise mismatch  # noqa: B904  (not `from err`: peers name the innermost cause of a chain)
             raise
@@ -218,30 +219,6 @@ class PipelineEngine:
         else:  # [Note: loss scaling]; a (sum, count) pair: [Note: token-weighted loss]
             scaled = parts.value * (self._loss_scale if parts.count is None else self._sum_scale)
         return self.loss_scaler(scaled) if self.loss_scaler is not None else scaled
-
-    def _rows_mismatch(self, output: Any, target: Any, err: Exception) -> PipelineConfigError | None:
-        """A failed loss whose output (from the first stage's batch) and target (this rank's batch) disagree in
-        rows: the pipeline's ranks read different batches. Said only on failure (a layer may reshape its rows)."""
-        def rows(value: Any) -> int | None:
-            if isinstance(value, (tuple, list)) and value:
-                return rows(value[0])
-            if isinstance(value, dict) and value:
-                return rows(next(iter(value.values())))
-            return value.shape[0] if isinstance(value, Tensor) and value.dim() > 0 else None
-
-        out_rows, target_rows = rows(output), rows(target)
-        if out_rows is None or target_rows is None or out_rows == target_rows:
-            return None
-        m = self.plan.microbatches
-        return config_error(
-            f"{self._owner}.loss_fn failed ({type(err).__name__}: {' '.join(str(err).split())[:300]}) on a "
-            f"micro-batch whose output from the first stage has {out_rows} rows while this rank's target has "
-            f"{target_rows}. Rule: every rank of a pipeline reads the same batches, of the same size and order "
-            "(its first stage's inputs and its last stage's targets come from the same batch).",
-            f"a first-stage micro-batch of {out_rows} rows, this rank's batch of {target_rows * m} rows "
-            f"(microbatches={m}, batch_idx {self.batch_idx})", "batch_size",
-            "build every rank's DataLoader alike, and let Lightning's distributed sampler shard the data "
-            "(use_distributed_sampler=True)")
 
     @contextlib.contextmanager
     def _inference_guard(self, stage_module: nn.Module, forward: bool) -> Iterator[None]:

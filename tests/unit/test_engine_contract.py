@@ -173,17 +173,14 @@ def test_a_dtensor_output_is_refused_with_the_tensor_parallel_rule(tmp_path) -> 
 def test_a_failed_loss_on_rows_the_first_stage_did_not_send_names_the_batches() -> None:
     """Ranks of one pipeline that read batches of different sizes: the last stage's loss fails on an output of the
     first stage's rows and a target of its own; the error says so (only on failure: a layer may reshape rows)."""
-    from types import SimpleNamespace
-
     from lightning_pipe.config import PipelineConfigError
-    from lightning_pipe.runtime.engine import PipelineEngine
+    from lightning_pipe.layers.batches import rows_mismatch
 
-    engine = SimpleNamespace(_owner="Model", plan=SimpleNamespace(microbatches=2), batch_idx=3)
     err = RuntimeError("The size of tensor a (4) must match the size of tensor b (2)")
-    found = PipelineEngine._rows_mismatch(engine, torch.zeros(4, 3), (torch.zeros(2, 3),), err)  # type: ignore[arg-type]
+    found = rows_mismatch("Model", torch.zeros(4, 3), (torch.zeros(2, 3),), err, 2, 3)
     assert isinstance(found, PipelineConfigError)
     for words in ("output from the first stage has 4 rows while this rank's target has 2", "same batches",
                   "this rank's batch of 4 rows (microbatches=2, batch_idx 3)", "batch_size", "The size of tensor a"):
         assert words in str(found), str(found)
-    assert PipelineEngine._rows_mismatch(engine, torch.zeros(2, 3), torch.zeros(2), err) is None  # type: ignore[arg-type]
-    assert PipelineEngine._rows_mismatch(engine, torch.zeros(()), torch.zeros(2), err) is None  # type: ignore[arg-type]
+    assert rows_mismatch("Model", torch.zeros(2, 3), torch.zeros(2), err, 2, 3) is None
+    assert rows_mismatch("Model", torch.zeros(()), torch.zeros(2), err, 2, 3) is None
