@@ -144,11 +144,6 @@ class ChunkShapes:
             return dataclasses.replace(meta, shape=own.shape, stride=own.stride)
 
 
-# ------------------------------------------------------------------ torch's inferred state, kept per structure
-# [Note: shapes without re-inference]: a train <-> eval switch makes torch re-infer (receive buffers that need a
-# gradient or not, backward descriptors or none); the engine keeps each structure's inferred state and puts it back
-# instead. Torch refills the stage's dicts and ``_StageMeta`` in place when it re-infers, so they are copied.
-_STAGE_STATE = ("args_recv_info", "act_send_info", "grad_recv_info", "grad_send_info", "_stage_meta", "chunks")
 def inferred_output_shapes(stage: Any) -> list[tuple[int, ...] | None] | None:
     """The shapes torch inferred for ``stage``'s outputs (per output; ``None`` for a non-tensor), or ``None`` where
     it holds none: torch 2.12+ keeps them in ``_stage_meta.outputs`` (local shapes, as sent); torch 2.11 checks its
@@ -157,6 +152,13 @@ def inferred_output_shapes(stage: Any) -> list[tuple[int, ...] | None] | None:
     if not SUPPORTED or meta is None:
         return None
     return [tuple(m.shape) if m is not None and hasattr(m, "shape") else None for m in meta]
+
+
+# ------------------------------------------------------------------ torch's inferred state, kept per structure
+# [Note: shapes without re-inference]: a train <-> eval switch makes torch re-infer (receive buffers that need a
+# gradient or not, backward descriptors or none); the engine keeps each structure's inferred state and puts it back
+# instead. Torch refills the stage's dicts and ``_StageMeta`` in place when it re-infers, so they are copied.
+_STAGE_STATE = ("args_recv_info", "act_send_info", "grad_recv_info", "grad_send_info", "_stage_meta", "chunks")
 
 
 def inferred_state(schedule: Any) -> Any:

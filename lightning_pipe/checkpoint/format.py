@@ -59,6 +59,11 @@ def optimizer_prefix(index: int) -> str:
     return f"optimizer_{index}.state."
 
 
+def stage_state_key(name: str, key: str) -> str:
+    """The flat key of what a stage keeps for parameter ``name`` under ``key``: ``stage_state.<name>.<key>``."""
+    return f"{STAGE_STATE_PREFIX}{name}.{key}"
+
+
 def hyper_parameters(group: Mapping[str, Any]) -> dict[str, Any]:
     """A param group's hyper-parameters: everything but its ``params``."""
     return {k: v for k, v in group.items() if k != "params"}

@@ -43,6 +43,7 @@ from lightning_pipe.checkpoint.format import (
     names_from_positions,
     optimizer_entries,
     optimizer_prefix,
+    stage_state_key,
 )
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.parallel.dtensor import full_values, shard_like, shard_optimizer_state, shard_state_like
@@ -159,7 +160,7 @@ class ShardedCheckpointer:
         if opt_states is not None:  # what the stages keep across batches, with the training state it belongs to
             names = self.names()
             # every tensor rank gathers (a collective), then the writers keep theirs, as for the module's state
-            kept = full_values({f"{STAGE_STATE_PREFIX}{names.name_of[id(p)]}.{key}": value
+            kept = full_values({stage_state_key(names.name_of[id(p)], key): value
                                 for p, key, value in stage_state.checkpoint_state(self.stages)
                                 if id(p) in names.owned})
             state.update({k: v for k, v in kept.items()
@@ -251,10 +252,11 @@ class ShardedCheckpointer:
                     for flat_key in entries.get(names.name_of[id(p)], {}).values():
                         keys[flat_key] = None
             for p, key in stage_state.state_slots(self.stages):
-                flat_key = f"{STAGE_STATE_PREFIX}{names.name_of.get(id(p))}.{key}"
-                if id(p) in names.name_of and flat_key in md.state_dict_metadata:
-                    keys[flat_key] = None
-                    kept[flat_key] = (p, key)
+                name = names.name_of.get(id(p))
+                state_key = stage_state_key(name, key) if name is not None else None
+                if state_key is not None and state_key in md.state_dict_metadata:
+                    keys[state_key] = None
+                    kept[state_key] = (p, key)
         loaded = ranks.agree(lambda: files.load_flat(path, keys, md))  # a failed read stops every rank
         module.load_state_dict(shard_state_like({k: loaded[MODEL_PREFIX + k] for k in local_sd if k in available},
                                                 local_sd), strict=False)
