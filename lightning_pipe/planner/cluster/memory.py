@@ -30,23 +30,30 @@ class MemoryModel:
     layout: Layout
     microbatches: int
 
-    def held(self, stages: Sequence[Sequence[LayerCost]]) -> list[float]:
-        """Bytes a stage keeps per micro-batch in flight: its layers' kept activations and its output (torch's
-        stage holds every output until its backward)."""
+    def held(self, stages: Sequence[Sequence[LayerCost]], outputs: bool = True) -> list[float]:
+        """Bytes a stage keeps per micro-batch in flight: what its layers keep for backward and (``outputs``) its
+        output, which torch's stage holds until its backward."""
         mode = self.layout.recompute
-        return [sum(c.saved[mode] for c in layers) + layers[-1].output for layers in stages]
+        return [sum(c.saved[mode] for c in layers) + (layers[-1].output if outputs else 0.0) for layers in stages]
+
+    def params(self, compiled: CompiledOrder, stages: Sequence[Sequence[LayerCost]]) -> list[float]:
+        """Parameters per pipeline rank (a tied head on the embedding's rank is the same tensor: counted once)."""
+        out = []
+        for r in range(len(compiled.ranks)):
+            mine = [s for s, owner in enumerate(compiled.stage_rank) if owner == r]
+            count = sum(c.params for s in mine for c in stages[s])
+            if self.model.tied_embeddings and 0 in mine and len(stages) - 1 in mine:
+                count -= stages[-1][-1].params
+            out.append(count)
+        return out
 
     def per_rank(self, compiled: CompiledOrder, stages: Sequence[Sequence[LayerCost]]) -> list[dict[str, float]]:
         """Per pipeline rank, its bytes by part."""
-        ranks = len(compiled.ranks)
         acts = peak_activations(compiled, self.held(stages))
         state = self.stack.param_state_bytes(self.layout.zero, self.layout.dp)
         out = []
-        for r in range(ranks):
+        for r, params in enumerate(self.params(compiled, stages)):
             mine = [s for s, owner in enumerate(compiled.stage_rank) if owner == r]
-            params = sum(c.params for s in mine for c in stages[s])
-            if self.model.tied_embeddings and 0 in mine and len(stages) - 1 in mine:
-                params -= stages[-1][-1].params  # one tensor on this rank
             rebuilt = max((c.whole for s in mine for c in stages[s]), default=0.0) \
                 if self.layout.recompute != "none" else 0.0
             out.append({"weights_gradients_optimizer": params * state, "activations": acts[r],

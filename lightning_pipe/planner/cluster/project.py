@@ -83,7 +83,8 @@ def model_flops(model: ModelSpec, global_batch: int) -> float:
     """Model FLOPs of one step (no recompute): 6 per weight of the blocks' matrices and the head per token, and
     12 x layers x seq x hidden per token for the attention scores (Megatron's count for MHA with ffn = 4h)."""
     h = model.hidden
-    matrices = model.block_params - 4 * h
+    up = (2 if model.activation == "swiglu" else 1) * model.ffn
+    matrices = h * (h + 2 * model.kv_dim) + h * h + (up + model.ffn) * h
     tokens = global_batch * model.seq
     return tokens * (6.0 * (model.layers * matrices + model.vocab * h) + 12.0 * model.layers * model.seq * h)
 

@@ -69,7 +69,7 @@ def _from_recipe(data: dict[str, Any], path: Path) -> ModelSpec:
         return ModelSpec(**common, kv_heads=data.get("n_kv_head", data["n_head"]), ffn=ffn, activation="swiglu",
                          tied_embeddings=bool(data.get("tie_embeddings", False)))
     if target.endswith("GPT"):
-        return ModelSpec(**common, tied_embeddings=True)
+        return ModelSpec(**common, tied_embeddings=True, bias=bool(data.get("bias", True)))
     raise spec_error("A recipe model config builds recipes.gpt.model.GPT or recipes.llama.model.Llama.",
                      f"_target_={target!r} in {str(path)!r}", "--model")
 

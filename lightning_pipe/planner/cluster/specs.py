@@ -40,6 +40,8 @@ class ModelSpec:
     activation: str = "gelu"
     """``gelu`` (two matrices) or ``swiglu`` (three: gate, up, down)."""
     tied_embeddings: bool = True
+    bias: bool | None = None
+    """Biases in the blocks' linear layers; ``None``: with GELU (GPT), not with SwiGLU (Llama)."""
     name: str = "model"
     source: str = ""
     """Where it was read from (a bundled config's name lets ``--emit-config`` reuse it)."""
@@ -59,6 +61,8 @@ class ModelSpec:
         if self.activation not in ("gelu", "swiglu"):
             raise spec_error("activation is 'gelu' or 'swiglu'.", f"activation={self.activation!r}",
                              "`activation` in the model file")
+        if self.bias is None:
+            object.__setattr__(self, "bias", self.activation == "gelu")
 
     @property
     def head_dim(self) -> int:
@@ -71,11 +75,14 @@ class ModelSpec:
 
     @property
     def block_params(self) -> int:
-        """Weights of one block (matrices and norms; biases are counted as in the recipes' GPT)."""
+        """Weights of one block: its matrices, two norms (weight and bias) and, with ``bias``, the linear layers'
+        biases."""
         h = self.hidden
         attention = h * (h + 2 * self.kv_dim) + h * h
-        mlp = (3 if self.activation == "swiglu" else 2) * h * self.ffn
-        return attention + mlp + 4 * h
+        up = (2 if self.activation == "swiglu" else 1) * self.ffn
+        mlp = (up + self.ffn) * h
+        biases = (h + 2 * self.kv_dim) + h + up + h if self.bias else 0
+        return attention + mlp + 4 * h + biases
 
     @property
     def params(self) -> int:

@@ -12,6 +12,7 @@ from typing import Any, Literal, NamedTuple, TypedDict
 
 from tests.distributed.scenarios import (
     checkpoint,
+    cluster_memory,
     expert_parallel,
     frozen,
     fsdp,
@@ -36,7 +37,7 @@ from tests.distributed.scenarios.training import TrainingCase
 Case = (TrainingCase | CheckpointCase | TraceCase | hardening.HardeningCase | planner.SlowRankCase | hf.HFCase
         | rebalance.RebalanceCase | fsdp.FsdpCountCase | frozen.FrozenCase | recipe.RecipeCase | rng.RngCase
         | soak.SoakCase | soak.RefitCase | syncs.SyncCase | moe.AuxCase | moe.MoECase | expert_parallel.ExpertCase
-        | probe.ProbeCase)
+        | probe.ProbeCase | cluster_memory.ClusterMemoryCase)
 
 
 class Scenario(NamedTuple):
@@ -75,6 +76,8 @@ SCENARIOS: dict[str, Scenario] = {
     # issue 25: test_expert_parallel.py
     "expert_parallel": Scenario(expert_parallel.ExpertCase, expert_parallel.run_expert_parallel),
     "probe": Scenario(probe.ProbeCase, probe.run_probe),  # test_launcher.py: a rank's state before any Trainer
+    # issue 48: test_cluster_memory.py
+    "cluster_memory": Scenario(cluster_memory.ClusterMemoryCase, cluster_memory.run_cluster_memory),
 }
 
 __all__ = ["Case", "CheckpointCase", "Failure", "SCENARIOS", "Scenario", "TraceCase", "TrainingCase"]
