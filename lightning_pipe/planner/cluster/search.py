@@ -90,11 +90,12 @@ def lower_bound(prep: Prepared, microbatches: int, split_backward: bool) -> floa
 
 def memory_floor(proj: Projector, prep: Prepared) -> float:
     """A floor of the fullest rank's bytes, without the layout's own compute order: everything but the activations
-    exactly, and the activations the same schedule keeps with fewer micro-batches (the fewest it accepts, at least
-    pp): no schedule here keeps less at once with more micro-batches (tests/unit/test_cluster_planner.py)."""
+    exactly, and the activations the same schedule keeps with pp micro-batches when m is a multiple of pp: no
+    schedule searched here keeps less on any rank with a multiple of pp (tests/unit/test_cluster_planner.py;
+    between multiples torch's interleaved warm-up can hold more: those are computed at m)."""
     layout = prep.layout
     m = layout.microbatches(proj.global_batch)
-    small = next((k for k in (layout.pp, 2 * layout.pp) if k < m and _accepts(layout, k)), m)
+    small = layout.pp if m % layout.pp == 0 and layout.pp < m and _accepts(layout, layout.pp) else m
     compiled = compiled_order(layout.schedule, layout.pp, layout.v, small)
     parts = MemoryModel(proj.model, proj.cluster, proj.stack, layout, m).per_rank(compiled, prep.stages)
     return max(sum(p.values()) for p in parts)
