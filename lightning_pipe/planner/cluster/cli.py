@@ -101,14 +101,14 @@ def _as_json(ranked: list[Projection], outcome: SearchOutcome | None) -> dict[st
 def _table(projector: Projector, ranked: list[Projection], outcome: SearchOutcome | None) -> str:
     c, m = projector.cluster, projector.model
     head = (f"{m.name}: {m.layers} layers x {m.hidden}, {m.heads} heads, seq {m.seq}, vocab {m.vocab} "
-            f"({m.params / 1e9:.2f} B parameters) on {c.name}: {c.gpus} GPUs, {c.gpus_per_node} per node, "
+            f"({m.params / 1e9:.3g} B parameters) on {c.name}: {c.gpus} GPUs, {c.gpus_per_node} per node, "
             f"global batch {projector.global_batch}, stack {projector.stack.name}")
     lines = [head]
     if outcome is not None:
         lines.append(f"searched {outcome.layouts} layouts, replayed {outcome.replayed} in {outcome.seconds:.1f} s")
     lines.append(f"{'#':>2} {'step s':>9} {'TFLOP/s':>8} {'MFU':>6} {'GiB/GPU':>8} {'fits':>5} {'bubble':>7}  layout")
     for i, p in enumerate(ranked, 1):
-        lines.append(f"{i:>2} {p.iteration_s:>9.3f} {p.model_tflops_per_gpu:>8.1f} {p.mfu:>6.1%} "
+        lines.append(f"{i:>2} {p.iteration_s:>9.4g} {p.model_tflops_per_gpu:>8.4g} {p.mfu:>6.1%} "
                      f"{p.memory_bytes / 2**30:>8.1f} {'yes' if p.fits else 'NO':>5} {p.bubble:>7.1%}  "
                      f"{p.layout.line()}  split {list(p.counts)}")
     if not ranked and outcome is not None and outcome.best_refused is not None:

@@ -60,7 +60,7 @@ def layouts(proj: Projector, fixed: Mapping[str, Any]) -> Iterator[Layout]:
     for tp in pick("tp", [t for t in _divisors(cluster.gpus_per_node) if cluster.gpus % t == 0]):
         for pp in pick("pp", [p for p in _divisors(cluster.gpus // tp) if p <= model.layers + 3]):
             dp = cluster.gpus // (tp * pp)
-            if "dp" in fixed and fixed["dp"] != dp or batch % dp:
+            if tp * pp * dp != cluster.gpus or "dp" in fixed and fixed["dp"] != dp or batch % dp:
                 continue
             for mbs in pick("mbs", [b for b in _divisors(batch // dp) if b <= MAX_MBS]):
                 # one pipeline rank: every schedule runs the same forward-backward pairs
