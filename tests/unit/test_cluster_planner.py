@@ -251,3 +251,19 @@ def test_project_command_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert ranked[0]["iteration_s"] <= ranked[1]["iteration_s"]
     assert main(["project", "--model", model, "--cluster", "a100-80gb-hdr", "--global-batch", "255"]) == 2
     assert "divisible by dp x mbs" in capsys.readouterr().err
+
+
+def test_the_analytic_source_feeds_the_profiled_planners_model() -> None:
+    """On a described CPU machine, the analytic layer costs are a ModelProfile the measured-cost model replays."""
+    from lightning_pipe.planner.cluster.machine import analytic_profile
+    from lightning_pipe.planner.model import CostModel, predict
+
+    cpu = ClusterSpec(gpus=2, gpus_per_node=2, peak_tflops=0.15, memory_gib=8, nvlink_gbps=2, network_gbps=2,
+                      hbm_gbps=20, kernel_us=2, precision="fp32", accelerator="cpu")
+    model = ModelSpec(layers=6, hidden=128, heads=4, seq=64, vocab=256)
+    profile = analytic_profile(model, cpu, [2, 4])
+    assert profile.num_layers == 9 and profile.link_bandwidth == pytest.approx(2e9)
+    steps = [predict(CostModel(profile, b, [1.0, 1.0]), compiled_order("1f1b", 2, 1, 16 // b), (4, 5), 1).step_time
+             for b in (2, 4)]
+    assert 0 < steps[0] < steps[1] * 1.2  # twice the rows per micro-batch, half the micro-batches
+    assert profile.layers[4][1].saved_bytes == pytest.approx(2 * profile.layers[2][1].saved_bytes)
