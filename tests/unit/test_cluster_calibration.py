@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_pipe.planner.cluster import GPU_EFFICIENCY, STACKS, Projector
+from lightning_pipe.planner.cluster import CLUSTERS, GPU_EFFICIENCY, STACKS, Layout, ModelSpec, Projector
 from lightning_pipe.planner.cluster.published import SC21_TABLE_1, PublishedRun
 
 
@@ -25,3 +25,20 @@ def test_published_iteration_times_follow_the_flop_count() -> None:
     assert SC21_TABLE_1[-1].iteration_s == pytest.approx(102.63, abs=0.01)
     assert SC21_TABLE_1[0].iteration_s == pytest.approx(3.53, abs=0.01)
     assert [r.gpus for r in SC21_TABLE_1] == [32, 64, 128, 256, 512, 1024, 1536, 1920, 2520, 3072]
+
+
+def test_tensor_parallelism_up_to_the_node_wins_at_small_batches() -> None:
+    """The paper's own comparison (its section 5.4.1, a 162.2 B GPT on 64 A100s, one pipeline): tensor parallelism
+    up to the node's 8 GPUs beats deeper pipelines while few micro-batches make the bubble dominate; the gap closes
+    as the batch grows. Not fitted: the same constants as Table 1."""
+    model = ModelSpec(32, 20480, 128, 2048, 51200)
+    cluster = CLUSTERS["a100-80gb-hdr"].with_gpus(64)
+    stack = STACKS["megatron_sc21"]
+
+    def step(tp: int, batch: int) -> float:
+        layout = Layout(tp, 64 // tp, 1, 1, 1, "1f1b", "full", 0, split="uniform")
+        return Projector(model, cluster, batch, stack).predict(layout).iteration_s
+
+    small = {tp: step(tp, 32) for tp in (2, 4, 8)}
+    assert small[8] < small[4] < small[2]
+    assert step(2, 512) / step(8, 512) < small[2] / small[8]
