@@ -61,8 +61,10 @@ def _block(name: str, values: dict[str, Any]) -> list[str]:
 def launch_lines(path: Path, projector: Projector) -> list[str]:
     """How to run the file: the recipe's command, and under SLURM one task per GPU."""
     c = projector.cluster
-    where = "" if path.parent.name == "experiment" and path.parent.parent.name == "configs" else \
-        f"--config-dir {path.parent.parent} " if path.parent.name == "experiment" else "(copy it to configs/experiment/) "
+    if path.parent.name != "experiment":
+        where = "(copy it to configs/experiment/) "
+    else:
+        where = "" if path.parent.parent.name == "configs" else f"--config-dir {path.parent.parent} "
     run = f"python recipes/gpt/train.py {where}experiment={path.stem}"
     lines = [f"#   {run}"]
     if c.accelerator == "gpu":

@@ -74,8 +74,8 @@ def analytic_profile(model: ModelSpec, machine: ClusterSpec, micro_batch_sizes: 
     layers: dict[int, list[LayerCost]] = {}
     for b in micro_batch_sizes:
         lm = LayerModel(model, machine, stack, kernels, links, 1, float(b))
-        layers[int(b)] = [_cost(c, c.params * machine.act_bytes, kernels.stream(c.params * stack.optimizer_pass_bytes, 4))
-                          for c in lm.layers()]
+        step = [kernels.stream(c.params * stack.optimizer_pass_bytes, 4) for c in lm.layers()]
+        layers[int(b)] = [_cost(c, c.params * machine.act_bytes, t) for c, t in zip(lm.layers(), step)]
     return ModelProfile(layers, link_latency=machine.nvlink_latency_us * 1e-6,
                         link_bandwidth=machine.nvlink_gbps * 1e9 * eff.link,
                         meta={"source": "analytic", "machine": machine.name})

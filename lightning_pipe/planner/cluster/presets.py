@@ -36,18 +36,20 @@ STACKS: dict[str, Stack] = {
     # Megatron-LM as the SC'21 paper ran Table 1: fp16 with fp32 master weights, gradients all-reduced in fp16
     # after the schedule, scores materialised (fused softmax, dropout 0.1), vocabulary-parallel embedding and head,
     # pipeline sends split over the tensor ranks, ranks ordered tensor, data, pipeline; full recompute of the blocks.
-    "megatron_sc21": Stack(name="megatron_sc21", attention="materialized", vocab_parallel=True, dropout=True,
-                           state_bytes=20, zero_full_bytes=4, zero_sharded_bytes=16, gather_bytes=2,
-                           optimizer_pass_bytes=48, reduce_bytes=2, dp_overlap=False, rank_order="tp,dp,pp",
-                           zero_rank_order="tp,dp,pp", recv_buffers="in_flight", pp_scatter_gather=True,
-                           blocking_p2p=True, zero_tied_on_one_rank=True, recompute_modes=("none", "full"), zero_modes=(0,), recompute_all_layers=False,
-                           schedules=("1f1b", "interleaved_1f1b"), splits=("uniform",)),
+    "megatron_sc21": Stack(
+        name="megatron_sc21", attention="materialized", vocab_parallel=True, dropout=True,
+        state_bytes=20, zero_full_bytes=4, zero_sharded_bytes=16, gather_bytes=2, optimizer_pass_bytes=48,
+        reduce_bytes=2, dp_overlap=False, rank_order="tp,dp,pp", zero_rank_order="tp,dp,pp",
+        recv_buffers="in_flight", pp_scatter_gather=True, blocking_p2p=True, zero_tied_on_one_rank=True,
+        recompute_modes=("none", "full"), zero_modes=(0,), recompute_all_layers=False,
+        schedules=("1f1b", "interleaved_1f1b"), splits=("uniform",)),
     # Megatron-Core as run since 2023: flash attention, sequence parallelism, selective recompute, the distributed
     # optimizer (bf16 weights, fp32 gradients, master weights and moments), overlapped gradient reduction.
-    "megatron": Stack(name="megatron", attention="flash", vocab_parallel=True, dropout=False, sequence_parallel=True,
-                      state_bytes=18, zero_full_bytes=6, zero_sharded_bytes=12, gather_bytes=2,
-                      optimizer_pass_bytes=40, reduce_bytes=4, dp_overlap=True, rank_order="tp,dp,pp",
-                      zero_rank_order="tp,dp,pp", recv_buffers="in_flight", pp_scatter_gather=True,
-                      zero_tied_on_one_rank=True, recompute_modes=("none", "selective", "full"), zero_modes=(0, 1), recompute_all_layers=False,
-                      schedules=("1f1b", "interleaved_1f1b"), splits=("uniform",)),
+    "megatron": Stack(
+        name="megatron", attention="flash", vocab_parallel=True, dropout=False, sequence_parallel=True,
+        state_bytes=18, zero_full_bytes=6, zero_sharded_bytes=12, gather_bytes=2, optimizer_pass_bytes=40,
+        reduce_bytes=4, dp_overlap=True, dp_overlap_with_tp=True, rank_order="tp,dp,pp", zero_rank_order="tp,dp,pp",
+        recv_buffers="in_flight", pp_scatter_gather=True, zero_tied_on_one_rank=True,
+        recompute_modes=("none", "selective", "full"), zero_modes=(0, 1), recompute_all_layers=False,
+        schedules=("1f1b", "interleaved_1f1b"), splits=("uniform",)),
 }

@@ -160,15 +160,16 @@ class Projector:
                         links: Links) -> dict[str, float]:
         """[Note: gradient reduction under the backward]
         A rank's gradients are final during its last backward; with ``dp_overlap`` (the strategy without tensor
-        parallelism) their reduction starts then and runs while the backward finishes on this rank and travels down
-        to stage 0: the window is this rank's last backward of its lowest stage plus the input-gradient chain of the
-        stages below it. Only what outlasts the window adds to the step. ZeRO-1's all-gather of the updated weights
-        runs before the next forward (under the first forward with ``dp_overlap``). Without overlap both are added.
+        parallelism, Megatron-Core always) their reduction starts then and runs while the backward finishes on this
+        rank and travels down to stage 0: the window is this rank's last backward of its lowest stage plus the
+        input-gradient chain of the stages below it. Only what outlasts the window adds to the step. ZeRO-1's
+        all-gather of the updated weights runs before the next forward (under the first forward with
+        ``dp_overlap``). Without overlap both are added.
         """
         ranks = layout.pp
         params = _rank_params(stages, stage_rank, ranks, self.model.tied_embeddings)
         span = placement.span("dp")
-        overlap = self.stack.dp_overlap and layout.tp == 1
+        overlap = self.stack.dp_overlap and (layout.tp == 1 or self.stack.dp_overlap_with_tp)
         exposed = 0.0
         for r in range(ranks):
             grads = params[r] * self.stack.reduce_bytes

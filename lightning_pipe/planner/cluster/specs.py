@@ -113,7 +113,7 @@ class ClusterSpec:
     precision: str = "bf16"
     """Training precision: ``bf16`` / ``fp16`` (mixed, 2-byte activations) or ``fp32``."""
     accelerator: str = "gpu"
-    """``gpu``, or ``cpu`` for a machine of CPU ranks (each "GPU" is a process; ``--emit-config`` then trains on CPU)."""
+    """``gpu``, or ``cpu`` for a machine of CPU ranks (each "GPU" is a process; ``--emit-config`` trains on CPU)."""
     name: str = "cluster"
     notes: str = ""
 
@@ -189,8 +189,9 @@ class Stack:
     reduce_bytes: int = 4
     """Bytes per gradient element the data-parallel reduction sends (fp32 under Lightning's mixed precision)."""
     dp_overlap: bool = True
-    """The data-parallel gradient reduction runs during each stage's last backward (PipelineStrategy without tensor
-    parallelism); otherwise after the schedule."""
+    """The data-parallel gradient reduction runs during each stage's last backward; otherwise after the schedule."""
+    dp_overlap_with_tp: bool = False
+    """... also under tensor parallelism (the strategy reduces after the schedule there; Megatron-Core overlaps)."""
     rank_order: str = "tp,pp,dp"
     """Mesh dimensions from innermost (consecutive ranks, one node) out, without ZeRO."""
     zero_rank_order: str = "tp,dp,pp"
