@@ -276,6 +276,9 @@ def _report(args: argparse.Namespace, model: str, ranks: int,
           f"{min(an):+.1%} to {max(an):+.1%}); with the runtime's host costs measured on the tiny probe "
           f"{max(map(abs, an_host)):.3f} ({min(an_host):+.1%} to {max(an_host):+.1%}); the profiled planner's "
           f"{error:.3f} (its profile with the same host costs {raw_error:.3f})\n"
+          f"analytic against the measured layer profile (the same host costs): "
+          f"{min(r['pred_analytic_host'] / r['pred_raw'] for r in rows):.2f}x to "
+          f"{max(r['pred_analytic_host'] / r['pred_raw'] for r in rows):.2f}x its prediction\n"
           f"analytic_prediction_error_max={max(map(abs, an)):.3f} "
           f"analytic_host_prediction_error_max={max(map(abs, an_host)):.3f}")
     print(f"pick_vs_best={pick['meas'] / best:.3f} prediction_error_max={error:.3f} (profile only {raw_error:.3f}) "
