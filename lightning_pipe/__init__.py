@@ -12,6 +12,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_pipe.config import PipelineConfig, PipelineConfigError
 from lightning_pipe.lightning.callbacks import PipelineTimeline
+from lightning_pipe.lightning.grad_norms import grad_norm
 from lightning_pipe.lightning.module import PipelineModule
 from lightning_pipe.lightning.precision import PipelinePrecision
 from lightning_pipe.lightning.strategy import PipelineStrategy
@@ -30,6 +31,7 @@ __all__ = [
     "PipelineTimeline",
     "available_schedules",
     "compute_order",
+    "grad_norm",
 ]
 
 

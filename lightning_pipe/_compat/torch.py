@@ -269,6 +269,29 @@ default_store = _resolve(_c10d, "_get_default_store", _c10d.__name__)
 PRIVATE_TORCH_API["_get_default_store"] = default_store
 
 
+# --------------------------------------------------------------------------- gradient norms in hooks (lightning/grad_norms.py)
+# torch.nn.utils.clip_grad_norm_ takes its total norm from the module global ``_get_total_norm`` at each call (the
+# public ``torch.nn.utils.get_total_norm`` is the same function): replacing that global for the length of a hook
+# makes every clip by norm inside it global over the pipeline, however the user imported clip_grad_norm_.
+_clip_grad = _module("torch.nn.utils.clip_grad")
+_resolve(_clip_grad, "_get_total_norm", _clip_grad.__name__)
+PRIVATE_TORCH_API["torch.nn.utils.clip_grad._get_total_norm"] = _clip_grad._get_total_norm
+
+
+@contextlib.contextmanager
+def total_norm_replaced(fn: Callable[..., torch.Tensor]) -> Iterator[None]:
+    """Within: ``clip_grad_norm_`` and ``get_total_norm`` compute their total norm with ``fn`` (same signature)."""
+    original = _clip_grad._get_total_norm
+    utils = torch.nn.utils
+    _clip_grad._get_total_norm = fn
+    utils.get_total_norm = fn
+    try:
+        yield
+    finally:
+        _clip_grad._get_total_norm = original
+        utils.get_total_norm = original
+
+
 # --------------------------------------------------------------------------- in-place change detection (dp_overlap.py)
 def tensor_version(tensor: torch.Tensor) -> int:
     """Autograd's counter of in-place changes to ``tensor`` (``Tensor._version``): tells whether Lightning's

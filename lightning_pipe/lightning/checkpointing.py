@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from lightning_pipe._compat import lightning as _compat
 from lightning_pipe.checkpoint import files
 from lightning_pipe.checkpoint.checksums import verify_checksums
+from lightning_pipe.checkpoint.convert import consolidate
 from lightning_pipe.checkpoint.format import (
     DCP_METADATA,
     FORMAT,
@@ -177,6 +178,36 @@ class ShardedCheckpointer:
             if full is not None:
                 raise full from err
             raise
+
+    # [Note: consolidated checkpoints]
+    # PipelineStrategy(save_consolidated=True) writes every checkpoint as one ordinary Lightning ``.ckpt`` file at the
+    # path Lightning asks for, so ``torch.load(path)``, ``Model.load_from_checkpoint(path)`` and any strategy's resume
+    # read it as they read a single device's. Every rank writes its shards into a hidden directory beside it, as for a
+    # sharded save; rank 0 then reads them back, writes the one file atomically (the previous checkpoint stays until
+    # the new one is whole) and removes the directory. Rank 0 holds the whole model and its optimizer state in
+    # memory while it writes, and a save costs one more read and write of every byte; a resume reads the whole file
+    # on every rank. A failure on rank 0 is raised on every rank (one gather after the write).
+    def save_consolidated(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """One ``.ckpt`` file at ``filepath`` ([Note: consolidated checkpoints]); every rank calls it."""
+        ranks = self.ranks
+        path = Path(ranks.broadcast(str(filepath)))
+        sharded = path.parent / f".{path.name}.sharded-{ranks.broadcast(uuid.uuid4().hex[:8])}"
+        self.save(checkpoint, sharded, storage_options)
+
+        def write() -> None:
+            if ranks.rank != 0:
+                return
+            try:
+                consolidate(sharded, path)
+            except CheckpointError:
+                raise
+            except Exception as err:  # (a full disk, say): raised on every rank, not only here
+                raise CheckpointError(f"Writing the consolidated checkpoint {str(path)!r} failed: "
+                                      f"{type(err).__name__}: {err}") from err
+            finally:
+                files.remove(sharded)
+
+        ranks.agree(write)
 
     def _write(self, ranks: RankGroup, path: Path, tmp: Path, token: str, state: dict[str, Any],
                checkpoint: dict[str, Any], groups: list[Any] | None) -> None:

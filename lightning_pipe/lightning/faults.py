@@ -53,6 +53,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_pipe._compat import lightning as _compat
 from lightning_pipe._compat import torch as _compat_torch
 from lightning_pipe.config import PipelineConfigError, config_error
+from lightning_pipe.lightning.same_call import StuckInStep, step_of
 from lightning_pipe.runtime.watchdog import FailureWatch, any_rank, consequence_note
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -146,6 +147,7 @@ class PipelineFaults:
         store = dist.PrefixStore(f"lightning_pipe/faults/{token}/", _compat_torch.default_store())
         watch = FailureWatch(store, strategy.global_rank, world_size=strategy.world_size,
                              before_exit=lambda: _end_launched_ranks(strategy))
+        watch.checks.append(StuckInStep(strategy.global_rank, lambda: step_of(strategy)))  # [Note: every rank saves]
         faults = cls(strategy, trainer, watch)
         connector = _compat.signal_connector(trainer)
         if isinstance(connector, PipelineSignalConnector):

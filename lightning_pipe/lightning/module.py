@@ -26,14 +26,22 @@ layers and the loss on one device, and the whole pipeline schedule (forward *and
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 import lightning.pytorch as pl
-from torch import Tensor
+from lightning.fabric.utilities.apply_func import convert_to_tensors
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
 
+from lightning_pipe._compat import lightning as _compat
+from lightning_pipe.checkpoint.convert import as_file
 from lightning_pipe.layers.aux import AuxLossContext, aux_loss_context
 from lightning_pipe.layers.batches import input_args, loss_parts
-from lightning_pipe.layers.stages import run_layers
+from lightning_pipe.layers.stages import attach_layer_penalty, run_layers
+from lightning_pipe.lightning import grad_norms, remote
 
 # [Note: the loss a training step returns]
 # Under PipelineStrategy, ``compute_loss`` runs the backward of every micro-batch itself; the loss it returns is a
@@ -96,7 +104,11 @@ class PipelineModule(pl.LightningModule):
     ``val_loss`` and ``test_loss``; override them freely, as long as they take the loss from
     :meth:`compute_loss` (and predictions from :meth:`compute_output`).
 
-    Optional hooks the strategy calls when present: ``trim_microbatch(inputs, target) -> (inputs, target)`` (each
+    Optional hooks the strategy calls when present: ``layer_penalty(index, layer) -> Tensor | None`` (a term over
+    the layer's parameters added to the training loss, e.g. ``1e-4 * sum(p.pow(2).sum() for p in
+    layer.parameters())``: computed where the layer lives, exact against one device, logged as
+    ``train_aux_loss/penalty``: [Note: a penalty over every stage's parameters] in layers/stages.py),
+    ``trim_microbatch(inputs, target) -> (inputs, target)`` (each
     micro-batch, cut from the batch as torch cuts it, may be trimmed to its own length, e.g. its padding columns
     dropped: [Note: micro-batches of their own length] in lightning_pipe/runtime/microbatches.py),
     ``reset_layer(index, layer)`` (initialise a layer built on the meta device) and ``parallelize_layer(index, layer, tp_mesh)`` (required with ``tensor_parallel_size > 1``):
@@ -137,7 +149,13 @@ class PipelineModule(pl.LightningModule):
     # ---------------------------------------------------------------- running
     def forward(self, inputs: Any) -> Any:
         """Run the layer list as a chain; a tuple of ``inputs`` is the first layer's positional arguments."""
-        return run_layers(self.layers, inputs)  # type: ignore[arg-type]  # nn.Module.__getattr__ types it loosely
+        layers: Any = self.layers  # (nn.Module.__getattr__ types it loosely)
+        out = run_layers(layers, inputs)
+        penalty = getattr(self, "layer_penalty", None)
+        if penalty is None:
+            return out
+        # joins the loss here as on each stage ([Note: a penalty over every stage's parameters] in layers/stages.py)
+        return attach_layer_penalty(out, list(layers), range(len(layers)), penalty)
 
     def compute_loss(self, batch: Any) -> Tensor:
         """The batch loss (a mean, or ``sum / max(count, 1)``). Under the pipeline strategy during training this runs
@@ -179,6 +197,13 @@ class PipelineModule(pl.LightningModule):
             for name, value in values.items():
                 self.log(f"{prefix}/{name}", value)
 
+    def layer_value(self, index: int, fn: Callable[[nn.Module], Any]) -> Any:
+        """``fn(layer)`` for layer ``index`` of the layer list, the same value on every rank, e.g.
+        ``self.log("w6", self.layer_value(6, lambda layer: layer.weight.norm()))``. Under the pipeline it runs where
+        the layer lives and reaches every rank of its pipeline: a collective, so call it on every rank (in a hook, or
+        after ``fit``: [Note: a value one stage holds] in lightning/remote.py). Under ``no_grad``; detached."""
+        return remote.layer_value(self, index, fn)
+
     def compute_output(self, batch: Any) -> Any:
         """The last layer's output for the batch's inputs (on every rank of the pipeline)."""
         engine = self._pipeline_engine
@@ -187,6 +212,36 @@ class PipelineModule(pl.LightningModule):
         inputs, _ = self.split_batch(batch)
         input_args(inputs, type(self).__name__)
         return self(inputs)
+
+    # ---------------------------------------------------------------- collectives
+    def all_gather(self, data: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
+        """Lightning's ``all_gather``; under PipelineStrategy, without a ``group``, over the ranks that read different
+        data, as on DDP (``[data ranks, ...]``); ``group=torch.distributed.group.WORLD`` gathers from every rank
+        ([Note: collectives over the data ranks] in lightning/collectives.py)."""
+        strategy = self.trainer.strategy
+        if not hasattr(strategy, "pipeline_config"):
+            return super().all_gather(data, group, sync_grads)
+        # (Lightning's own turns a missing group into WORLD before the strategy sees it)
+        return apply_to_collection(convert_to_tensors(data, device=self.device), Tensor, strategy.all_gather,
+                                   group=group, sync_grads=sync_grads)
+
+    # ---------------------------------------------------------------- logging
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        """Lightning's ``log``; under the pipeline a gradient-norm total of Lightning's ``grad_norm`` warns once
+        ([Note: gradient norms in hooks] in lightning/grad_norms.py)."""
+        if self._pipeline_engine is not None and name.startswith("grad_"):
+            grad_norms.check_logged(name, value, self._pipeline_engine)
+        super().log(name, value, *args, **kwargs)
+
+    # ---------------------------------------------------------------- checkpoints
+    @_compat.restricted_classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's ``load_from_checkpoint``, which also reads a sharded pipeline checkpoint directory (what
+        ``ModelCheckpoint`` writes under PipelineStrategy) on one process: it is first consolidated in memory
+        (``lightning_pipe.checkpoint.as_file``). Single files load as Lightning loads them."""
+        if isinstance(checkpoint_path, (str, os.PathLike)) and Path(checkpoint_path).is_dir():
+            checkpoint_path = as_file(checkpoint_path)  # a directory that is no checkpoint: CheckpointError says so
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     # ---------------------------------------------------------------- default steps
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:

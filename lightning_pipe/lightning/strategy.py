@@ -25,9 +25,10 @@ from typing_extensions import override
 from lightning_pipe._compat import lightning as _compat
 from lightning_pipe.checkpoint import remove as remove_checkpoint_files
 from lightning_pipe.config import PartitionSpec
-from lightning_pipe.lightning import metrics, world
+from lightning_pipe.lightning import collectives, metrics, same_call, world
 from lightning_pipe.lightning.checkpointing import RankGroup, ShardedCheckpointer
 from lightning_pipe.lightning.faults import DEFAULT_TIMEOUT, PipelineFaults, resolve_timeout
+from lightning_pipe.lightning.features import adapt_features
 from lightning_pipe.lightning.launchers import PipelineMultiProcessingLauncher
 from lightning_pipe.lightning.module import check_returned_loss
 from lightning_pipe.lightning.optimizers import empty_parameter_lists_allowed
@@ -65,6 +66,9 @@ class PipelineStrategy(ParallelStrategy):
             default 10 minutes). A rank that fails stops its peers within seconds regardless
             (docs/failures.md).
         start_method: ``"popen"`` re-runs the script per rank (like ``ddp``); ``"spawn"`` for notebooks.
+        save_consolidated: write every checkpoint as one ordinary ``.ckpt`` file (``torch.load`` and any
+            ``load_from_checkpoint`` read it; rank 0 holds the whole model while writing) instead of a sharded
+            directory ([Note: consolidated checkpoints] in lightning/checkpointing.py).
     """
 
     strategy_name = "pipeline"
@@ -96,6 +100,7 @@ class PipelineStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        save_consolidated: bool = False,
         # Lightning's plugins
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -125,7 +130,9 @@ class PipelineStrategy(ParallelStrategy):
         self._faults: PipelineFaults | None = None
         self._undo_fast_log: Callable[[], None] | None = None
         self._undo_metric_sync: Callable[[], None] | None = None
+        self._undo_features: Callable[[], None] | None = None
         self._start_method = start_method
+        self._save_consolidated = save_consolidated
         self.engine: PipelineEngine | None = None
         self.plan: SchedulePlan | None = None
         self.topology: Topology | None = None
@@ -216,6 +223,10 @@ class PipelineStrategy(ParallelStrategy):
         self.set_world_ranks()
         self._process_group_backend = world.init_process_group(self.cluster_environment, self.root_device,
                                                                self._process_group_backend, self._timeout)
+        # every rank starts this Trainer call, before its first collective ([Note: every rank saves])
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        fn = getattr(getattr(trainer, "state", None), "fn", None)
+        same_call.strategy_meet(self, "run", f"trainer.{getattr(fn, 'value', fn)}")
         # Failures on one rank stop the others; SIGTERM stops all ranks at a step boundary (lightning/faults.py).
         self._faults = PipelineFaults.start(self)
 
@@ -242,6 +253,8 @@ class PipelineStrategy(ParallelStrategy):
         module = self.lightning_module  # [Note: what sync_dist reduces over] (lightning/metrics.py)
         if self._undo_metric_sync is None and self.engine is not None and module is not None:
             self._undo_metric_sync = metrics.sync_metrics_over_data(module, self.engine)
+        if self._undo_features is None:  # prediction writers, the model summary (lightning/features.py)
+            self._undo_features = adapt_features(self, trainer)
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -366,7 +379,13 @@ class PipelineStrategy(ParallelStrategy):
                           "OnExceptionCheckpoint saves on an agreed SIGTERM stop, not after an error). The last "
                           "complete checkpoint stays.", stacklevel=2)
             return
-        self._checkpointer().save(checkpoint, filepath, storage_options)
+        # before the save's first collective: is every rank saving? ([Note: every rank saves])
+        if not same_call.strategy_meet(self, "save", f"Trainer.save_checkpoint({str(filepath)!r})"):
+            return  # a peer failed meanwhile: as above, the ranks are stopping
+        if self._save_consolidated:
+            self._checkpointer().save_consolidated(checkpoint, filepath, storage_options)
+        else:
+            self._checkpointer().save(checkpoint, filepath, storage_options)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -404,17 +423,22 @@ class PipelineStrategy(ParallelStrategy):
             return  # the ranks are stopping after a failure: no peer will meet it (e.g. Trainer.save_checkpoint's)
         world.barrier(self.root_device)
 
+    # [Note: collectives over the data ranks] in lightning/collectives.py: as on DDP, over the ranks that read
+    # different data; group=torch.distributed.group.WORLD reaches every rank.
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return world.broadcast(obj, src)
+        """Every rank gets the object of data rank ``src``'s first rank."""
+        return world.broadcast(obj, collectives.broadcast_source(self._topology(), src))
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """``[data ranks, ...]`` unless ``group`` is given."""
+        return collectives.all_gather(tensor, self._topology(), group, sync_grads)
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | str | None = "mean") -> Any:
-        """Over the ranks that read different data unless ``group`` is given: the pipeline's ranks of one replica
-        hold the same logged values ([Note: what sync_dist reduces over] in lightning/metrics.py)."""
-        if group is None and self.engine is not None:
-            return metrics.reduce_over_data(tensor, reduce_op, self.engine)
-        return world.reduce(tensor, group, reduce_op)
+        """Over the ranks that read different data unless ``group`` is given."""
+        return collectives.reduce(tensor, self._topology(), group, reduce_op)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
@@ -437,6 +461,9 @@ class PipelineStrategy(ParallelStrategy):
         undo_metric_sync, self._undo_metric_sync = self._undo_metric_sync, None
         if undo_metric_sync is not None:
             undo_metric_sync()
+        undo_features, self._undo_features = self._undo_features, None
+        if undo_features is not None:
+            undo_features()
         if faults is not None:
             faults.stop()
         if self.rebalancer is not None:

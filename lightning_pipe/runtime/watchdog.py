@@ -128,6 +128,9 @@ class FailureWatch:
         self._thread: threading.Thread | None = None
         self._deadline: tuple[float, str, int] | None = None
         self._exit = os._exit  # replaced in unit tests
+        self.checks: list[Callable[[], str | None]] = []
+        """Polled with the store: one that returns a message reports it as this rank's failure and ends the process
+        (e.g. a rank stuck in a step no peer will join: [Note: every rank saves] in lightning/same_call.py)."""
 
     # ------------------------------------------------------------------ control
     def start(self) -> FailureWatch:
@@ -227,6 +230,11 @@ class FailureWatch:
                 return
             if self.store_gone:
                 continue
+            stuck = next((m for m in (check() for check in self.checks) if m is not None), None)
+            if stuck is not None:
+                self.report(stuck)
+                self.terminate(stuck, 1)
+                return
             if peer_failed_at is None:
                 try:
                     if self.seen is None and self.store.check([FAILURE_KEY]):
