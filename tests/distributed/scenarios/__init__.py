@@ -13,6 +13,7 @@ from typing import Any, Literal, NamedTuple, TypedDict
 from tests.distributed.scenarios import (
     checkpoint,
     expert_parallel,
+    features,
     frozen,
     fsdp,
     hardening,
@@ -36,7 +37,7 @@ from tests.distributed.scenarios.training import TrainingCase
 Case = (TrainingCase | CheckpointCase | TraceCase | hardening.HardeningCase | planner.SlowRankCase | hf.HFCase
         | rebalance.RebalanceCase | fsdp.FsdpCountCase | frozen.FrozenCase | recipe.RecipeCase | rng.RngCase
         | soak.SoakCase | soak.RefitCase | syncs.SyncCase | moe.AuxCase | moe.MoECase | expert_parallel.ExpertCase
-        | probe.ProbeCase)
+        | probe.ProbeCase | features.FeatureCase)
 
 
 class Scenario(NamedTuple):
@@ -75,6 +76,7 @@ SCENARIOS: dict[str, Scenario] = {
     # issue 25: test_expert_parallel.py
     "expert_parallel": Scenario(expert_parallel.ExpertCase, expert_parallel.run_expert_parallel),
     "probe": Scenario(probe.ProbeCase, probe.run_probe),  # test_launcher.py: a rank's state before any Trainer
+    "features": Scenario(features.FeatureCase, features.run_pipeline),  # issue 45: test_features.py
 }
 
 __all__ = ["Case", "CheckpointCase", "Failure", "SCENARIOS", "Scenario", "TraceCase", "TrainingCase"]

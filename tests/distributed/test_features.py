@@ -1,0 +1,181 @@
+"""Issue 45: Lightning's everyday features under the pipeline, each against one device: collectives over the ranks
+that read different data, prediction writers, deployable checkpoints, global gradient norms in hooks, a penalty
+over every stage's parameters, the model summary and errors that know the layout."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.distributed.launcher import launch
+from tests.distributed.scenarios.feature_model import FeatureNet
+from tests.distributed.scenarios.features import FeatureCase, run_reference
+
+pytestmark = [pytest.mark.distributed]
+
+ATOL = 1e-5
+Results = Sequence[Sequence[dict[str, Any]]]
+
+
+def merged(results: Results, i: int, key: str = "params", dp_rank: int = 0) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for rank in results:
+        if rank[i]["topology"][0] == dp_rank:
+            out.update(rank[i][key])
+    return out
+
+
+def assert_params(results: Results, i: int, ref: dict[str, Any], dp: int = 1) -> None:
+    for dp_rank in range(dp):
+        got = merged(results, i, dp_rank=dp_rank)
+        assert sorted(got) == sorted(ref["params"])
+        for name, value in ref["params"].items():
+            torch.testing.assert_close(got[name], value, atol=ATOL, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def assert_close(got: Any, want: Any, what: str) -> None:
+    torch.testing.assert_close(torch.as_tensor(got, dtype=torch.float64), torch.as_tensor(want, dtype=torch.float64),
+                               atol=ATOL, rtol=0, msg=lambda m: f"{what}: {m}")
+
+
+def check_collectives(results: Results, i: int, ref: dict[str, Any], dp: int) -> None:
+    """all_gather / reduce / sync_dist count each sample once; broadcast gives every rank one value; a layer's
+    value reaches every rank."""
+    for rank in results:
+        got = rank[i]
+        record, want = got["record"], ref["record"]
+        n = len(want["all_gather_sum"])
+        assert got["record"]["all_gather_shape"] == [(dp,)] * n, got["record"]["all_gather_shape"]
+        assert got["record"]["world_gather_shape"] == [(len(results),)] * n
+        assert_close(record["all_gather_sum"], want["all_gather_sum"], "all_gather(rows).sum()")
+        assert_close(record["reduce_sum"], want["reduce_sum"], "strategy.reduce(rows, 'sum')")
+        assert record["broadcast"] == ["from rank 0"] * n, record["broadcast"]
+        assert_close(record["head_norm"], want["head_norm"], "layer_value(last, weight norm)")
+        assert_close(got["logged"]["val_rows"], ref["logged"]["val_rows"], "self.log(sync_dist, reduce_fx=sum)")
+        assert_close(got["validate"]["val_rows"], ref["validate"]["val_rows"], "validate's val_rows")
+        assert_close(got["validate"]["val_acc"], ref["validate"]["val_acc"], "validate's val_acc")
+
+
+def read_predictions(folder: Path, kind: str) -> tuple[int, torch.Tensor]:
+    """(files, predictions in sample order) of what the writers wrote."""
+    rows: dict[int, torch.Tensor] = {}
+    files = sorted(folder.glob(f"{kind}-*.pt"))
+    for path in files:
+        prediction, indices = torch.load(path, weights_only=False)
+        if kind == "epoch":  # lists per dataloader of per-batch lists
+            prediction, indices = [p for p in prediction], [ix for ix in indices[0]]
+        else:
+            prediction, indices = [prediction], [indices]
+        for pred, ix in zip(prediction, indices):
+            for row, sample in zip(pred, ix):
+                assert sample not in rows, f"sample {sample} written twice ({path.name})"
+                rows[sample] = row
+    return len(files), torch.stack([rows[k] for k in sorted(rows)])
+
+
+def with_folders(cases: Sequence[FeatureCase], root: Path) -> list[FeatureCase]:
+    """Each case its own folder; ``ckpt_resume`` reads the one of the ``ckpt_consolidated`` case before it."""
+    out, last_ckpt = [], ""
+    for i, case in enumerate(cases):
+        folder = str(root / f"case{i}")
+        if case.feature == "ckpt_consolidated":
+            last_ckpt = folder
+        out.append(FeatureCase(**{**case.__dict__, "out_dir": last_ckpt if case.feature == "ckpt_resume" else folder}))
+    return out
+
+
+FIRST = [
+    FeatureCase("collectives"),
+    FeatureCase("prediction_writers"),
+    FeatureCase("ckpt_sharded"),
+    FeatureCase("ckpt_consolidated"),
+    FeatureCase("ckpt_resume"),
+    FeatureCase("clip_torch_norm"),
+    FeatureCase("clip_torch_norm", tied=True),
+    FeatureCase("clip_torch_value"),
+    FeatureCase("clip_self"),
+    FeatureCase("grad_norm_lightning"),
+    FeatureCase("grad_norm_ours", tied=True),
+    FeatureCase("penalty"),
+    FeatureCase("layout"),
+]
+
+
+@pytest.mark.timeout(600)
+def test_everyday_features_match_one_device(tmp_path: Path) -> None:
+    cases = with_folders(FIRST, tmp_path)
+    results = launch("features", 2, cases, tmp_path / "launch", timeout=500)
+    for i, case in enumerate(cases):
+        ref = run_reference(case)
+        assert_params(results, i, ref)
+        for rank in results:
+            assert_close(rank[i]["losses"], ref["losses"], f"{case.feature}: train_loss")
+        check_case(results, i, case, ref)
+
+
+def check_case(results: Results, i: int, case: FeatureCase, ref: dict[str, Any]) -> None:
+    feature, first = case.feature, results[0][i]
+    if feature == "collectives":
+        check_collectives(results, i, ref, case.dp)
+    elif feature == "prediction_writers":
+        for kind in ("batch", "epoch"):
+            n_files, got = read_predictions(Path(case.out_dir) / "pipeline", kind)
+            n_ref, want = read_predictions(Path(case.out_dir) / "reference", kind)
+            assert n_files == n_ref and got.shape == want.shape == (22, 4), (kind, n_files, n_ref, got.shape)
+            assert_close(got, want, f"{kind} writer")
+    elif feature == "ckpt_sharded":
+        path = Path(first["path"])
+        assert path.is_dir()
+        with pytest.raises(IsADirectoryError):  # torch.load reads files; the docs name the ways (test_docs)
+            torch.load(path, weights_only=True)
+        loaded = FeatureNet.load_from_checkpoint(path)  # a sharded directory, on one process
+        assert_close_params(loaded, merged(results, i))
+    elif feature == "ckpt_consolidated":
+        path = Path(first["path"])
+        assert path.is_file()
+        assert sorted(torch.load(path, weights_only=True)["state_dict"]) == sorted(ref["params"])
+        assert_close_params(FeatureNet.load_from_checkpoint(path), merged(results, i))
+    elif feature in ("clip_torch_norm",):
+        for rank in results:
+            assert_close(rank[i]["record"]["torch_norm"], ref["record"]["torch_norm"], "clip_grad_norm_'s norm")
+    elif feature == "grad_norm_lightning":
+        for rank in results:
+            assert any("grad_2.0_norm_total" in w and "lightning_pipe.grad_norm(self, 2)" in w
+                       for w in rank[i]["warnings"]), rank[i]["warnings"]
+    elif feature == "grad_norm_ours":
+        for rank in results:
+            assert_close(rank[i]["record"]["grad_norm_total"], ref["record"]["grad_norm_total"], "grad_norm total")
+            assert not rank[i]["warnings"]
+    elif feature == "penalty":
+        for rank in results:
+            got, want = rank[i]["logged"]["train_aux_loss/penalty"], ref["logged"]["train_aux_loss/penalty"]
+            assert len(got) == case.steps and got[0] > 0
+            assert_close(got, want, "logged penalty")
+    elif feature == "layout":
+        check_layout(results, i, ref)
+
+
+def assert_close_params(model: torch.nn.Module, want: dict[str, Any]) -> None:
+    got = dict(model.named_parameters())
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        assert_close(got[name].detach(), value, f"loaded {name}")
+
+
+def check_layout(results: Results, i: int, ref: dict[str, Any]) -> None:
+    summary = results[0][i]["summary"]
+    total = sum(v.numel() for v in ref["params"].values())
+    assert f"{total}      Total params" in summary or f"{total / 1e3:.1f} K     Total params" in summary, summary
+    for index, (stage, rank) in enumerate([(0, 0)] * 3 + [(1, 1)] * 3):
+        row = next(line for line in summary.splitlines() if f"| layers.{index} " in line)
+        assert row.rstrip().endswith(f"| {stage}     | {rank}"), row
+    assert "layers.3.fc" in summary, summary  # max_depth=-1: the layers' own modules, from the ranks holding them
+    assert "it lives on pipeline stage 1 (pipeline rank 1)" in results[0][i]["remote_error"]
+    assert "self.layer_value(5, lambda layer: layer.fc.norm())" in results[0][i]["remote_error"]
+    assert "remote_error" in results[1][i] and "pipeline stage 0 (pipeline rank 0)" in results[1][i]["remote_error"]
+    for rank in results:
+        assert_close(rank[i]["layer_value"], ref["layer_value"], "layer_value")
