@@ -4,6 +4,7 @@ over every stage's parameters, the model summary and errors that know the layout
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.distributed import fault_script as fs
 from tests.distributed.launcher import launch
 from tests.distributed.scenarios.feature_model import FeatureNet
 from tests.distributed.scenarios.features import FeatureCase, run_reference
@@ -179,3 +181,38 @@ def check_layout(results: Results, i: int, ref: dict[str, Any]) -> None:
     assert "remote_error" in results[1][i] and "pipeline stage 0 (pipeline rank 0)" in results[1][i]["remote_error"]
     for rank in results:
         assert_close(rank[i]["layer_value"], ref["layer_value"], "layer_value")
+
+
+@pytest.mark.parametrize("then", ["end", "test", "in_fit"])
+@pytest.mark.timeout(300)
+def test_save_checkpoint_on_rank_zero_only_is_refused_on_every_rank_within_seconds(tmp_path: Path, then: str) -> None:
+    """``if trainer.is_global_zero: trainer.save_checkpoint(path)`` in a script run as users run it: after fit (the
+    script then ends, or every rank goes on to trainer.test), or from a callback mid-fit. Never gloo's error, never a
+    hang: the rule, on every rank that is still there, seconds after the call."""
+    proc = fs.start(tmp_path, "save_one_rank", then=then, max_steps=6, val_every=8)
+    try:
+        deadline = time.monotonic() + fs_startup()
+        while not (tmp_path / "saving").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, fs.log_tail(tmp_path)
+            time.sleep(0.05)
+        seconds, codes = fs.time_to_exit(tmp_path, proc, time.monotonic(), 30)
+    finally:
+        fs.cleanup(proc)
+    log = fs.log_tail(tmp_path, 80)
+    assert seconds < 30 and codes[0] == 1, (seconds, codes, log)
+    rule = "Trainer.save_checkpoint is a collective under PipelineStrategy: every rank must call it"
+    error0 = (tmp_path / "error0").read_text()
+    assert rule in error0, log
+    assert "Connection reset" not in log and "Connection closed" not in log, log
+    if then == "end":
+        assert "rank 1: its script ended" in error0 and (tmp_path / "done1").exists(), log
+    elif then == "test":
+        assert "rank 1: trainer.test" in error0, log
+        assert rule in (tmp_path / "error1").read_text() and "rank 0: Trainer.save_checkpoint(" in error0, log
+    else:  # rank 1 waited in its next step: its watch stopped it with the rule
+        assert "rank 1: a training step (batch_idx 3)" in error0, log
+        assert "rank 1: PipelineConfigError: another rank called Trainer.save_checkpoint" in log, log
+
+
+def fs_startup() -> float:
+    return 180.0  # two Python processes importing Lightning on a busy 2-core machine, and a short fit
