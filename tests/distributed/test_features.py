@@ -109,14 +109,40 @@ FIRST = [
 
 @pytest.mark.timeout(600)
 def test_everyday_features_match_one_device(tmp_path: Path) -> None:
-    cases = with_folders(FIRST, tmp_path)
-    results = launch("features", 2, cases, tmp_path / "launch", timeout=500)
+    run_and_check(FIRST, 2, tmp_path)
+
+
+# with replicas: the collectives' data group has 2 ranks, the writers write from 2 of the 4 ranks
+REPLICAS = [
+    FeatureCase("collectives", dp=2, steps=3),
+    FeatureCase("prediction_writers", dp=2, steps=2),
+    FeatureCase("clip_torch_norm", dp=2, tied=True, steps=3),
+    FeatureCase("grad_norm_ours", dp=2, steps=3),
+]
+
+
+@pytest.mark.timeout(600)
+def test_everyday_features_with_replicas_match_one_device(tmp_path: Path) -> None:
+    run_and_check(REPLICAS, 4, tmp_path)
+
+
+def run_and_check(cases: Sequence[FeatureCase], world: int, root: Path) -> None:
+    cases = with_folders(cases, root)
+    results = launch("features", world, cases, root / "launch", timeout=500)
     for i, case in enumerate(cases):
         ref = run_reference(case)
-        assert_params(results, i, ref)
-        for rank in results:
-            assert_close(rank[i]["losses"], ref["losses"], f"{case.feature}: train_loss")
+        assert_params(results, i, ref, case.dp)
+        # each replica logs its own batch's loss; their mean is the global batch's
+        by_replica = [merged_losses(results, i, d) for d in range(case.dp)]
+        assert_close(torch.stack(by_replica).mean(0), ref["losses"], f"{case.feature}: train_loss")
         check_case(results, i, case, ref)
+
+
+def merged_losses(results: Results, i: int, dp_rank: int) -> torch.Tensor:
+    losses = [torch.tensor(rank[i]["losses"]) for rank in results if rank[i]["topology"][0] == dp_rank]
+    for other in losses[1:]:
+        torch.testing.assert_close(other, losses[0], atol=0, rtol=0)  # every stage of a replica logs the same
+    return losses[0]
 
 
 def check_case(results: Results, i: int, case: FeatureCase, ref: dict[str, Any]) -> None:
@@ -127,7 +153,8 @@ def check_case(results: Results, i: int, case: FeatureCase, ref: dict[str, Any])
         for kind in ("batch", "epoch"):
             n_files, got = read_predictions(Path(case.out_dir) / "pipeline", kind)
             n_ref, want = read_predictions(Path(case.out_dir) / "reference", kind)
-            assert n_files == n_ref and got.shape == want.shape == (22, 4), (kind, n_files, n_ref, got.shape)
+            # one file per batch (per replica) or per epoch (per replica), as DDP writes them; each sample once
+            assert got.shape == want.shape == (22, 4) and (n_files == n_ref or case.dp > 1), (kind, n_files, n_ref)
             assert_close(got, want, f"{kind} writer")
     elif feature == "ckpt_sharded":
         path = Path(first["path"])
