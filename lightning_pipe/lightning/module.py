@@ -69,6 +69,10 @@ def check_returned_loss(returned: Any, loss: Tensor | None, owner: str) -> None:
         "loss terms in loss_fn, or in a layer with lightning_pipe.layers.aux.attach_aux_loss.")
 
 
+def _detached(output: Any) -> Any:
+    return tuple(o.detach() for o in output) if isinstance(output, (tuple, list)) else output.detach()
+
+
 def default_split_batch(batch: Any) -> tuple[Any, Any]:
     """``(x, y)`` / ``[x, y]`` -> ``(x, y)``; a bare tensor -> ``(tensor, None)``; a dict with ``input``/``target``."""
     if isinstance(batch, Tensor):
@@ -89,7 +93,7 @@ def default_split_batch(batch: Any) -> tuple[Any, Any]:
 class PipelineEngineHandle(Protocol):
     """What :class:`PipelineModule` needs from the strategy's engine (:class:`lightning_pipe.runtime.engine.PipelineEngine`)."""
 
-    def loss(self, module: pl.LightningModule, batch: Any) -> Tensor: ...
+    def loss(self, module: pl.LightningModule, batch: Any, return_outputs: bool = False) -> Any: ...
 
     def output(self, module: pl.LightningModule, batch: Any) -> Any: ...
 
@@ -157,13 +161,17 @@ class PipelineModule(pl.LightningModule):
         # joins the loss here as on each stage ([Note: a penalty over every stage's parameters] in layers/stages.py)
         return attach_layer_penalty(out, list(layers), range(len(layers)), penalty)
 
-    def compute_loss(self, batch: Any) -> Tensor:
+    def compute_loss(self, batch: Any, return_outputs: bool = False) -> Any:
         """The batch loss (a mean, or ``sum / max(count, 1)``). Under the pipeline strategy during training this runs
         the whole schedule (forward and backward of every micro-batch) and returns this replica's batch loss,
-        detached, identical on every rank of the pipeline."""
+        detached, identical on every rank of the pipeline.
+
+        ``return_outputs=True``: ``(loss, outputs)``, the last layer's outputs for the batch, detached, on every rank
+        (to update a metric in ``training_step``; it costs a broadcast of the outputs per step under the pipeline:
+        [Note: a training step's outputs] in lightning_pipe/runtime/step_outputs.py)."""
         engine = self._pipeline_engine
         if engine is not None:
-            return engine.loss(self, batch)
+            return engine.loss(self, batch, return_outputs)
         inputs, target = self.split_batch(batch)
         if target is None:
             raise ValueError(
@@ -175,9 +183,11 @@ class PipelineModule(pl.LightningModule):
         input_args(inputs, type(self).__name__)  # the pipeline's rule on one device too, even under an own forward
         # aux terms (attach_aux_loss) join the loss as graph terms: Lightning's accumulation / AMP scale them
         with aux_loss_context(AuxLossContext()) as aux:
-            loss = loss_parts(self.loss_fn(self(inputs), target), type(self).__name__).reduced()
+            output = self(inputs)
+            loss = loss_parts(self.loss_fn(output, target), type(self).__name__).reduced()
         self._aux_values = {name: v.float() for name, v in sorted(aux.values.items())}
-        return loss + sum(aux.terms) if aux.terms else loss
+        loss = loss + sum(aux.terms) if aux.terms else loss
+        return (loss, _detached(output)) if return_outputs else loss
 
     @property
     def aux_loss_values(self) -> dict[str, Tensor]:

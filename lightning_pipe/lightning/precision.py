@@ -36,6 +36,7 @@ from lightning_pipe._compat.lightning import DtypeContextManager, convert_fp_ten
 from lightning_pipe._compat.torch import ShardedGradScaler
 from lightning_pipe.config import config_error
 from lightning_pipe.lightning.grad_norms import global_norms
+from lightning_pipe.lightning.manual import hand_over
 from lightning_pipe.parallel.dtensor import local
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -156,6 +157,8 @@ class PipelinePrecision(Precision):
         [Note: gradients across Lightning's zero_grad])."""
         if self.engine is None:
             return super().backward(tensor, model, optimizer, *args, **kwargs)
+        if not model.automatic_optimization:  # self.manual_backward(loss) ([Note: manual optimization in a pipeline])
+            return hand_over(self.engine, tensor, type(model).__name__)
         self.engine.apply_pending_grads()
 
     @override

@@ -18,6 +18,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_pipe._compat import lightning as _compat
 from lightning_pipe.config import MEASURED_PARTITIONS
+from lightning_pipe.lightning.manual import check_manual_optimization
 from lightning_pipe.lightning.optimizers import check_optimizers_agree
 from lightning_pipe.lightning.pipedream import attach_microbatch_updates
 from lightning_pipe.lightning.preflight import (
@@ -59,6 +60,7 @@ def setup_pipeline(strategy: Any, trainer: Trainer) -> None:
         strategy.auto_plan, strategy.pipeline_config = balance_partition(
             trainer, module, strategy.pipeline_config, strategy.plan, strategy._memory_budget, strategy.world_size,
             strategy.root_device)
+    check_manual_optimization(module, strategy.plan, strategy.pipeline_config)  # lightning/manual.py
     strategy.precision_plugin.convert_module(module)
     check_before_split(strategy, trainer)  # rebalancing pickles layers: refuse one that cannot be, now
     strategy.engine = engine = _build_engine(strategy, module)  # moves this rank's layers to the device
@@ -77,11 +79,12 @@ def check_rank_optimizers(strategy: Any) -> None:
     """After ``configure_optimizers`` ran on this rank's layers: every rank must hold the same optimizers
     ([Note: stages with nothing to train])."""
     engine, module = strategy.engine, strategy.lightning_module
-    if engine is None or module is None or not module.automatic_optimization:
+    if engine is None or module is None:
         return
     stages = zip(engine.plan.stages_of_rank(strategy._topology().pp_rank), engine.stage_modules)
     where = ", ".join(f"stage {s}, layers {sm.layer_indices.start}-{sm.layer_indices.stop - 1}" for s, sm in stages)
-    check_optimizers_agree(strategy.optimizers, len(strategy.lr_scheduler_configs), engine.parameters, where)
+    ties = [(param, tie_group.tie.names) for param, tie_group in engine.grads.ties]
+    check_optimizers_agree(strategy.optimizers, len(strategy.lr_scheduler_configs), engine.parameters, where, ties)
 
 
 def _build_engine(strategy: Any, module: LightningModule) -> PipelineEngine:
@@ -93,6 +96,7 @@ def _build_engine(strategy: Any, module: LightningModule) -> PipelineEngine:
                                   layout, sharding=_sharding_options(strategy))
     module._pipeline_layout = layout  # type: ignore[assignment]  # (nn.Module types attributes as tensors)
     module._pipeline_engine = engine  # type: ignore[assignment]
+    engine.manual = not module.automatic_optimization  # [Note: manual optimization in a pipeline]
     log_layout(strategy.plan, topology, list(layout.ranges), strategy.plan.stages_of_rank(topology.pp_rank),
                sum(p.numel() for p in engine.parameters))
     return engine

@@ -30,6 +30,7 @@ from lightning_pipe.lightning.checkpointing import RankGroup, ShardedCheckpointe
 from lightning_pipe.lightning.faults import DEFAULT_TIMEOUT, PipelineFaults, resolve_timeout
 from lightning_pipe.lightning.features import adapt_features
 from lightning_pipe.lightning.launchers import PipelineMultiProcessingLauncher
+from lightning_pipe.lightning.manual import step_context
 from lightning_pipe.lightning.module import check_returned_loss
 from lightning_pipe.lightning.optimizers import empty_parameter_lists_allowed
 from lightning_pipe.lightning.precision import PipelinePrecision, to_pipeline_precision
@@ -282,8 +283,10 @@ class PipelineStrategy(ParallelStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        assert self.lightning_module is not None and self.plan is not None
-        check_last_batch(self.lightning_module.trainer, self.plan.microbatches)
+        assert self.lightning_module is not None and self.plan is not None and self.engine is not None
+        shapes = self.engine.shapes  # [Note: ragged batches] in runtime/ragged.py: planned shapes run them
+        check_last_batch(self.lightning_module.trainer, self.plan.microbatches,
+                         shapes.why_not if shapes.planner is None else None)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -315,10 +318,12 @@ class PipelineStrategy(ParallelStrategy):
             self.engine.dp_handoff.zero_grad_follows = (batch_idx is None
                                                         or batch_idx % trainer.accumulate_grad_batches == 0)
             self.engine.step_flags = self._faults.train_flags if self._faults is not None else None
+        manual = phase == "train" and not self.lightning_module.automatic_optimization
         try:
-            with self.engine.running(phase, batch_idx):
+            with self.engine.running(phase, batch_idx), step_context(self.lightning_module, self.engine if manual
+                                                                       else None):
                 result = parent(*args, **kwargs)
-                if phase == "train":
+                if phase == "train" and not manual:
                     check_returned_loss(result, self.engine.step_loss, type(self.lightning_module).__name__)
         except BaseException as err:
             if self._faults is not None:

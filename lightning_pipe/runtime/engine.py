@@ -36,7 +36,6 @@ from torch import Tensor, nn
 
 from lightning_pipe._compat import torch as _compat
 from lightning_pipe._compat.stage_shapes import SplitOverride
-from lightning_pipe.config import config_error
 from lightning_pipe.layers.aux import aux_loss_context
 from lightning_pipe.layers.batches import (
     LossParts,
@@ -56,14 +55,16 @@ from lightning_pipe.parallel.grads import GradientSync
 from lightning_pipe.parallel.topology import ProcessGroups
 from lightning_pipe.runtime.agreement import agree_step
 from lightning_pipe.runtime.aux import AuxLossStep
-from lightning_pipe.runtime.evaluation import eval_loss, eval_output
+from lightning_pipe.runtime.evaluation import broadcast_object, eval_loss, eval_loss_and_output, eval_output
 from lightning_pipe.runtime.host_reads import LossKind
-from lightning_pipe.runtime.microbatches import explicit_microbatches, target_count
+from lightning_pipe.runtime.microbatches import Microbatches, explicit_microbatches, target_count
+from lightning_pipe.runtime.ragged import refusal, row_weights, split_ragged, why_ragged_cannot_run
 from lightning_pipe.runtime.rng import RankStreams
 from lightning_pipe.runtime.shape_book import ShapeBook
 from lightning_pipe.runtime.shapes import first_inputs, shapes_of
 from lightning_pipe.runtime.spec import SchedulePlan, build_torch_schedule
 from lightning_pipe.runtime.stage import PipelineStage
+from lightning_pipe.runtime.step_outputs import StepOutputs
 from lightning_pipe.runtime.wire import named_p2p_failures
 
 PipelineModel = Any
@@ -112,6 +113,10 @@ class PipelineEngine:
         # fp16 loss scaling, set by PipelinePrecision ([Note: fp16 loss scaling in a pipeline] in lightning/precision.py)
         self.loss_scaler: Callable[[Tensor], Tensor] | None = None
         self._records: list[LossParts] = []  # this step's micro-batch losses (last stage)
+        self._record_weights: list[float] = []  # their weights in a mean loss ([Note: ragged batches])
+        self._mb_weights: list[float] | None = None  # per explicit micro-batch (ragged.py)
+        self.outputs = StepOutputs()  # [Note: a training step's outputs] in step_outputs.py
+        self.step_outputs: Any = None
         self._loss_kind = LossKind()  # [Note: the loss kind is read once]
         self._structured_target: Any = None  # a dict / tuple target of this step: [Note: structured targets]
         self._owner = type(module).__name__
@@ -130,6 +135,9 @@ class PipelineEngine:
         # The adapter's flags, agreed over the world with the step's loss ([Note: one collective at the step's end]
         # in agreement.py); read once per step with take_agreed_flags.
         self.step_flags: Callable[[], Sequence[bool]] | None = None
+        self.manual = False
+        """The module optimizes manually: a training step may run several passes ([Note: manual optimization in a
+        pipeline] in lightning/manual.py)."""
         self._agreed: Tensor | None = None
 
     @property
@@ -199,10 +207,14 @@ class PipelineEngine:
         if self.phase != "train":
             # Forward-only passes still call the schedule's loss; we compute eval losses on merged outputs.
             return torch.zeros((), device=self.device)
+        position, weight = 0, 1.0  # its place in the batch (kept outputs), its weight in a mean ([Note: ragged ...])
         if self._structured_target is not None:  # target: this micro-batch's row indices ([Note: structured targets])
+            position = int(target[0]) if self.outputs.keeping else 0
             target = select_rows(self._structured_target, target)
         elif self._mb_targets is not None:  # target: this micro-batch's index ([Note: micro-batches of ...])
-            target = self._mb_targets[int(target.reshape(-1)[0])]
+            position = int(target.reshape(-1)[0])
+            weight = self._mb_weights[position] if self._mb_weights is not None else 1.0
+            target = self._mb_targets[position]
         loss_fn, stream = self.module.loss_fn, self.streams.loss  # stream: None where the held one is in force
         try:
             value = loss_fn(output, target) if stream is None else stream.run(loss_fn, output, target)
@@ -214,10 +226,12 @@ class PipelineEngine:
         parts = loss_parts(value, self._owner)
         if not self._inferring:  # torch's shape inference calls the loss too: not one of the step's micro-batches
             self._records.append(parts.detached())
+            self._record_weights.append(weight)
+            self.outputs.add(position, output)
         if self.per_microbatch_updates:  # each update takes its own micro-batch's mean loss (schedules/pipedream/)
             scaled = parts.value if parts.count is None else parts.value / parts.count.clamp_min(1)
-        else:  # [Note: loss scaling]; a (sum, count) pair: [Note: token-weighted loss]
-            scaled = parts.value * (self._loss_scale if parts.count is None else self._sum_scale)
+        else:  # [Note: loss scaling]; a (sum, count) pair: [Note: token-weighted loss]; [Note: ragged batches]
+            scaled = parts.value * (self._loss_scale * weight if parts.count is None else self._sum_scale)
         return self.loss_scaler(scaled) if self.loss_scaler is not None else scaled
 
     @contextlib.contextmanager
@@ -249,19 +263,28 @@ class PipelineEngine:
                 torch.cuda.set_rng_state(cuda_rng, self.device)
 
     # ------------------------------------------------------------------ requests from PipelineModule
-    def loss(self, module: PipelineModel, batch: Any) -> Tensor:
+    def loss(self, module: PipelineModel, batch: Any, return_outputs: bool = False) -> Any:
+        """The batch loss; with ``return_outputs``, ``(loss, the last layer's outputs)`` on every rank ([Note: a
+        training step's outputs] in step_outputs.py)."""
         if self.phase == "train":
-            if self.step_loss is not None:  # [Note: the loss a training step returns]
+            if self.step_loss is not None and self.manual and self._pending_grads is not None:
+                raise RuntimeError(
+                    f"{self._owner}.training_step called compute_loss again (batch_idx {self.batch_idx}) before "
+                    "manual_backward of the loss the previous call returned. Rule: under PipelineStrategy each "
+                    "compute_loss is a whole pass of the pipeline whose gradients wait for manual_backward; two "
+                    "passes' gradients cannot be held at once. Call manual_backward(loss) after each compute_loss, "
+                    "or compute both losses in one loss_fn.")
+            if self.step_loss is not None and not self.manual:  # [Note: the loss a training step returns]
                 raise RuntimeError(
                     f"{self._owner}.training_step called compute_loss a second time (batch_idx {self.batch_idx}). "
                     "Rule: under PipelineStrategy one training_step runs the schedule once, in its one compute_loss "
                     "call (the forward and backward of every micro-batch of that batch); a second call would replace "
                     "the first call's gradients. Call compute_loss once per training_step; to train on more rows, "
                     "make the batch larger (or use accumulate_grad_batches).")
-            self.step_loss = self._train_step(module, batch)
-            return self.step_loss
+            self.step_loss = self._train_step(module, batch, return_outputs)
+            return (self.step_loss, self.step_outputs) if return_outputs else self.step_loss
         if self.phase in ("validate", "test", "predict"):
-            return eval_loss(self, module, batch)
+            return eval_loss_and_output(self, module, batch) if return_outputs else eval_loss(self, module, batch)
         raise RuntimeError(
             "compute_loss was called outside a Lightning step (training_step / validation_step / test_step). "
             "Under PipelineStrategy the model is split across ranks, so every rank must run the same step."
@@ -273,16 +296,6 @@ class PipelineEngine:
         return eval_output(self, module, batch)
 
     # ------------------------------------------------------------------ training
-    def _check_rows(self, rows: int, what: str) -> int:
-        m = self.plan.microbatches
-        if rows % m != 0:
-            raise config_error(
-                f"A {what} batch must split into equal micro-batches: its size must be divisible by the "
-                "micro-batch count (and training needs every batch to be full: use drop_last=True).",
-                f"batch size {rows} (batch_idx {self.batch_idx}), microbatches={m}", "batch_size",
-                f"the batch size to a multiple of {m}", also=("microbatches",))
-        return rows // m
-
     def _reset_shapes(self) -> None:
         _compat.reset_schedule_shapes(self.schedule)
 
@@ -300,13 +313,29 @@ class PipelineEngine:
         self.schedule.step(*(args if self.has_first else ()), target=target if self.has_last else None,
                            **_compat.train_step_kwargs(self.schedule))  # [Note: no outputs kept by a training step]
 
-    def _train_step(self, module: PipelineModel, batch: Any) -> Tensor:
+    def _microbatches(self, module: PipelineModel, inputs: Any, args: tuple[Tensor, ...],
+                      target: Any) -> tuple[Any, Microbatches | None]:
+        """The checked target, and the micro-batches the engine cuts itself (the module's own, or a ragged batch's:
+        [Note: ragged batches] in ragged.py); ``None``: torch cuts the batch."""
+        m, rows = self.plan.microbatches, args[0].shape[0]
+        why = why_ragged_cannot_run(rows, m, self.shapes.why_not if self.shapes.planner is None else None)
+        if why is not None:
+            raise refusal(f"batch_idx {self.batch_idx}", rows, m, why)
+        if rows % m == 0:
+            target = check_target(target, m, self._owner, rows=rows)
+        mbs = explicit_microbatches(module, inputs, args, target, m, self._owner)  # [Note: micro-batches of ...]
+        if mbs is None and rows % m:
+            mbs = split_ragged(args, target, m, self._owner)
+        self._mb_weights = row_weights(mbs) if mbs is not None else None
+        return target, mbs
+
+    def _train_step(self, module: PipelineModel, batch: Any, keep_outputs: bool = False) -> Tensor:
         inputs, target = module.split_batch(batch)
         args = input_args(inputs, self._owner)
         m = self.plan.microbatches
-        mb_rows = self._check_rows(args[0].shape[0], "training")
-        target = check_target(target, m, self._owner, rows=args[0].shape[0])
-        mbs = explicit_microbatches(module, inputs, args, target, m, self._owner)  # [Note: micro-batches of ...]
+        target, mbs = self._microbatches(module, inputs, args, target)
+        mb_rows = args[0].shape[0] // m
+        self.outputs.begin(keep_outputs and self.has_last)
         if mbs is None:
             sig = signature("train", args, mb_rows, target)
             self.shapes.use(sig, first_inputs(args, m), explicit=False)
@@ -315,7 +344,8 @@ class PipelineEngine:
             self.shapes.use(sig, shapes_of(mbs.args), explicit=True)
         self._loss_scale = 1.0 / (m * self.accumulate_grad_batches)
         targets = float(target_elements(target) if mbs is None else target_count(mbs.targets))
-        self._structured_target = target if is_structured(target) and mbs is None else None
+        self._structured_target = (target if (is_structured(target) or self.outputs.keeping) and mbs is None
+                                   else None)
         self._mb_targets = mbs.targets if mbs is not None else None
         if self._structured_target is not None:  # torch cuts the row indices: [Note: structured targets]
             target = torch.arange(args[0].shape[0], device=self.device)
@@ -325,7 +355,7 @@ class PipelineEngine:
         saved = [p.grad for p in self.parameters]
         for p in self.parameters:
             p.grad = None
-        self._records = []
+        self._records, self._record_weights = [], []
         self._agreed = None
         # N of [Note: token-weighted loss]: a device value under the overlapped DP sync (the replicas' mean)
         overlap, elements = self.dp_handoff.begin(saved, targets, self.groups.dp,
@@ -377,6 +407,8 @@ class PipelineEngine:
         for p, g in zip(self.parameters, saved):
             p.grad = g
         loss, global_count = self._step_loss(tie_payload)
+        if keep_outputs:  # every rank of the pipeline ([Note: a training step's outputs])
+            self.step_outputs = broadcast_object(self, self.outputs.joined())
         self._grad_factor = None
         if global_count is not None:  # [Note: token-weighted loss]
             self._grad_factor = elements * self.groups.topology.dp_degree / global_count.clamp_min(1)
@@ -412,7 +444,9 @@ class PipelineEngine:
                     f"(sum, count) pair); got {['mean' if r.count is None else 'pair' for r in records]} for {m}.")
             self._loss_kind.check(records, self._owner)
             if records[0].count is None:
-                packed[0], packed[1] = torch.stack([r.value.float() for r in records]).mean(), -1.0
+                weights = self._record_weights  # 1.0 each unless the batch was ragged ([Note: ragged batches])
+                packed[0] = torch.stack([r.value.float() * w for r, w in zip(records, weights)]).mean()
+                packed[1] = -1.0
             else:
                 packed[0] = torch.stack([r.value.double() for r in records]).sum()
                 packed[1] = torch.stack([r.count for r in records]).sum()  # type: ignore[misc]

@@ -31,12 +31,12 @@ def merged(results: Results, i: int, key: str = "params", dp_rank: int = 0) -> d
     return out
 
 
-def assert_params(results: Results, i: int, ref: dict[str, Any], dp: int = 1) -> None:
-    for dp_rank in range(dp):
+def assert_params(results: Results, i: int, ref: dict[str, Any], case: FeatureCase) -> None:
+    for dp_rank in range(case.dp):
         got = merged(results, i, dp_rank=dp_rank)
         assert sorted(got) == sorted(ref["params"])
         for name, value in ref["params"].items():
-            torch.testing.assert_close(got[name], value, atol=ATOL, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(got[name], value, atol=ATOL, rtol=0, msg=lambda m, n=name: f"{case} {n}: {m}")
 
 
 def assert_close(got: Any, want: Any, what: str) -> None:
@@ -112,6 +112,40 @@ def test_everyday_features_match_one_device(tmp_path: Path) -> None:
     run_and_check(FIRST, 2, tmp_path)
 
 
+# items 2, 3 and 7: manual optimization with two optimizers, training metrics, ragged last batches
+SECOND = [
+    FeatureCase("train_metrics"),
+    FeatureCase("manual_gan"),
+    FeatureCase("manual_gan", tied=True, schedule="gpipe"),
+    FeatureCase("manual_alternate", schedule="zbv", stages_per_rank=2),
+    FeatureCase("manual_groups"),
+    FeatureCase("manual_twice", steps=1, expect_error=True),
+    FeatureCase("manual_changed", steps=1, expect_error=True),
+    FeatureCase("manual_tie_split", tied=True, steps=1, expect_error=True),
+    # 150 samples in batches of 16: the last has 6 rows, cut 2, 2, 1, 1
+    FeatureCase("ragged", stream=True, n_data=150, batch=16),
+    FeatureCase("ragged", stream=True, n_data=150, batch=16, schedule="interleaved_1f1b", stages_per_rank=2),
+    FeatureCase("ragged", stream=True, n_data=150, batch=16, schedule="zbv", stages_per_rank=2),
+    FeatureCase("ragged", n_data=94, drop_last=False, schedule="gpipe"),  # map-style: the last batch 6 of 8
+    FeatureCase("ragged", n_data=91, drop_last=False, expect_error=True),  # the last has 3 rows for 4 micro-batches
+]
+ERRORS = {
+    "manual_twice": "training_step called compute_loss again (batch_idx 0) before manual_backward",
+    "manual_changed": "training_step called manual_backward with a loss other than the one compute_loss returned",
+    "manual_tie_split": "The weight tied across stages under the names ['layers.0.weight', 'layers.5.weight'] is held "
+                        "by several ranks, and each copy is updated by the optimizers (and param groups) that hold it "
+                        "there: rank 0: optimizer(s) [0]; rank 1: optimizer(s) [1]. The copies would train apart.",
+    "ragged": "A training batch of 3 rows (the last of each epoch, batch_idx 11: 91 samples per rank in batches of "
+              "8; refused as training starts) does not divide into microbatches=4, and 3 rows cannot fill 4 "
+              "micro-batches (one would be empty)",
+}
+
+
+@pytest.mark.timeout(600)
+def test_manual_optimization_training_metrics_and_ragged_batches_match_one_device(tmp_path: Path) -> None:
+    run_and_check(SECOND, 2, tmp_path)
+
+
 # with replicas: the collectives' data group has 2 ranks, the writers write from 2 of the 4 ranks
 REPLICAS = [
     FeatureCase("collectives", dp=2, steps=3),
@@ -130,8 +164,13 @@ def run_and_check(cases: Sequence[FeatureCase], world: int, root: Path) -> None:
     cases = with_folders(cases, root)
     results = launch("features", world, cases, root / "launch", timeout=500)
     for i, case in enumerate(cases):
+        if case.expect_error:
+            for rank in results:
+                assert not rank[i]["ok"] and ERRORS[case.feature] in rank[i]["error"], rank[i]
+                assert "drop_last=True" in rank[i]["error"] or case.feature != "ragged"
+            continue
         ref = run_reference(case)
-        assert_params(results, i, ref, case.dp)
+        assert_params(results, i, ref, case)
         # each replica logs its own batch's loss; their mean is the global batch's
         by_replica = [merged_losses(results, i, d) for d in range(case.dp)]
         assert_close(torch.stack(by_replica).mean(0), ref["losses"], f"{case.feature}: train_loss")
@@ -186,6 +225,18 @@ def check_case(results: Results, i: int, case: FeatureCase, ref: dict[str, Any])
             assert_close(got, want, "logged penalty")
     elif feature == "layout":
         check_layout(results, i, ref)
+    elif feature == "train_metrics":
+        for rank in results:
+            assert len(rank[i]["logged"]["train_acc"]) == case.steps
+            assert_close(rank[i]["logged"]["train_acc"], ref["logged"]["train_acc"], "train_acc")
+    elif feature == "manual_gan":
+        for rank in results:
+            assert_close(rank[i]["logged"]["loss_d"], ref["logged"]["loss_d"], "the second update's loss")
+    elif feature == "manual_groups":
+        for rank in results:
+            assert_close(rank[i]["record"]["torch_norm"], ref["record"]["torch_norm"], "clip_grad_norm_ in a step")
+    elif feature == "ragged":
+        assert len(ref["losses"]) == -(-case.n_data // case.batch)  # the short last batch trained too
 
 
 def assert_close_params(model: torch.nn.Module, want: dict[str, Any]) -> None:

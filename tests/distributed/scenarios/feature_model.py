@@ -145,3 +145,81 @@ class PenaltyNet(FeatureNet):
 
     def layer_penalty(self, index: int, layer: nn.Module) -> torch.Tensor | None:
         return 1e-2 * sum(p.pow(2).sum() for p in layer.parameters())  # type: ignore[return-value]
+
+
+class ManualNet(FeatureNet):
+    """Manual optimization with two optimizers (issue 45, item 2): ``mode`` picks the pattern.
+
+    - ``manual_gan``: a GAN-like step: the "generator" half (layers 0-2, SGD) and the "discriminator" half (layers
+      3-5, Adam) each take their own loss in turn, the other half toggled off, clipped with ``self.clip_gradients``;
+    - ``manual_alternate``: one of the two updates per batch, alternating;
+    - ``manual_groups``: per-layer-group optimizers on one loss, clipped with torch's ``clip_grad_norm_``, an LR
+      scheduler per optimizer;
+    - ``manual_twice`` / ``manual_changed``: what cannot be pipelined (refused): a second ``compute_loss`` before
+      ``manual_backward``, a changed loss given to ``manual_backward``.
+    """
+
+    def __init__(self, mode: str, **kwargs: Any) -> None:
+        super().__init__(mode, **kwargs)
+        self.automatic_optimization = False
+        self.adversarial = False
+
+    def loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.adversarial:  # the "discriminator" learns another labelling of the same samples
+            return 0.5 * F.cross_entropy(output, (target + 1) % CLASSES)
+        return F.cross_entropy(output, target)
+
+    def _front(self, name: str) -> bool:
+        """Layers 0-2, and the head's tied weight under its own name (so both copies of a tie share an optimizer;
+        ``manual_tie_split`` leaves it to position: refused)."""
+        head = f"layers.{len(self.layers) - 1}.weight"
+        return int(name.split(".")[1]) < 3 or (name == head and self.mode != "manual_tie_split")
+
+    def configure_optimizers(self) -> Any:
+        named = list(self.named_parameters(remove_duplicate=False))
+        front = list({id(p): p for n, p in named if self._front(n)}.values())
+        back = list({id(p): p for n, p in named if not self._front(n) and all(p is not q for q in front)}.values())
+        opt_g = torch.optim.SGD(front, lr=self.lr, momentum=0.9)
+        opt_d = torch.optim.Adam(back, lr=self.lr / 10)
+        if self.mode == "manual_groups":
+            return [opt_g, opt_d], [torch.optim.lr_scheduler.StepLR(opt_g, 1, 0.8),
+                                    torch.optim.lr_scheduler.StepLR(opt_d, 1, 0.9)]
+        return opt_g, opt_d
+
+    def _update(self, opt: Any, batch: Any, adversarial: bool) -> torch.Tensor:
+        self.toggle_optimizer(opt)
+        self.adversarial = adversarial
+        loss = self.compute_loss(batch)
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        opt.step()
+        opt.zero_grad()
+        self.untoggle_optimizer(opt)
+        self.adversarial = False
+        return loss
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        opt_g, opt_d = self.optimizers()
+        if self.mode == "manual_gan":
+            loss = self._update(opt_g, batch, False)
+            self.log("loss_d", self._update(opt_d, batch, True))
+        elif self.mode == "manual_alternate":
+            loss = self._update(opt_g if batch_idx % 2 == 0 else opt_d, batch, batch_idx % 2 == 1)
+        elif self.mode == "manual_groups":
+            loss = self.compute_loss(batch)
+            self.manual_backward(loss)
+            self.remember("torch_norm", torch.nn.utils.clip_grad_norm_(self.parameters(), 0.3))
+            for opt, sched in zip((opt_g, opt_d), self.lr_schedulers()):
+                opt.step()
+                opt.zero_grad()
+                sched.step()
+        elif self.mode == "manual_twice":
+            loss = self.compute_loss(batch)
+            self.compute_loss(batch)
+        elif self.mode == "manual_tie_split":
+            loss = self._update(opt_g, batch, False)
+        else:  # manual_changed
+            loss = self.compute_loss(batch)
+            self.manual_backward(2 * loss)
+        self.log("train_loss", loss)
+        return loss

@@ -22,7 +22,13 @@ from torch.utils.data import DataLoader
 
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.layers.stages import RemoteLayer
-from tests.distributed.scenarios.feature_model import FeatureNet, PenaltyNet, classification_data
+from tests.distributed.scenarios.feature_model import (
+    FeatureNet,
+    ManualNet,
+    PenaltyNet,
+    Stream,
+    classification_data,
+)
 from tests.models import SameOrderAsDistributedSampler
 
 
@@ -35,6 +41,10 @@ class FeatureCase:
     steps: int = 4
     batch: int = 8  # per replica
     tied: bool = False
+    n_data: int = 96
+    stream: bool = False  # an IterableDataset (its short last batch is kept)
+    drop_last: bool = True
+    stages_per_rank: int | None = None
     out_dir: str = ""  # where checkpoints and prediction files go (one sub-folder per side)
     expect_error: bool = False
 
@@ -62,7 +72,7 @@ def _trainer(case: FeatureCase, pipeline: bool, callbacks: list[Callback], **kwa
     devices = 1
     if pipeline:
         strategy = PipelineStrategy(schedule=case.schedule, microbatches=case.microbatches, data_parallel_size=case.dp,
-                                    **kwargs.pop("strategy_kwargs", {}))
+                                    stages_per_rank=case.stages_per_rank, **kwargs.pop("strategy_kwargs", {}))
         devices = int(os.environ["TEST_WORLD_SIZE"])
     settings: dict[str, Any] = dict(max_steps=case.steps, logger=False, enable_checkpointing=False,
                                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
@@ -71,11 +81,14 @@ def _trainer(case: FeatureCase, pipeline: bool, callbacks: list[Callback], **kwa
     return L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, callbacks=callbacks, **settings)
 
 
-def train_loader(case: FeatureCase, pipeline: bool, n: int = 96) -> DataLoader:
-    data = classification_data(n)
+def train_loader(case: FeatureCase, pipeline: bool) -> DataLoader:
+    data = classification_data(case.n_data)
+    if case.stream:  # no sampler: every rank (and the reference) reads the stream in order
+        return DataLoader(Stream(data), batch_size=case.batch)
     if pipeline:  # Lightning adds the (shuffling) DistributedSampler
-        return DataLoader(data, batch_size=case.batch, drop_last=True)
-    return DataLoader(data, batch_size=case.batch * case.dp, sampler=SameOrderAsDistributedSampler(n), drop_last=True)
+        return DataLoader(data, batch_size=case.batch, drop_last=case.drop_last)
+    return DataLoader(data, batch_size=case.batch * case.dp, sampler=SameOrderAsDistributedSampler(case.n_data),
+                      drop_last=case.drop_last)
 
 
 def val_loader(case: FeatureCase, pipeline: bool, n: int = 40) -> DataLoader:
@@ -169,6 +182,26 @@ def resume(case: FeatureCase, pipeline: bool) -> dict[str, Any]:
     return _result(trainer, model, recorder, pipeline)
 
 
+# ---------------------------------------------------------------------------------- items 2, 3 and 7
+def manual(case: FeatureCase, pipeline: bool) -> dict[str, Any]:
+    out = fit(case, pipeline, model=ManualNet(case.feature, tied=case.tied), keys=("loss_d",))
+    out.pop("trainer")
+    return out
+
+
+def train_metrics(case: FeatureCase, pipeline: bool) -> dict[str, Any]:
+    out = fit(case, pipeline, keys=("train_acc",))
+    out.pop("trainer")
+    return out
+
+
+def ragged(case: FeatureCase, pipeline: bool) -> dict[str, Any]:
+    """One epoch whose last batch does not divide into the micro-batches (an IterableDataset's, or drop_last=False)."""
+    out = fit(case, pipeline, max_steps=-1, max_epochs=1)
+    out.pop("trainer")
+    return out
+
+
 # ---------------------------------------------------------------------------------- items 5 and 6
 def penalty(case: FeatureCase, pipeline: bool) -> dict[str, Any]:
     out = fit(case, pipeline, model=PenaltyNet("penalty", tied=case.tied), keys=("train_aux_loss/penalty",))
@@ -227,6 +260,14 @@ FEATURES: dict[str, Callable[[FeatureCase, bool], dict[str, Any]]] = {
     "grad_norm_ours": gradients,
     "penalty": penalty,
     "layout": layout,
+    "manual_gan": manual,
+    "manual_alternate": manual,
+    "manual_groups": manual,
+    "manual_twice": manual,
+    "manual_changed": manual,
+    "manual_tie_split": manual,
+    "train_metrics": train_metrics,
+    "ragged": ragged,
 }
 
 
