@@ -7,122 +7,27 @@ feature produced, for tests/distributed/test_features.py to compare.
 from __future__ import annotations
 
 import logging
-import os
-import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as L
 import torch
-from lightning.pytorch.callbacks import BasePredictionWriter, Callback, ModelCheckpoint, ModelSummary
-from torch.distributed.tensor import DTensor
+from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint, ModelSummary
 from torch.utils.data import DataLoader
 
-from lightning_pipe import PipelineStrategy
 from lightning_pipe.layers.stages import RemoteLayer
-from tests.distributed.scenarios.feature_model import (
-    FeatureNet,
-    ManualNet,
-    PenaltyNet,
-    Stream,
-    classification_data,
+from tests.distributed.scenarios.everyday import EVERYDAY
+from tests.distributed.scenarios.feature_fit import (
+    FeatureCase,
+    Recorder,
+    fit,
+    result_of,
+    side,
+    train_loader,
+    trainer_for,
+    val_loader,
 )
-from tests.models import SameOrderAsDistributedSampler
-
-
-@dataclass(frozen=True)
-class FeatureCase:
-    feature: str  # a key of FEATURES
-    dp: int = 1
-    schedule: str = "1f1b"
-    microbatches: int = 4
-    steps: int = 4
-    batch: int = 8  # per replica
-    tied: bool = False
-    n_data: int = 96
-    stream: bool = False  # an IterableDataset (its short last batch is kept)
-    drop_last: bool = True
-    stages_per_rank: int | None = None
-    out_dir: str = ""  # where checkpoints and prediction files go (one sub-folder per side)
-    expect_error: bool = False
-
-
-class Recorder(Callback):
-    """train_loss per batch, and every logged value a feature asks for."""
-
-    def __init__(self, keys: tuple[str, ...] = ()) -> None:
-        self.losses: list[float] = []
-        self.keys, self.logged = keys, {k: [] for k in keys}  # type: dict[str, list[float]]
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        self.losses.append(float(trainer.callback_metrics["train_loss"]))
-        for key in self.keys:
-            if key in trainer.callback_metrics:
-                self.logged[key].append(float(trainer.callback_metrics[key]))
-
-
-def _side(case: FeatureCase, pipeline: bool) -> Path:
-    return Path(case.out_dir) / ("pipeline" if pipeline else "reference")
-
-
-def _trainer(case: FeatureCase, pipeline: bool, callbacks: list[Callback], **kwargs: Any) -> L.Trainer:
-    strategy: Any = "auto"
-    devices = 1
-    if pipeline:
-        strategy = PipelineStrategy(schedule=case.schedule, microbatches=case.microbatches, data_parallel_size=case.dp,
-                                    stages_per_rank=case.stages_per_rank, **kwargs.pop("strategy_kwargs", {}))
-        devices = int(os.environ["TEST_WORLD_SIZE"])
-    settings: dict[str, Any] = dict(max_steps=case.steps, logger=False, enable_checkpointing=False,
-                                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                                    limit_val_batches=3, val_check_interval=2, check_val_every_n_epoch=None)
-    settings.update(kwargs)
-    return L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, callbacks=callbacks, **settings)
-
-
-def train_loader(case: FeatureCase, pipeline: bool) -> DataLoader:
-    data = classification_data(case.n_data)
-    if case.stream:  # no sampler: every rank (and the reference) reads the stream in order
-        return DataLoader(Stream(data), batch_size=case.batch)
-    if pipeline:  # Lightning adds the (shuffling) DistributedSampler
-        return DataLoader(data, batch_size=case.batch, drop_last=case.drop_last)
-    return DataLoader(data, batch_size=case.batch * case.dp, sampler=SameOrderAsDistributedSampler(case.n_data),
-                      drop_last=case.drop_last)
-
-
-def val_loader(case: FeatureCase, pipeline: bool, n: int = 40) -> DataLoader:
-    return DataLoader(classification_data(n, seed=3), batch_size=case.batch * (1 if pipeline else case.dp))
-
-
-def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for n, p in model.named_parameters(remove_duplicate=False)}
-
-
-def _result(trainer: L.Trainer, model: FeatureNet, recorder: Recorder, pipeline: bool) -> dict[str, Any]:
-    out: dict[str, Any] = {"params": params_of(model), "losses": recorder.losses, "logged": recorder.logged,
-                           "record": model.record}
-    if pipeline:
-        topo = trainer.strategy.topology  # type: ignore[attr-defined]
-        out["topology"] = (topo.dp_rank, topo.pp_rank)
-        out["global_rank"] = trainer.global_rank
-    return out
-
-
-def fit(case: FeatureCase, pipeline: bool, model: FeatureNet | None = None, keys: tuple[str, ...] = (),
-        callbacks: tuple[Callback, ...] = (), validate: bool = True, **kwargs: Any) -> dict[str, Any]:
-    """Train ``model`` (a plain FeatureNet in ``case.feature``'s mode by default) for ``case.steps`` steps."""
-    model = model or FeatureNet(case.feature, tied=case.tied)
-    recorder = Recorder(keys)
-    trainer = _trainer(case, pipeline, [recorder, *callbacks], **kwargs)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.fit(model, train_loader(case, pipeline), val_loader(case, pipeline) if validate else None)
-    out = _result(trainer, model, recorder, pipeline)
-    out["warnings"] = [str(w.message) for w in caught if "lightning_pipe" in str(w.message)]
-    out["trainer"] = trainer
-    return out
+from tests.distributed.scenarios.feature_model import FeatureNet, ManualNet, PenaltyNet, classification_data
 
 
 # ---------------------------------------------------------------------------------- item 1: collectives, writers
@@ -149,12 +54,12 @@ class RowWriter(BasePredictionWriter):
 
 
 def writers(case: FeatureCase, pipeline: bool) -> dict[str, Any]:
-    folder = _side(case, pipeline)
+    folder = side(case, pipeline)
     folder.mkdir(parents=True, exist_ok=True)
     out = fit(case, pipeline)
     trainer = out.pop("trainer")
     loader = DataLoader(classification_data(22, seed=7), batch_size=case.batch)
-    predict = _trainer(case, pipeline, [RowWriter(folder, "batch"), RowWriter(folder, "epoch")])
+    predict = trainer_for(case, pipeline, [RowWriter(folder, "batch"), RowWriter(folder, "epoch")])
     predict.predict(trainer.lightning_module, loader, return_predictions=False)
     return out
 
@@ -163,7 +68,7 @@ def writers(case: FeatureCase, pipeline: bool) -> dict[str, Any]:
 def checkpoint(case: FeatureCase, pipeline: bool) -> dict[str, Any]:
     """ModelCheckpoint's last checkpoint (sharded, or one file with ``save_consolidated``)."""
     consolidated = case.feature == "ckpt_consolidated"
-    folder = _side(case, pipeline) / "ckpt"
+    folder = side(case, pipeline) / "ckpt"
     extra = {"strategy_kwargs": {"save_consolidated": True}} if consolidated and pipeline else {}
     out = fit(case, pipeline, callbacks=(ModelCheckpoint(dirpath=folder, save_last=True, save_top_k=0),),
               enable_checkpointing=True, **extra)
@@ -177,9 +82,9 @@ def resume(case: FeatureCase, pipeline: bool) -> dict[str, Any]:
     path = Path(case.out_dir) / "pipeline" / "ckpt" / "last.ckpt"
     model = FeatureNet("plain", tied=case.tied)
     recorder = Recorder()
-    trainer = _trainer(case, pipeline, [recorder], max_steps=case.steps + 2)
+    trainer = trainer_for(case, pipeline, [recorder], max_steps=case.steps + 2)
     trainer.fit(model, train_loader(case, pipeline), val_loader(case, pipeline), ckpt_path=str(path))
-    return _result(trainer, model, recorder, pipeline)
+    return result_of(trainer, model, recorder, pipeline)
 
 
 # ---------------------------------------------------------------------------------- items 2, 3 and 7
@@ -268,7 +173,64 @@ FEATURES: dict[str, Callable[[FeatureCase, bool], dict[str, Any]]] = {
     "manual_tie_split": manual,
     "train_metrics": train_metrics,
     "ragged": ragged,
+    "ragged_too_short": ragged,
+    **EVERYDAY,
 }
+
+# The feature matrix: one launch on 2 ranks, every case against one device (tests/distributed/test_features.py);
+# docs/features.md has one row per feature name, its verdict checked against these (tests/unit/test_feature_table.py).
+MATRIX = [
+    FeatureCase("collectives"),
+    FeatureCase("prediction_writers"),
+    FeatureCase("ckpt_sharded"),
+    FeatureCase("ckpt_consolidated"),
+    FeatureCase("ckpt_resume"),
+    FeatureCase("clip_torch_norm"),
+    FeatureCase("clip_torch_norm", tied=True),
+    FeatureCase("clip_torch_value"),
+    FeatureCase("clip_self"),
+    FeatureCase("grad_norm_lightning"),
+    FeatureCase("grad_norm_ours", tied=True),
+    FeatureCase("penalty"),
+    FeatureCase("layout"),
+    FeatureCase("train_metrics"),
+    FeatureCase("manual_gan"),
+    FeatureCase("manual_gan", tied=True, schedule="gpipe"),
+    FeatureCase("manual_alternate", schedule="zbv", stages_per_rank=2),
+    FeatureCase("manual_groups"),
+    FeatureCase("manual_twice", steps=1, expect_error=True),
+    FeatureCase("manual_changed", steps=1, expect_error=True),
+    FeatureCase("manual_tie_split", tied=True, steps=1, expect_error=True),
+    # 150 samples in batches of 16: the last has 6 rows, cut 2, 2, 1, 1
+    FeatureCase("ragged", stream=True, n_data=150, batch=16),
+    FeatureCase("ragged", stream=True, n_data=150, batch=16, schedule="interleaved_1f1b", stages_per_rank=2),
+    FeatureCase("ragged", stream=True, n_data=150, batch=16, schedule="zbv", stages_per_rank=2),
+    FeatureCase("ragged", n_data=94, drop_last=False, schedule="gpipe"),  # map-style: the last batch 6 of 8
+    FeatureCase("ragged_too_short", n_data=91, drop_last=False, expect_error=True),  # 3 rows for 4 micro-batches
+    *(FeatureCase(name) for name in EVERYDAY if name not in ("swa", "scale_batch_size")),
+    FeatureCase("swa", steps=1, expect_error=True),
+    FeatureCase("scale_batch_size", expect_error=True),
+]
+REFUSED = {
+    "manual_twice": "training_step called compute_loss again (batch_idx 0) before manual_backward",
+    "manual_changed": "training_step called manual_backward with a loss other than the one compute_loss returned",
+    "manual_tie_split": "The weight tied across stages under the names ['layers.0.weight', 'layers.5.weight'] is held "
+                        "by several ranks, and each copy is updated by the optimizers (and param groups) that hold it "
+                        "there: rank 0: optimizer(s) [0]; rank 1: optimizer(s) [1]. The copies would train apart.",
+    "ragged_too_short": "A training batch of 3 rows (the last of each epoch, batch_idx 11: 91 samples per rank in "
+                        "batches of 8; refused as training starts) does not divide into microbatches=4, and 3 rows "
+                        "cannot fill 4 micro-batches (one would be empty)",
+    "swa": "StochasticWeightAveraging cannot run under PipelineStrategy",
+    "scale_batch_size": "Tuning the batch size is currently not supported with distributed strategies.",
+}
+"""What every rank raises for a refused feature."""
+WARNS = {"grad_norm_lightning"}
+"""Features that run and warn (what they compute is not the model's)."""
+
+
+def verdict(feature: str) -> str:
+    """What docs/features.md says of a feature: ``works``, ``refused`` or ``warns``."""
+    return "refused" if feature in REFUSED else "warns" if feature in WARNS else "works"
 
 
 def run_pipeline(case: FeatureCase) -> dict[str, Any]:
