@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
 
 from tests.distributed import fault_script as fs
 from tests.distributed.launcher import launch
@@ -190,6 +191,16 @@ def check_case(results: Results, i: int, case: FeatureCase, ref: dict[str, Any])
     elif feature == "manual_groups":
         for rank in results:
             assert_close(rank[i]["record"]["torch_norm"], ref["record"]["torch_norm"], "clip_grad_norm_ in a step")
+    elif feature == "hf_everyday":
+        for rank in results:
+            for key in ("tokens", "layer2_norm", "grad_norm"):
+                assert_close(rank[i]["record"][key], ref["record"][key], f"HFCausalLM: {key}")
+            assert_close(rank[i]["logged"]["train_acc"], ref["logged"]["train_acc"], "HFCausalLM: token accuracy")
+        assert len(ref["losses"]) == 4  # 30 rows in batches of 8: the last, of 6, trained too
+        row = next(line for line in first["summary"].splitlines() if "| layers.2 " in line)
+        assert "CausalLMDecoderLayer" in row and row.rstrip().endswith("| 0     | 0"), first["summary"]
+        total = get_human_readable_count(sum(v.numel() for v in ref["params"].values()))
+        assert f"{total:<10}Total params" in first["summary"]  # the whole model, as one device counts it
     elif feature == "ragged":
         assert len(ref["losses"]) == -(-case.n_data // case.batch)  # the short last batch trained too
     else:

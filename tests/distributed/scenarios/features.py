@@ -27,6 +27,7 @@ from tests.distributed.scenarios.feature_fit import (
     trainer_for,
     val_loader,
 )
+from tests.distributed.scenarios.feature_hf import hf_everyday
 from tests.distributed.scenarios.feature_model import FeatureNet, ManualNet, PenaltyNet, classification_data
 
 
@@ -174,6 +175,7 @@ FEATURES: dict[str, Callable[[FeatureCase, bool], dict[str, Any]]] = {
     "train_metrics": train_metrics,
     "ragged": ragged,
     "ragged_too_short": ragged,
+    "hf_everyday": hf_everyday,
     **EVERYDAY,
 }
 
@@ -208,6 +210,7 @@ MATRIX = [
     FeatureCase("ragged", n_data=94, drop_last=False, schedule="gpipe"),  # map-style: the last batch 6 of 8
     FeatureCase("ragged_too_short", n_data=91, drop_last=False, expect_error=True),  # 3 rows for 4 micro-batches
     *(FeatureCase(name) for name in EVERYDAY if name not in ("swa", "scale_batch_size")),
+    FeatureCase("hf_everyday"),
     FeatureCase("swa", steps=1, expect_error=True),
     FeatureCase("scale_batch_size", expect_error=True),
 ]
