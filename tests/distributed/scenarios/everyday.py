@@ -24,6 +24,7 @@ from tests.distributed.scenarios.feature_fit import (
     FeatureCase,
     Recorder,
     fit,
+    fitted,
     result_of,
     side,
     train_loader,
@@ -35,21 +36,16 @@ from tests.distributed.scenarios.feature_model import FeatureNet, Stream, classi
 Run = Callable[[FeatureCase, bool], dict[str, Any]]
 
 
-def _done(out: dict[str, Any]) -> dict[str, Any]:
-    out.pop("trainer", None)
-    return out
-
-
 def _with(**kwargs: Any) -> Run:
     """A fit with these Trainer settings (and ``model=`` keyword arguments of FeatureNet under ``model``)."""
     model_kwargs = kwargs.pop("model", {})
-    return lambda case, pipeline: _done(fit(case, pipeline, model=FeatureNet("plain", **model_kwargs), **kwargs))
+    return lambda case, pipeline: fitted(case, pipeline, model=FeatureNet("plain", **model_kwargs), **kwargs)
 
 
 def checkpoint_topk(case: FeatureCase, pipeline: bool) -> dict[str, Any]:
     folder = side(case, pipeline) / "topk"
     callback = ModelCheckpoint(dirpath=folder, monitor="val_loss", save_top_k=2, filename="{step}")
-    out = _done(fit(case, pipeline, callbacks=(callback,), enable_checkpointing=True, max_steps=8))
+    out = fitted(case, pipeline, callbacks=(callback,), enable_checkpointing=True, max_steps=8)
     out["best_score"] = float(callback.best_model_score)  # type: ignore[arg-type]
     out["kept"] = sorted(p.name for p in folder.iterdir())
     return out
@@ -57,7 +53,7 @@ def checkpoint_topk(case: FeatureCase, pipeline: bool) -> dict[str, Any]:
 
 def early_stopping(case: FeatureCase, pipeline: bool) -> dict[str, Any]:
     stop = EarlyStopping(monitor="val_loss", patience=0, min_delta=0.02)
-    out = _done(fit(case, pipeline, callbacks=(stop,), max_steps=30))
+    out = fitted(case, pipeline, callbacks=(stop,), max_steps=30)
     out["stopped_epoch"] = stop.stopped_epoch
     return out
 
@@ -66,8 +62,8 @@ def loggers(case: FeatureCase, pipeline: bool) -> dict[str, Any]:
     """CSV and TensorBoard loggers, LearningRateMonitor: what rank 0 writes, as one device writes it."""
     folder = side(case, pipeline)
     logs = [CSVLogger(folder, name="csv"), TensorBoardLogger(folder, name="tb")]
-    out = _done(fit(case, pipeline, model=FeatureNet("plain", scheduler="onecycle"), logger=logs,
-                    callbacks=(LearningRateMonitor(logging_interval="step"),), log_every_n_steps=1))
+    out = fitted(case, pipeline, model=FeatureNet("plain", scheduler="onecycle"), logger=logs,
+                 callbacks=(LearningRateMonitor(logging_interval="step"),), log_every_n_steps=1)
     out["csv"] = str(folder / "csv" / "version_0" / "metrics.csv")
     out["tb_files"] = len(list((folder / "tb").rglob("events.out.tfevents.*")))
     return out
@@ -103,7 +99,7 @@ class Data(L.LightningDataModule):
 
 
 def datamodule(case: FeatureCase, pipeline: bool) -> dict[str, Any]:
-    return _done(fit(case, pipeline, datamodule=Data(case, pipeline)))
+    return fitted(case, pipeline, datamodule=Data(case, pipeline))
 
 
 def iterable(case: FeatureCase, pipeline: bool) -> dict[str, Any]:
@@ -137,7 +133,7 @@ def scale_batch_size(case: FeatureCase, pipeline: bool) -> dict[str, Any]:
 
 
 def swa(case: FeatureCase, pipeline: bool) -> dict[str, Any]:
-    return _done(fit(case, pipeline, callbacks=(StochasticWeightAveraging(swa_lrs=0.01),)))
+    return fitted(case, pipeline, callbacks=(StochasticWeightAveraging(swa_lrs=0.01),))
 
 
 def evaluate_and_predict(case: FeatureCase, pipeline: bool) -> dict[str, Any]:

@@ -122,3 +122,10 @@ def fit(case: FeatureCase, pipeline: bool, model: FeatureNet | None = None, keys
     out["warnings"] = [str(w.message) for w in caught if "lightning_pipe" in str(w.message)]
     out["trainer"] = trainer
     return out
+
+
+def fitted(case: FeatureCase, pipeline: bool, **kwargs: Any) -> dict[str, Any]:
+    """:func:`fit`'s result without its trainer (what a rank sends back)."""
+    out = fit(case, pipeline, **kwargs)
+    out.pop("trainer")
+    return out
