@@ -38,9 +38,9 @@ from torch import Tensor, nn
 
 from lightning_pipe._compat import lightning as _compat
 from lightning_pipe.checkpoint.convert import as_file
-from lightning_pipe.layers.aux import AuxLossContext, aux_loss_context
+from lightning_pipe.layers.aux import AuxLossContext, attach_layer_penalty, aux_loss_context
 from lightning_pipe.layers.batches import input_args, loss_parts
-from lightning_pipe.layers.stages import attach_layer_penalty, run_layers
+from lightning_pipe.layers.stages import run_layers
 from lightning_pipe.lightning import grad_norms, remote
 
 # [Note: the loss a training step returns]
@@ -111,7 +111,7 @@ class PipelineModule(pl.LightningModule):
     Optional hooks the strategy calls when present: ``layer_penalty(index, layer) -> Tensor | None`` (a term over
     the layer's parameters added to the training loss, e.g. ``1e-4 * sum(p.pow(2).sum() for p in
     layer.parameters())``: computed where the layer lives, exact against one device, logged as
-    ``train_aux_loss/penalty``: [Note: a penalty over every stage's parameters] in layers/stages.py),
+    ``train_aux_loss/penalty``: [Note: a penalty over every stage's parameters] in layers/aux.py),
     ``trim_microbatch(inputs, target) -> (inputs, target)`` (each
     micro-batch, cut from the batch as torch cuts it, may be trimmed to its own length, e.g. its padding columns
     dropped: [Note: micro-batches of their own length] in lightning_pipe/runtime/microbatches.py),
@@ -158,7 +158,7 @@ class PipelineModule(pl.LightningModule):
         penalty = getattr(self, "layer_penalty", None)
         if penalty is None:
             return out
-        # joins the loss here as on each stage ([Note: a penalty over every stage's parameters] in layers/stages.py)
+        # joins the loss here as on each stage ([Note: a penalty over every stage's parameters] in layers/aux.py)
         return attach_layer_penalty(out, list(layers), range(len(layers)), penalty)
 
     def compute_loss(self, batch: Any, return_outputs: bool = False) -> Any:
