@@ -26,6 +26,7 @@ Trainer run; nothing per step beyond the watch's read while a peer waits.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -134,6 +135,25 @@ def post_elsewhere(rank: int, label: str) -> None:
         pass
 
 
+def post_at_exit(rank: int) -> None:
+    """At this process's exit: a peer waiting for it learns it never comes ([Note: every rank saves]). At a normal
+    end the store's host (rank 0) may have ended first; torch's C++ logger then prints the failed send on stderr,
+    though nobody can be waiting: the attempt is made with stderr pointed at /dev/null."""
+    try:
+        sys.stderr.flush()
+        saved, quiet = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+        os.dup2(quiet, 2)
+    except OSError:  # no file descriptors to swap: post as it is
+        post_elsewhere(rank, EXITED)
+        return
+    try:
+        post_elsewhere(rank, EXITED)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(quiet)
+
+
 class StuckInStep:
     """The failure watch's check ([Note: every rank saves]): this rank has been inside a pipeline step for
     :data:`IN_STEP_GRACE_S` while a peer waits in a meeting; then it posts that and returns the rule to stop with."""
@@ -181,4 +201,5 @@ def step_of(strategy: Any) -> str | None:
     return f"a {what} step (batch_idx {engine.batch_idx})"
 
 
-__all__ = ["EXITED", "StuckInStep", "meet", "peer_waiting", "post_elsewhere", "rule", "step_of", "strategy_meet"]
+__all__ = ["EXITED", "StuckInStep", "meet", "peer_waiting", "post_at_exit", "post_elsewhere", "rule", "step_of",
+           "strategy_meet"]

@@ -50,7 +50,7 @@ def _leave_process_group() -> None:
     global _started_here
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         # a peer waiting for this rank in a save or a Trainer call learns it never comes ([Note: every rank saves])
-        same_call.post_elsewhere(dist.get_rank(), same_call.EXITED)
+        same_call.post_at_exit(dist.get_rank())
     group_cache.release()
     if _started_here and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
