@@ -56,6 +56,16 @@ _Strategy = _resolve("lightning.pytorch.strategies", "Strategy")
 SignalConnector = _resolve("lightning.pytorch.trainer.connectors.signal_connector", "_SignalConnector")
 _ModelCheckpoint = _resolve("lightning.pytorch.callbacks", "ModelCheckpoint")
 _FitLoop = _resolve("lightning.pytorch.loops", "_FitLoop")
+# lightning/loading.py: the two modules that read a checkpoint file through fabric's `_load` (imported as
+# `pl_load`): LightningModule.load_from_checkpoint's, and TorchCheckpointIO's (a Trainer's resume under other
+# strategies). Each looks the name up at call time.
+CHECKPOINT_LOADERS = (importlib.import_module("lightning.pytorch.core.saving"),
+                      importlib.import_module("lightning.fabric.plugins.io.torch_io"))
+for _loader in CHECKPOINT_LOADERS:
+    if not callable(getattr(_loader, "pl_load", None)):
+        raise ImportError(f"lightning {lightning.__version__}: {_loader.__name__} has no pl_load; lightning_pipe was "
+                          f"checked on lightning {CHECKED_LIGHTNING} and wraps it. Update "
+                          "lightning_pipe/_compat/lightning.py.")
 # lightning/module.py: LightningModule.load_from_checkpoint's decorator (a classmethod that refuses instances).
 restricted_classmethod = _resolve("lightning.pytorch.utilities.model_helpers", "_restricted_classmethod")
 # lightning/summary.py: the model summary callback's summary object, and Lightning's table of it.

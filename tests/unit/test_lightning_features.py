@@ -124,6 +124,16 @@ def test_load_from_checkpoint_reads_a_sharded_directory(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"is a directory but not a lightning_pipe checkpoint"):
         ToyRegressor.load_from_checkpoint(tmp_path / "plain")
 
+    class Other(L.LightningModule):  # not a PipelineModule: Lightning's loader, whose error says what to do
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.Linear(1, 1)
+
+    with pytest.raises(IsADirectoryError) as caught:
+        Other.load_from_checkpoint(tmp_path / "sharded.ckpt")
+    assert "lightning_pipe.checkpoint.as_file(path)" in "".join(caught.value.__notes__)
+    assert "python -m lightning_pipe.checkpoint consolidate" in "".join(caught.value.__notes__)
+
 
 def test_the_summary_lists_every_layer_with_its_stage_and_rank() -> None:
     model = ToyRegressor(n_layers=3)
