@@ -17,7 +17,7 @@ TVENV     := .venv-torch$(TORCH)
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip "setuptools>=68,<82" wheel
+	$(BIN)/python -m pip install -q --upgrade pip "setuptools>=77,<82" wheel
 	# torch first, from the dev pin: the range in pyproject.toml then keeps it (no multi-GB CUDA wheel on CPU).
 	$(BIN)/python -m pip install -q "torch==$(DEV_TORCH)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
@@ -42,7 +42,7 @@ test-fast: setup
 # command, e.g. PIP_CONFIG_FILE=/dev/null make test-torch TORCH=2.15.0 (docs/versions.md, "Running another torch").
 $(TVENV)/.installed-stamp: pyproject.toml
 	@test -x $(TVENV)/bin/python || $(PYTHON) -m venv $(TVENV)
-	$(TVENV)/bin/python -m pip install -q --upgrade pip "setuptools>=68,<82" wheel
+	$(TVENV)/bin/python -m pip install -q --upgrade pip "setuptools>=77,<82" wheel
 	$(TVENV)/bin/python -m pip install -q "torch==$(TORCH)"
 	$(TVENV)/bin/python -m pip install -q -e ".[dev]"
 	@$(TVENV)/bin/python -c "import torch, sys; v = torch.__version__.split('+')[0]; \
