@@ -29,7 +29,7 @@ train: setup
 	OMP_NUM_THREADS=1 $(BIN)/python recipes/gpt/train.py experiment=tiny_cpu_1f1b $(ARGS)
 
 lint: setup
-	$(BIN)/python -m ruff check lightning_pipe recipes bench tests examples
+	$(BIN)/python -m ruff check lightning_pipe recipes bench tests examples tools
 	$(BIN)/python -m mypy
 
 test: lint
