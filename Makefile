@@ -54,9 +54,10 @@ setup-torch: $(TVENV)/.installed-stamp
 test-torch: setup-torch
 	OMP_NUM_THREADS=1 $(TVENV)/bin/python -m pytest -q -m "not distributed or compact" tests/unit tests/distributed $(ARGS)
 
+# every benchmark's quick form, one JSON (python -m bench lists them; docs/development.md, "Benchmarks")
 bench: setup
-	$(BIN)/python bench/overhead.py
-	$(BIN)/python bench/schedules.py
+	@mkdir -p bench/out
+	OMP_NUM_THREADS=1 $(BIN)/python -m bench all --quick --json bench/out/quick.json
 
 clean:
 	rm -rf $(VENV) .venv-torch* outputs multirun lightning_logs .pytest_cache
