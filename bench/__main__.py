@@ -44,7 +44,8 @@ def run_one(name: str, argv: list[str]) -> int:
     outcome = spec.run(args)
     show(outcome)
     if args.json:
-        entry = {"argv": argv, "figures": outcome.figures, "seconds": round(time.perf_counter() - start, 1)}
+        settings = [a for i, a in enumerate(argv) if a != "--json" and (i == 0 or argv[i - 1] != "--json")]
+        entry = {"argv": settings, "figures": outcome.figures, "seconds": round(time.perf_counter() - start, 1)}
         write(args.json, {"environment": env, "quick": False, "benchmarks": {name: entry}})
     return 0
 

@@ -73,12 +73,15 @@ def record_main(argv: list[str]) -> int:
     records = load()
     added = 0
     for name, entry in run["benchmarks"].items():
-        settings = " ".join(entry.get("argv", [])) + (" (quick)" if run.get("quick") else "")
+        argv = entry.get("argv", [])
+        argv = [a for i, a in enumerate(argv) if a != "--json" and (i == 0 or argv[i - 1] != "--json")]
+        settings = " ".join(argv) + (" (quick form)" if run.get("quick") else "")
         for figure, value in entry.get("figures", {}).items():
             if wanted is None or figure in wanted:
                 records.append({"benchmark": name, "figure": figure, "value": value, "commit": env["commit"],
                                 "date": env["date"], "cores": env["cores"], "cpu": env["cpu"], "torch": env["torch"],
-                                "load": args.load or env["load"], "settings": settings.strip(), "note": args.note})
+                                "load": args.load or f"load {env['load']:.1f}", "settings": settings.strip(),
+                                "note": args.note})
                 added += 1
     save(records)
     print(f"{added} figures added to {RECORDS.relative_to(REPO)}; `python -m tools.docs` updates docs/measurements.md")
