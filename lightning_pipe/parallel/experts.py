@@ -38,7 +38,6 @@ from torch import Tensor, nn
 
 from lightning_pipe.checkpoint.format import POSITIONS_BY_KEY
 from lightning_pipe.config import config_error
-from lightning_pipe.parallel.dp_handoff import mean_count
 from lightning_pipe.parallel.group_cache import shared_group
 from lightning_pipe.parallel.topology import Topology
 from lightning_pipe.trace.spans import span
@@ -135,11 +134,6 @@ class ExpertGroups:
                     group = shared_group(ranks, "expert_replicas")
                     if pp_rank == topology.pp_rank and i == layout.expert_rank:
                         self.replicas = group
-
-    def mean_count(self, elements: float | Tensor, device: torch.device) -> Tensor:
-        """The replicas' mean target count: ``N`` of a token-weighted loss must be the same on every rank when an
-        expert's gradient sums several replicas' losses ([Note: token-weighted loss] in layers/batches.py)."""
-        return mean_count(elements, self.dp, self.dp_degree, device)
 
     def reduce(self, grads: Sequence[Tensor]) -> None:
         """Expert gradients to the one-device gradient of the replicas' mean loss ([Note: expert parallelism])."""
