@@ -28,7 +28,7 @@ every rank holds the same gradient list (a replica's collectives pair by positio
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from lightning_pipe.checkpoint.format import POSITIONS_BY_KEY
 from lightning_pipe.config import config_error
+from lightning_pipe.parallel.dp_handoff import mean_count
 from lightning_pipe.parallel.group_cache import shared_group
 from lightning_pipe.parallel.topology import Topology
 from lightning_pipe.trace.spans import span
@@ -134,6 +135,11 @@ class ExpertGroups:
                     group = shared_group(ranks, "expert_replicas")
                     if pp_rank == topology.pp_rank and i == layout.expert_rank:
                         self.replicas = group
+
+    def mean_count(self, elements: float | Tensor, device: torch.device) -> Tensor:
+        """The replicas' mean target count: ``N`` of a token-weighted loss must be the same on every rank when an
+        expert's gradient sums several replicas' losses ([Note: token-weighted loss] in layers/batches.py)."""
+        return mean_count(elements, self.dp, self.dp_degree, device)
 
     def reduce(self, grads: Sequence[Tensor]) -> None:
         """Expert gradients to the one-device gradient of the replicas' mean loss ([Note: expert parallelism])."""
@@ -249,6 +255,26 @@ class RoutedExperts(nn.Module):
 
 def routed_experts(stage_modules: Sequence[nn.Module]) -> list[tuple[str, RoutedExperts]]:
     return [(name, m) for sm in stage_modules for name, m in sm.named_modules() if isinstance(m, RoutedExperts)]
+
+
+def check_has_experts(layers: Iterable[nn.Module], size: int, where: str) -> None:
+    """``expert_parallel_size > 1`` on a model with no :class:`RoutedExperts` is refused. Every rank still holds
+    every layer here (on meta when built in ``configure_model``): one verdict everywhere."""
+    if size > 1 and not any(isinstance(m, RoutedExperts) for layer in layers for m in layer.modules()):
+        raise config_error(
+            "expert_parallel_size shards the experts of the model's RoutedExperts layers (lightning_pipe's MoE "
+            "layer, docs/moe.md) over the replicas; this model has none, so every rank would keep every expert "
+            "(transformers' own MoE layers are not sharded).",
+            f"expert_parallel_size={size} and no RoutedExperts in {where}", "expert_parallel_size", "to 1")
+
+
+def apply_experts(stage_modules: Sequence[nn.Module], topology: Topology, size: int, dp_group: Any) -> ExpertGroups:
+    """Expert parallelism over the data-parallel ranks of each stage: the groups, and each :class:`RoutedExperts`
+    cut to this rank's experts, before allocation (a rank allocates only its own: [Note: expert parallelism]).
+    After allocation, :func:`mark_experts`. Collective (every rank creates every group)."""
+    groups = ExpertGroups(topology, size, dp_group)
+    shard_experts(stage_modules, groups)
+    return groups
 
 
 def shard_experts(stage_modules: Sequence[nn.Module], groups: ExpertGroups) -> None:
