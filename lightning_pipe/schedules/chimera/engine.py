@@ -100,8 +100,9 @@ class ChimeraEngine(PipelineEngine):
             raise config_error(
                 "Schedule 'chimera' runs on CPU (gloo) only for now: its runtime posts each send right after its "
                 "compute and waits on it at the end of the step, which cannot block on gloo but can on NCCL, whose "
-                "sends and receives between two ranks share one stream ([Note: driving two pipelines from one "
-                "thread] in lightning_pipe/schedules/chimera/runtime.py); that path is not built and tested yet.",
+                "sends and receives between two ranks share one stream "
+                "([Note: driving two pipelines from one thread] in lightning_pipe/schedules/chimera/runtime.py); "
+                "that path is not built and tested yet.",
                 f"device {device}", "schedule", "e.g. 1f1b, zbv or dualpipev on GPUs")
         if groups.topology.fsdp_size > 1:
             raise config_error(
