@@ -40,7 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from lightning_pipe.config import config_error
-from lightning_pipe.layers.stages import StageModule, TiedParameter, materialize_layers
+from lightning_pipe.layers.stages import StageModule, TiedParameter, place_layer
 from lightning_pipe.parallel.topology import Topology, data_parallel_mesh
 
 
@@ -100,7 +100,7 @@ def shard_stages(module: nn.Module, stage_modules: Sequence[StageModule], mesh: 
                  split: Callable[[int, nn.Module], None] | None = None) -> list[StageModule]:
     """Place and shard this rank's stages one layer at a time, so no more than one whole layer is resident besides
     the shards: allocate a layer built on the meta device (and initialise it like ``stages.materialize``: the
-    module's ``reset_layer``) or move it to ``device``; ``broadcast`` its tensors (the data-parallel ranks start
+    module's ``reset_layer``) or move it to ``device`` (``stages.place_layer``); ``broadcast`` its tensors (the data-parallel ranks start
     identical; ``None`` when the module was placed before); ``split(index, layer)`` it over the tensor dimension
     (tensor parallelism: [Note: FSDP under the pipeline schedule]); ``fully_shard`` it. Then each stage root. The
     stage modules become ``FSDPModule`` s, their parameters sharded DTensors under the same names. Collective.
@@ -115,8 +115,7 @@ def shard_stages(module: nn.Module, stage_modules: Sequence[StageModule], mesh: 
             out.append(earlier)
             continue
         for index, layer in zip(stage.layer_indices, stage.layers):
-            if not materialize_layers(module, [(index, layer)], device):
-                layer.to(device)
+            place_layer(module, index, layer, device)
             if broadcast is not None:
                 broadcast(list(layer.parameters()) + list(layer.buffers()))
             if split is not None:

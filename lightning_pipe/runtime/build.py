@@ -104,8 +104,7 @@ def build_engine(module: PipelineModel, config: PipelineConfig, plan: SchedulePl
                                     config.recompute_every, config.offload_layers, config.compile_options)
     if config.expert_parallel_size > 1:  # before allocation: a rank allocates only its own experts
         groups.experts = apply_experts(stage_modules, topology, config.expert_parallel_size, groups.dp)
-    stage_modules = place_stages(module, config.layers_attr, layout, stage_modules, groups, device, fresh,
-                                 sharding or ShardingOptions())
+    stage_modules = place_stages(module, layout, stage_modules, groups, device, fresh, sharding or ShardingOptions())
     module.to(device)
     if groups.experts is not None:
         mark_experts(stage_modules)  # allocation made new Parameter objects
@@ -156,9 +155,9 @@ def check_parallel_settings(module: PipelineModel, layers: LayerList, config: Pi
         check_has_experts(layers, config.expert_parallel_size, f"{type(module).__name__}.{config.layers_attr}")
 
 
-def place_stages(module: PipelineModel, attr: str, layout: PipelineLayout, stage_modules: list[StageModule],
-                 groups: ProcessGroups, device: torch.device, fresh: bool,
-                 sharding: ShardingOptions) -> list[StageModule]:
+def place_stages(module: PipelineModel, layout: PipelineLayout, stage_modules: list[StageModule],
+                 groups: ProcessGroups, device: torch.device, fresh: bool, sharding: ShardingOptions
+                 ) -> list[StageModule]:
     """This rank's layers on ``device`` (allocated there if built on meta), sharded with FSDP and split with the
     tensor-parallel hook, one layer at a time where both apply; returns the stage modules to run. Collective."""
     topology, mesh = groups.topology, groups.mesh
@@ -166,7 +165,7 @@ def place_stages(module: PipelineModel, attr: str, layout: PipelineLayout, stage
     def place(split: Callable[[int, torch.nn.Module], None] | None) -> list[StageModule]:
         if topology.fsdp_size > 1:
             return apply_fsdp(module, stage_modules, mesh, topology, groups.dp, sharding, device, fresh, split)
-        materialize(module, attr, stage_modules, layout.tied, device)
+        materialize(module, stage_modules, device)
         if split is not None:
             module.to(device)
             parallelize_stages(stage_modules, split)
