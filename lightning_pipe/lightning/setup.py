@@ -20,8 +20,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_pipe._compat import lightning as _compat
 from lightning_pipe.config import MEASURED_PARTITIONS
 from lightning_pipe.lightning.metrics import sync_metrics_over_data
+from lightning_pipe.lightning.microbatch_updates import attach_microbatch_updates
 from lightning_pipe.lightning.optimizers import check_optimizers_agree
-from lightning_pipe.lightning.pipedream import attach_microbatch_updates
 from lightning_pipe.lightning.precision import PipelinePrecision
 from lightning_pipe.lightning.preflight import (
     balance_partition,
