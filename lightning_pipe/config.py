@@ -79,9 +79,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("precision", "Trainer(precision=...)", ("trainer.precision",),
             "``32-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``, ``16-true`` (docs/parallelism.md)."),
     Setting("batch_size", "DataLoader(batch_size=...)", ("data.batch_size",),
-            "Training batches split into ``microbatches`` micro-batches: equal ones for a multiple of it; others are "
-            "cut unevenly where shapes are planned, with at least ``microbatches`` rows, else refused naming "
-            "``drop_last`` (docs/module-contract.md)."),
+            "At least ``microbatches`` rows; a multiple of it, else cut unevenly where shapes are planned."),
 )}
 
 

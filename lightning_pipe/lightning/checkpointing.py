@@ -9,6 +9,7 @@ all ranks, so that a bad checkpoint fails everywhere at once instead of leaving 
 from __future__ import annotations
 
 import uuid
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,7 @@ from lightning_pipe.checkpoint.format import (
     stage_state_key,
 )
 from lightning_pipe.config import PipelineConfig
+from lightning_pipe.lightning import same_call
 from lightning_pipe.parallel.dtensor import full_values, shard_like, shard_optimizer_state, shard_state_like
 from lightning_pipe.parallel.experts import is_expert
 from lightning_pipe.parallel.topology import Topology
@@ -58,6 +60,27 @@ _NOTHING: Any = object()
 NO_OPTIMIZER_STATE = ("The checkpoint holds no optimizer state (saved with weights_only=True), so training cannot "
                       "resume from it. Load its weights with `Model.load_from_checkpoint(...)` and start a new fit, "
                       "or use a full checkpoint.")
+
+
+def save_on_every_rank(strategy: Any, checkpoint: dict[str, Any], filepath: Any, storage_options: Any) -> None:
+    """``PipelineStrategy.save_checkpoint``: every rank's part, sharded or consolidated ([Note: consolidated
+    checkpoints]), once every rank is known to be saving ([Note: every rank saves] in same_call.py)."""
+    if strategy._failed:
+        # A run that failed (here or on a peer: reported before any on_exception checkpoint) cannot write a
+        # sharded checkpoint: every rank writes its part together, and the ranks are stopping. Said, not
+        # attempted: the attempt would wait on a peer that is gone and end in the transport's error.
+        warnings.warn(f"lightning_pipe: no checkpoint written at {str(filepath)!r} on rank {strategy.global_rank}: "
+                      "the run failed, and a sharded checkpoint needs every rank to write its part (an "
+                      "OnExceptionCheckpoint saves on an agreed SIGTERM stop, not after an error). The last "
+                      "complete checkpoint stays.", stacklevel=3)
+        return
+    if not same_call.strategy_meet(strategy, "save", f"Trainer.save_checkpoint({str(filepath)!r})"):
+        return  # a peer failed meanwhile: as above, the ranks are stopping
+    checkpointer = strategy._checkpointer()
+    if strategy._save_consolidated:
+        checkpointer.save_consolidated(checkpoint, filepath, storage_options)
+    else:
+        checkpointer.save(checkpoint, filepath, storage_options)
 
 
 @dataclass(frozen=True)

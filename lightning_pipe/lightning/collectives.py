@@ -92,6 +92,26 @@ def broadcast_source(topology: Topology, src: int) -> int:
     return topology.rank_of(src, 0, 0)
 
 
+class DataCollectives:
+    """PipelineStrategy's ``broadcast`` / ``all_gather`` / ``reduce`` ([Note: collectives over the data ranks]);
+    a mixin before Lightning's ``ParallelStrategy``, over the strategy's :class:`Topology`."""
+
+    def _topology(self) -> Topology:
+        raise NotImplementedError  # the strategy's
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Every rank gets the object of data rank ``src``'s first rank."""
+        return world.broadcast(obj, broadcast_source(self._topology(), src))
+
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """``[data ranks, ...]`` unless ``group`` is given."""
+        return all_gather(tensor, self._topology(), group, sync_grads)
+
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | str | None = "mean") -> Any:
+        """Over the ranks that read different data unless ``group`` is given."""
+        return reduce(tensor, self._topology(), group, reduce_op)
+
+
 def writers_on_data_ranks(trainer: Trainer, topology: Topology) -> Callable[[], None]:
     """On ranks other than pipeline rank 0 / tensor rank 0, turn the prediction writers' hooks off until the
     returned undo runs ([Note: collectives over the data ranks])."""
@@ -114,4 +134,4 @@ def writers_on_data_ranks(trainer: Trainer, topology: Topology) -> Callable[[], 
     return undo
 
 
-__all__ = ["all_gather", "broadcast_source", "data_group", "reduce", "writers_on_data_ranks"]
+__all__ = ["DataCollectives", "all_gather", "broadcast_source", "data_group", "reduce", "writers_on_data_ranks"]

@@ -191,6 +191,14 @@ def strategy_meet(strategy: Any, kind: str, detail: str) -> bool:
     return meet(kind, detail, strategy.global_rank, strategy.world_size, failed, strategy._timeout.total_seconds())
 
 
+def start_together(strategy: Any) -> None:
+    """At the start of every Trainer call (``setup_environment``), before its first collective: every rank is
+    starting it too."""
+    trainer = strategy.lightning_module.trainer if strategy.lightning_module is not None else None
+    fn = getattr(getattr(trainer, "state", None), "fn", None)
+    strategy_meet(strategy, "run", f"trainer.{getattr(fn, 'value', fn)}")
+
+
 def step_of(strategy: Any) -> str | None:
     """The pipeline step this rank is inside, for :class:`StuckInStep` (``None`` between steps)."""
     engine = getattr(strategy, "engine", None)
@@ -201,5 +209,5 @@ def step_of(strategy: Any) -> str | None:
     return f"a {what} step (batch_idx {engine.batch_idx})"
 
 
-__all__ = ["EXITED", "StuckInStep", "meet", "peer_waiting", "post_at_exit", "post_elsewhere", "rule", "step_of",
-           "strategy_meet"]
+__all__ = ["EXITED", "StuckInStep", "meet", "peer_waiting", "post_at_exit", "post_elsewhere", "rule", "start_together",
+           "step_of", "strategy_meet"]

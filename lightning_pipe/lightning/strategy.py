@@ -4,7 +4,6 @@ to the adapter's helpers (setup, preflight, checkpointing, faults, precision).""
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -19,34 +18,28 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor
 from typing_extensions import override
 
-from lightning_pipe._compat import lightning as _compat
 from lightning_pipe.checkpoint import remove as remove_checkpoint_files
 from lightning_pipe.config import PartitionSpec
-from lightning_pipe.lightning import collectives, metrics, same_call, world
-from lightning_pipe.lightning.checkpointing import RankGroup, ShardedCheckpointer
+from lightning_pipe.lightning import same_call, world
+from lightning_pipe.lightning.checkpointing import RankGroup, ShardedCheckpointer, save_on_every_rank
+from lightning_pipe.lightning.collectives import DataCollectives
 from lightning_pipe.lightning.faults import DEFAULT_TIMEOUT, PipelineFaults, resolve_timeout
-from lightning_pipe.lightning.features import adapt_features
-from lightning_pipe.lightning.launchers import PipelineMultiProcessingLauncher
-from lightning_pipe.lightning.manual import step_context
-from lightning_pipe.lightning.module import check_returned_loss
+from lightning_pipe.lightning.launchers import pipeline_launcher
 from lightning_pipe.lightning.optimizers import empty_parameter_lists_allowed
 from lightning_pipe.lightning.precision import PipelinePrecision, to_pipeline_precision
-from lightning_pipe.lightning.preflight import check_compiled_plan, check_last_batch, resolve_settings
+from lightning_pipe.lightning.preflight import check_last_batch, plan_for_world, resolve_settings
 from lightning_pipe.lightning.rebalancing import StrategyRebalancer
-from lightning_pipe.lightning.setup import check_rank_optimizers, release_to_cpu, setup_pipeline
+from lightning_pipe.lightning.setup import check_rank_optimizers, release_to_cpu, setup_pipeline, teardown_pipeline
+from lightning_pipe.lightning.steps import run_step, synced_closure
 from lightning_pipe.parallel.group_cache import forget_groups
 from lightning_pipe.parallel.topology import Topology
-from lightning_pipe.planner.plan import apply_plan
-from lightning_pipe.rebalance import check_rebalance
-from lightning_pipe.runtime.build import check_expert_settings
 from lightning_pipe.runtime.engine import PipelineEngine
-from lightning_pipe.schedules import SchedulePlan, check_torch_runs, plan_schedule
+from lightning_pipe.schedules import SchedulePlan
 
 
-class PipelineStrategy(ParallelStrategy):
+class PipelineStrategy(DataCollectives, ParallelStrategy):
     """Pipeline parallelism (optionally times data parallelism) for a layer-list LightningModule.
 
     ``world size = data_parallel_size x pipeline size x fsdp_size x tensor_parallel_size``. The module's layer list is split into
@@ -73,6 +66,7 @@ class PipelineStrategy(ParallelStrategy):
     """
 
     strategy_name = "pipeline"
+    _undo_features: Callable[[], None] | None = None  # lightning/features.py, between setup and teardown
 
     def __init__(
         self,
@@ -100,8 +94,7 @@ class PipelineStrategy(ParallelStrategy):
         # the processes
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = DEFAULT_TIMEOUT,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        save_consolidated: bool = False,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen", save_consolidated: bool = False,
         # Lightning's plugins
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -131,9 +124,7 @@ class PipelineStrategy(ParallelStrategy):
         self._faults: PipelineFaults | None = None
         self._undo_fast_log: Callable[[], None] | None = None
         self._undo_metric_sync: Callable[[], None] | None = None
-        self._undo_features: Callable[[], None] | None = None
-        self._start_method = start_method
-        self._save_consolidated = save_consolidated
+        self._start_method, self._save_consolidated = start_method, save_consolidated
         self.engine: PipelineEngine | None = None
         self.plan: SchedulePlan | None = None
         self.topology: Topology | None = None
@@ -190,13 +181,7 @@ class PipelineStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if self.cluster_environment.creates_processes_externally:
-            self._launcher = None  # torchrun / SLURM / our tests started the ranks
-        elif self._start_method == "popen":
-            self._launcher = _compat.SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
-                                                              self.num_nodes)
-        else:
-            self._launcher = PipelineMultiProcessingLauncher(self, start_method=self._start_method)
+        self._launcher = pipeline_launcher(self, self.cluster_environment, self._start_method)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None and self.cluster_environment.creates_processes_externally:
@@ -208,14 +193,7 @@ class PipelineStrategy(ParallelStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         self.topology = None
-        if self._plan_source is not None:
-            apply_plan(self._plan_source, world_size=self.world_size, name=self._plan_name)  # for one world size
-        # World-shape rules are checked here, before any process waits on another; the plan is resolved once.
-        self.plan = plan_schedule(self.pipeline_config, self._topology().pipeline_size)
-        check_torch_runs(self.plan)  # what this torch would compute wrongly ([Note: torch versions])
-        check_compiled_plan(self.pipeline_config, self.plan)  # [Note: compiled layers]: no split backward
-        check_rebalance(self.pipeline_config, self.plan)  # before any rank waits on another
-        check_expert_settings(self.plan, self._topology(), self.pipeline_config.expert_parallel_size)
+        self.plan = plan_for_world(self.pipeline_config, self._topology(), self._plan_source, self._plan_name)
 
     @override
     def setup_environment(self) -> None:
@@ -224,10 +202,7 @@ class PipelineStrategy(ParallelStrategy):
         self.set_world_ranks()
         self._process_group_backend = world.init_process_group(self.cluster_environment, self.root_device,
                                                                self._process_group_backend, self._timeout)
-        # every rank starts this Trainer call, before its first collective ([Note: every rank saves])
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        fn = getattr(getattr(trainer, "state", None), "fn", None)
-        same_call.strategy_meet(self, "run", f"trainer.{getattr(fn, 'value', fn)}")
+        same_call.start_together(self)  # every rank starts this Trainer call ([Note: every rank saves])
         # Failures on one rank stop the others; SIGTERM stops all ranks at a step boundary (lightning/faults.py).
         self._faults = PipelineFaults.start(self)
 
@@ -249,13 +224,6 @@ class PipelineStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: Trainer) -> None:
         setup_pipeline(self, trainer)
-        if self._undo_fast_log is None:  # [Note: self.log's move to the device it is on] (_compat/lightning.py)
-            self._undo_fast_log = _compat.fast_metric_moves()
-        module = self.lightning_module  # [Note: what sync_dist reduces over] (lightning/metrics.py)
-        if self._undo_metric_sync is None and self.engine is not None and module is not None:
-            self._undo_metric_sync = metrics.sync_metrics_over_data(module, self.engine)
-        if self._undo_features is None:  # prediction writers, the model summary (lightning/features.py)
-            self._undo_features = adapt_features(self, trainer)
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -293,45 +261,14 @@ class PipelineStrategy(ParallelStrategy):
         engine = self.engine
         if engine is not None and engine.per_microbatch_updates:
             return closure()  # the optimizer already stepped per micro-batch ([Note: PipeDream in Lightning's loop])
-
-        def closure_then_sync() -> Any:
-            # After every accumulated backward, before on_before_optimizer_step and clipping see the gradients:
-            # average over replicas, sum tied copies (lightning_pipe.parallel.grads).
-            result = closure()
-            if engine is not None:
-                engine.sync_gradients()
-                engine.before_optimizer_step()  # weight versions (PipeDream-2BW) keep W(b) before the update
-            return result
-
-        result = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        result = super().optimizer_step(optimizer, synced_closure(closure, engine), model, **kwargs)
         if self.rebalancer is not None:
             self.rebalancer.after_optimizer_step()  # a step boundary: layers may move (lightning_pipe.rebalance)
         return result
 
     def _run(self, phase: str, parent: Any, *args: Any, **kwargs: Any) -> Any:
         assert self.engine is not None and self.lightning_module is not None
-        trainer = self.lightning_module.trainer
-        self.engine.accumulate_grad_batches = trainer.accumulate_grad_batches
-        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
-        if phase == "train":  # hints for the overlapped gradient sync (exact whatever they say: engine.py)
-            self.engine.dp_handoff.optimizer_step_follows = not _compat.should_accumulate(trainer)
-            self.engine.dp_handoff.zero_grad_follows = (batch_idx is None
-                                                        or batch_idx % trainer.accumulate_grad_batches == 0)
-            self.engine.step_flags = self._faults.train_flags if self._faults is not None else None
-        manual = phase == "train" and not self.lightning_module.automatic_optimization
-        try:
-            with self.engine.running(phase, batch_idx), step_context(self.lightning_module, self.engine if manual
-                                                                       else None):
-                result = parent(*args, **kwargs)
-                if phase == "train" and not manual:
-                    check_returned_loss(result, self.engine.step_loss, type(self.lightning_module).__name__)
-        except BaseException as err:
-            if self._faults is not None:
-                self._faults.report(err)  # now: peers are blocked on this rank ([Note: failure propagation])
-            raise
-        if self._faults is not None:
-            self._faults.after_step(phase, batch_idx)  # every rank: stop together on SIGTERM
-        return result
+        return run_step(self.engine, self.lightning_module, self._faults, phase, parent, *args, **kwargs)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -375,22 +312,7 @@ class PipelineStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if self._failed:
-            # A run that failed (here or on a peer: reported before any on_exception checkpoint) cannot write a
-            # sharded checkpoint: every rank writes its part together, and the ranks are stopping. Said, not
-            # attempted: the attempt would wait on a peer that is gone and end in the transport's error.
-            warnings.warn(f"lightning_pipe: no checkpoint written at {str(filepath)!r} on rank {self.global_rank}: "
-                          "the run failed, and a sharded checkpoint needs every rank to write its part (an "
-                          "OnExceptionCheckpoint saves on an agreed SIGTERM stop, not after an error). The last "
-                          "complete checkpoint stays.", stacklevel=2)
-            return
-        # before the save's first collective: is every rank saving? ([Note: every rank saves])
-        if not same_call.strategy_meet(self, "save", f"Trainer.save_checkpoint({str(filepath)!r})"):
-            return  # a peer failed meanwhile: as above, the ranks are stopping
-        if self._save_consolidated:
-            self._checkpointer().save_consolidated(checkpoint, filepath, storage_options)
-        else:
-            self._checkpointer().save(checkpoint, filepath, storage_options)
+        save_on_every_rank(self, checkpoint, filepath, storage_options)  # lightning/checkpointing.py
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -428,23 +350,6 @@ class PipelineStrategy(ParallelStrategy):
             return  # the ranks are stopping after a failure: no peer will meet it (e.g. Trainer.save_checkpoint's)
         world.barrier(self.root_device)
 
-    # [Note: collectives over the data ranks] in lightning/collectives.py: as on DDP, over the ranks that read
-    # different data; group=torch.distributed.group.WORLD reaches every rank.
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Every rank gets the object of data rank ``src``'s first rank."""
-        return world.broadcast(obj, collectives.broadcast_source(self._topology(), src))
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        """``[data ranks, ...]`` unless ``group`` is given."""
-        return collectives.all_gather(tensor, self._topology(), group, sync_grads)
-
-    @override
-    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | str | None = "mean") -> Any:
-        """Over the ranks that read different data unless ``group`` is given."""
-        return collectives.reduce(tensor, self._topology(), group, reduce_op)
-
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         # a decision every rank takes alike (stop, save): counted over the whole world, not the data group
@@ -459,25 +364,7 @@ class PipelineStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        faults, self._faults = self._faults, None
-        undo_fast_log, self._undo_fast_log = self._undo_fast_log, None
-        if undo_fast_log is not None:
-            undo_fast_log()
-        undo_metric_sync, self._undo_metric_sync = self._undo_metric_sync, None
-        if undo_metric_sync is not None:
-            undo_metric_sync()
-        undo_features, self._undo_features = self._undo_features, None
-        if undo_features is not None:
-            undo_features()
-        if faults is not None:
-            faults.stop()
-        if self.rebalancer is not None:
-            self.rebalancer.detach()  # kept (its history) until the next setup
-        if self.lightning_module is not None:
-            self.lightning_module._pipeline_engine = None  # type: ignore[assignment]
-        if isinstance(self._precision_plugin, PipelinePrecision):
-            self._precision_plugin.engine = None
-        self.engine = None
+        teardown_pipeline(self)
         module = self._lightning_module
         if module is not None:
             release_to_cpu(module)
