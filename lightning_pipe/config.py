@@ -66,6 +66,14 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
               "How long a rank waits on another in one transfer before failing (seconds or a ``timedelta``); "
               "default 10 minutes. A failed rank stops the others within seconds regardless: raise it for a long "
               "``prepare_data`` or compilation on some ranks only."),
+    _strategy("heartbeat_timeout", "strategy.heartbeat_timeout",
+              "Seconds after which a rank, or the rendezvous store, that has not been heard from is taken for lost: "
+              "every other rank stops, naming it and its host (default 30; ``0`` or ``null``: off). A slow step "
+              "never counts: each rank beats from a thread of its own (docs/multi-node.md)."),
+    _strategy("async_checkpoint", "strategy.async_checkpoint",
+              "Write checkpoints on a background thread after copying them to host memory: a save holds training "
+              "only for the copy; the next save, a load and the end of the run wait for the write (default "
+              "``False``; docs/checkpoints.md)."),
     _strategy("plan", "strategy.plan",
               "A plan file (or its dict) from ``python -m lightning_pipe.planner search``: replaces schedule, "
               "microbatches, stages_per_rank, data_parallel_size and partition (docs/planner.md); default ``None``."),

@@ -120,8 +120,10 @@ class _RecordingWriter(FileSystemWriter):
         return fut
 
 
-def write_shards(state: dict[str, Any], tmp: Path, no_dist: bool = False) -> dict[str, FileChecksum]:
-    """The collective DCP write (every rank calls it; data-parallel replicas > 0 pass an empty dict).
+def write_shards(state: dict[str, Any], tmp: Path, no_dist: bool = False,
+                 process_group: Any = None) -> dict[str, FileChecksum]:
+    """The collective DCP write (every rank of ``process_group``, default the world, calls it; data-parallel
+    replicas > 0 pass an empty dict).
 
     Returns the checksums of the data files this process wrote.
     """
@@ -129,7 +131,7 @@ def write_shards(state: dict[str, Any], tmp: Path, no_dist: bool = False) -> dic
 
     writer = _RecordingWriter(str(tmp))
     writer.written = []
-    save(state, storage_writer=writer, no_dist=no_dist)
+    save(state, storage_writer=writer, no_dist=no_dist, process_group=process_group)
     return checksums_of(tmp, writer.written)
 
 

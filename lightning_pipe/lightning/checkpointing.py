@@ -8,6 +8,7 @@ all ranks, so that a bad checkpoint fails everywhere at once instead of leaving 
 
 from __future__ import annotations
 
+import copy
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from lightning_pipe.checkpoint.format import (
     stage_state_key,
 )
 from lightning_pipe.config import PipelineConfig
+from lightning_pipe.lightning.async_checkpoint import AsyncSaver, staged, write_group
 from lightning_pipe.parallel.dtensor import full_values, shard_like, shard_optimizer_state, shard_state_like
 from lightning_pipe.parallel.experts import is_expert
 from lightning_pipe.parallel.topology import Topology
@@ -123,8 +125,10 @@ class ShardedCheckpointer:
         return flatten_optimizer(optimizer, self.names(), index)
 
     # ------------------------------------------------------------------ save
-    def save(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """A sharded directory checkpoint, written in a temporary place and renamed into place when complete."""
+    def save(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None,
+             saver: AsyncSaver | None = None) -> None:
+        """A sharded directory checkpoint, written in a temporary place and renamed into place when complete; with
+        ``saver``, written on a thread ([Note: asynchronous checkpoints])."""
         if storage_options is not None:
             raise TypeError("`PipelineStrategy.save_checkpoint(..., storage_options=...)` is not supported: the "
                             "pipeline writes with torch.distributed.checkpoint, not the CheckpointIO plugin.")
@@ -169,14 +173,13 @@ class ShardedCheckpointer:
         # the target check and every rank's size in one gather (the size names what a full disk lacked)
         needed = sum(ranks.agree(check_target, payload=files.state_bytes(state)))
         tmp = files.partial_path(path, token)
+        if saver is not None:
+            self._write_later(saver, path, tmp, token, state, checkpoint, groups, needed)
+            return
         try:
             self._write(ranks, path, tmp, token, state, checkpoint, groups)
         except BaseException as err:  # DCP's CheckpointException is a BaseException
-            files.remove(tmp)  # what this failed save wrote; the earlier checkpoints stay as they are
-            full = files.no_space_error(err, path, needed)
-            if full is not None:
-                raise full from err
-            raise
+            _failed_save(err, tmp, path, needed)
 
     def _write(self, ranks: RankGroup, path: Path, tmp: Path, token: str, state: dict[str, Any],
                checkpoint: dict[str, Any], groups: list[Any] | None) -> None:
@@ -186,25 +189,60 @@ class ShardedCheckpointer:
         shard_checksums = files.write_shards(state, tmp)  # module attribute: tests replace it to die mid-save
         gathered = ranks.gather((groups, self.names().order, shard_checksums))
         if ranks.rank == 0:
-            order: dict[str, Any] = {}
             every_shard: dict[str, Any] = {}
-            for _, rank_order, rank_checksums in gathered:
-                order.update(rank_order)
+            for _, _, rank_checksums in gathered:
                 every_shard.update(rank_checksums)
-            optimizers = merge_groups([g for g, _, _ in gathered], order) if groups is not None else None
-            topo = self.topology
-            checkpoint["pipeline"] = {
-                "format": FORMAT,
-                "optimizers": optimizers,
-                "layout": {"pipeline_size": topo.pipeline_size, "data_parallel_size": topo.data_parallel_size,
-                           "schedule": self.config.schedule,
-                           "stages": [list(r) for r in self._layout_ranges()],
-                           # the split was the rebalancer's: a resumed run that rebalances goes back to it
-                           "rebalance_every_n_steps": self.config.rebalance_every_n_steps},
-            }
-            files.seal(tmp, checkpoint, every_shard)
+            files.seal(tmp, self._meta(checkpoint, [(g, o) for g, o, _ in gathered], groups is not None),
+                       every_shard)
             files.commit(tmp, path, token)
         ranks.barrier()
+
+    def _write_later(self, saver: AsyncSaver, path: Path, tmp: Path, token: str, state: dict[str, Any],
+                     checkpoint: dict[str, Any], groups: list[Any] | None, needed: int) -> None:
+        """[Note: asynchronous checkpoints]: what ``meta.pt`` needs is gathered and the state copied now; the
+        shards, the checksums, ``meta.pt`` and the rename follow on the saver's thread."""
+        ranks = self.ranks
+        if ranks.rank == 0:
+            tmp.mkdir(parents=True, exist_ok=True)
+        gathered = ranks.gather((groups, self.names().order))  # also the barrier: tmp exists for every rank
+        meta = self._meta(copy.deepcopy(checkpoint), gathered, groups is not None) if ranks.rank == 0 else None
+        group = write_group(ranks.world_size) if _compat.distributed_is_initialized() else None
+        copied = staged(state)
+
+        def write() -> None:
+            try:
+                shard_checksums = files.write_shards(copied, tmp, process_group=group)
+                every: list[Any] = [shard_checksums]
+                if group is not None:
+                    every = [None] * ranks.world_size
+                    dist.all_gather_object(every, shard_checksums, group=group)
+                if meta is not None:
+                    files.seal(tmp, meta, {k: v for rank_checksums in every for k, v in rank_checksums.items()})
+                    files.commit(tmp, path, token)
+            except BaseException as err:
+                _failed_save(err, tmp, path, needed)
+
+        saver.submit(str(path), write)
+
+    def _meta(self, checkpoint: dict[str, Any], gathered: Sequence[tuple[Any, Any]],
+              with_optimizers: bool) -> dict[str, Any]:
+        """``meta.pt`` (rank 0): the rest of Lightning's checkpoint, with the layout and the optimizers' groups
+        of every rank (``gathered``: each rank's groups and parameter order)."""
+        order: dict[str, Any] = {}
+        for _, rank_order in gathered:
+            order.update(rank_order)
+        optimizers = merge_groups([g for g, _ in gathered], order) if with_optimizers else None
+        topo = self.topology
+        checkpoint["pipeline"] = {
+            "format": FORMAT,
+            "optimizers": optimizers,
+            "layout": {"pipeline_size": topo.pipeline_size, "data_parallel_size": topo.data_parallel_size,
+                       "schedule": self.config.schedule,
+                       "stages": [list(r) for r in self._layout_ranges()],
+                       # the split was the rebalancer's: a resumed run that rebalances goes back to it
+                       "rebalance_every_n_steps": self.config.rebalance_every_n_steps},
+        }
+        return checkpoint
 
     # ------------------------------------------------------------------ load
     def load(self, checkpoint_path: Any) -> dict[str, Any]:
@@ -331,3 +369,13 @@ class ShardedCheckpointer:
                                                      for k, v in entries.items()}
 
             opt.load_state_dict(shard_optimizer_state(opt, build_local_optimizer_state(opt, names, groups, state_of)))
+
+
+def _failed_save(error: BaseException, tmp: Path, path: Path, needed: int) -> None:
+    """A save failed: remove what it wrote (the earlier checkpoints stay as they are) and raise its error, as
+    "no space left" when that is what it was."""
+    files.remove(tmp)
+    full = files.no_space_error(error, path, needed)
+    if full is not None:
+        raise full from error
+    raise error

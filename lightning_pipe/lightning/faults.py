@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import signal
 import sys
-import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -51,8 +50,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_pipe._compat import lightning as _compat
-from lightning_pipe._compat import torch as _compat_torch
 from lightning_pipe.config import PipelineConfigError, config_error
+from lightning_pipe.lightning.liveness import start_watch, step_status
 from lightning_pipe.runtime.watchdog import FailureWatch, any_rank, consequence_note
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -64,9 +63,10 @@ must still exceed the longest *legitimate* one-sided wait: a downstream stage wa
 compile or run their first step, or while local rank 0 runs ``prepare_data``. 10 minutes is torch's own NCCL
 default (Lightning and gloo use 30); raise it with ``PipelineStrategy(timeout=...)`` for longer one-sided work."""
 
-SIGTERM_DEADLINE_S = 30.0
+SIGTERM_DEADLINE_S = 25.0
 """Seconds after SIGTERM by which the ranks must have agreed to stop; later, this process ends without a
-checkpoint (SLURM and Kubernetes follow SIGTERM with SIGKILL after 30 s by default)."""
+checkpoint. torchrun, SLURM and Kubernetes follow SIGTERM with SIGKILL after 30 s by default: this ends first, with
+its message. When a peer or the store has already fallen silent, the process ends at once ([Note: heartbeats])."""
 
 
 def resolve_timeout(timeout: timedelta | float | int | None) -> timedelta:
@@ -136,16 +136,12 @@ class PipelineFaults:
         self._undo_skip: Any = None
 
     @classmethod
-    def start(cls, strategy: Any) -> PipelineFaults | None:
+    def start(cls, strategy: Any, heartbeat_timeout: float | None = None) -> PipelineFaults | None:
         """Start watching (after the process group exists; a collective: every rank calls it). None on one rank."""
         if strategy.world_size < 2 or strategy.lightning_module is None:
             return None
         trainer: Any = strategy.lightning_module.trainer
-        # Keys private to this run: a process that runs fit, then validate, reuses the store.
-        token = strategy.broadcast(uuid.uuid4().hex[:12])
-        store = dist.PrefixStore(f"lightning_pipe/faults/{token}/", _compat_torch.default_store())
-        watch = FailureWatch(store, strategy.global_rank, world_size=strategy.world_size,
-                             before_exit=lambda: _end_launched_ranks(strategy))
+        watch = start_watch(strategy, heartbeat_timeout, before_exit=lambda: _end_launched_ranks(strategy))
         faults = cls(strategy, trainer, watch)
         connector = _compat.signal_connector(trainer)
         if isinstance(connector, PipelineSignalConnector):
@@ -176,6 +172,11 @@ class PipelineFaults:
             except Exception:
                 pass
 
+    def before_step(self, phase: str, batch_idx: int | None) -> None:
+        """What this rank is doing, for its peers' messages if it falls silent ([Note: heartbeats])."""
+        if self.watch.heartbeat is not None:
+            self.watch.heartbeat.status = step_status(phase, batch_idx, self.trainer)
+
     # ------------------------------------------------------------------ SIGTERM
     def sigterm_received(self, signum: Any) -> None:
         """Called from the signal handler: record, forward to launched ranks, arm the deadline."""
@@ -185,6 +186,12 @@ class PipelineFaults:
         launcher = self.strategy.launcher
         if launcher is not None and hasattr(launcher, "kill"):
             launcher.kill(signum)  # the ranks this process started (Lightning's popen launcher) stop with us
+        beat = self.watch.heartbeat
+        if beat is not None and beat.contact_lost():  # no step boundary can come: a peer or the store is silent
+            self.watch.set_deadline(0.0, f"lightning_pipe: rank {self.strategy.global_rank} received SIGTERM while "
+                                    "a peer or the rendezvous store is silent (no step can end); exiting now, "
+                                    "without a checkpoint, with code 143.", 143)
+            return
         self.watch.set_deadline(
             SIGTERM_DEADLINE_S,
             f"lightning_pipe: rank {self.strategy.global_rank} received SIGTERM {SIGTERM_DEADLINE_S:.0f} s ago and "
@@ -205,6 +212,8 @@ class PipelineFaults:
         epoch ends ([Note: the same last batch]), in one all-reduce (in training: the one of the step's loss)."""
         engine = getattr(self.strategy, "engine", None)
         agreed = engine.take_agreed_flags() if phase == "train" and engine is not None else None
+        if self.watch.heartbeat is not None:
+            self.watch.heartbeat.status = step_status(phase, batch_idx, self.trainer, done=True)
         if not self.stopping:
             last = _compat.is_last_batch(self.trainer, phase)
             group = self._step_group(phase, engine)

@@ -17,18 +17,21 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_pipe._compat import lightning as _compat
 from lightning_pipe.checkpoint import remove as remove_checkpoint_files
-from lightning_pipe.config import PartitionSpec
+from lightning_pipe.config import PartitionSpec, PipelineConfigError
 from lightning_pipe.lightning import metrics, world
+from lightning_pipe.lightning.async_checkpoint import AsyncSaver, check_links, resolve_async_checkpoint
 from lightning_pipe.lightning.checkpointing import RankGroup, ShardedCheckpointer
+from lightning_pipe.lightning.elastic import elastic_world
 from lightning_pipe.lightning.faults import DEFAULT_TIMEOUT, PipelineFaults, resolve_timeout
 from lightning_pipe.lightning.launchers import PipelineMultiProcessingLauncher
+from lightning_pipe.lightning.liveness import DEFAULT_HEARTBEAT_TIMEOUT, resolve_heartbeat_timeout
 from lightning_pipe.lightning.module import check_returned_loss
 from lightning_pipe.lightning.optimizers import empty_parameter_lists_allowed
 from lightning_pipe.lightning.precision import PipelinePrecision, to_pipeline_precision
@@ -64,6 +67,10 @@ class PipelineStrategy(ParallelStrategy):
         timeout: how long a rank waits on another in one transfer before failing (a ``timedelta`` or seconds;
             default 10 minutes). A rank that fails stops its peers within seconds regardless
             (docs/failures.md).
+        heartbeat_timeout: seconds after which a rank (or the rendezvous store) that has not been heard from is
+            taken for lost and every other rank stops, naming it (default 30; 0 or None: off; docs/multi-node.md).
+        async_checkpoint: write checkpoints on a background thread after copying them to host memory (docs/
+            checkpoints.md); the next save, a load and the end of the run wait for the write.
         start_method: ``"popen"`` re-runs the script per rank (like ``ddp``); ``"spawn"`` for notebooks.
     """
 
@@ -95,6 +102,8 @@ class PipelineStrategy(ParallelStrategy):
         # the processes
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = DEFAULT_TIMEOUT,
+        heartbeat_timeout: float | None = DEFAULT_HEARTBEAT_TIMEOUT,
+        async_checkpoint: bool = False,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         # Lightning's plugins
         accelerator: Any = None,
@@ -122,6 +131,8 @@ class PipelineStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = resolve_timeout(timeout)
+        self._heartbeat_timeout = resolve_heartbeat_timeout(heartbeat_timeout)
+        self._saver = AsyncSaver() if resolve_async_checkpoint(async_checkpoint) else None
         self._faults: PipelineFaults | None = None
         self._undo_fast_log: Callable[[], None] | None = None
         self._undo_metric_sync: Callable[[], None] | None = None
@@ -191,6 +202,11 @@ class PipelineStrategy(ParallelStrategy):
             self._launcher = PipelineMultiProcessingLauncher(self, start_method=self._start_method)
 
     def set_world_ranks(self) -> None:
+        # torchrun's elastic agent may give another number of nodes than num_nodes: [Note: elastic worlds]
+        elastic = elastic_world(self.cluster_environment, self.num_nodes, self.num_processes, self.pipeline_config)
+        if elastic is not None:
+            planned_replicas = self.pipeline_config.data_parallel_size
+            self._num_nodes, self.pipeline_config = elastic.nodes, elastic.config
         if self.cluster_environment is not None and self.cluster_environment.creates_processes_externally:
             # torchrun / SLURM started the processes: Lightning's own rule that devices x num_nodes is their world
             # (its launcher checks it; none runs here), before any device list is indexed by a local rank
@@ -199,6 +215,16 @@ class PipelineStrategy(ParallelStrategy):
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        if elastic is not None:
+            rank_zero_info(elastic.describe(planned_replicas))
+        try:
+            self._plan_world()
+        except PipelineConfigError as err:
+            if elastic is None:
+                raise
+            raise PipelineConfigError(f"{elastic.headline()}, and no layout of this run fits it: {err}") from err
+
+    def _plan_world(self) -> None:
         self.topology = None
         if self._plan_source is not None:
             apply_plan(self._plan_source, world_size=self.world_size, name=self._plan_name)  # for one world size
@@ -217,7 +243,7 @@ class PipelineStrategy(ParallelStrategy):
         self._process_group_backend = world.init_process_group(self.cluster_environment, self.root_device,
                                                                self._process_group_backend, self._timeout)
         # Failures on one rank stop the others; SIGTERM stops all ranks at a step boundary (lightning/faults.py).
-        self._faults = PipelineFaults.start(self)
+        self._faults = PipelineFaults.start(self, self._heartbeat_timeout)
 
     # ------------------------------------------------------------------ precision
     @property
@@ -236,6 +262,8 @@ class PipelineStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ setup (lightning/setup.py)
     @override
     def setup(self, trainer: Trainer) -> None:
+        if self._saver is not None:
+            check_links(trainer.callbacks)  # type: ignore[attr-defined]
         setup_pipeline(self, trainer)
         if self._undo_fast_log is None:  # [Note: self.log's move to the device it is on] (_compat/lightning.py)
             self._undo_fast_log = _compat.fast_metric_moves()
@@ -302,6 +330,8 @@ class PipelineStrategy(ParallelStrategy):
             self.engine.dp_handoff.zero_grad_follows = (batch_idx is None
                                                         or batch_idx % trainer.accumulate_grad_batches == 0)
             self.engine.step_flags = self._faults.train_flags if self._faults is not None else None
+        if self._faults is not None:
+            self._faults.before_step(phase, batch_idx)
         try:
             with self.engine.running(phase, batch_idx):
                 result = parent(*args, **kwargs)
@@ -366,15 +396,17 @@ class PipelineStrategy(ParallelStrategy):
                           "OnExceptionCheckpoint saves on an agreed SIGTERM stop, not after an error). The last "
                           "complete checkpoint stays.", stacklevel=2)
             return
-        self._checkpointer().save(checkpoint, filepath, storage_options)
+        self._checkpointer().save(checkpoint, filepath, storage_options, saver=self._saver)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
+        self.wait_for_checkpoint()
         if self.is_global_zero:
             remove_checkpoint_files(Path(filepath))
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        self.wait_for_checkpoint()
         checkpointer = self._checkpointer()
         checkpoint = checkpointer.load(checkpoint_path)
         plan = self.plan
@@ -385,6 +417,11 @@ class PipelineStrategy(ParallelStrategy):
         if self.rebalancer is not None:  # back to the split it was saved with ([Note: resuming a rebalanced run])
             self.rebalancer.resume(checkpoint, checkpointer.saved_layout)
         return checkpoint
+
+    def wait_for_checkpoint(self) -> None:
+        """Until an asynchronous save in flight is written and in place; raises its error if it failed."""
+        if self._saver is not None:
+            self._saver.wait()
 
     def _checkpointer(self) -> ShardedCheckpointer:
         assert self.lightning_module is not None
@@ -424,6 +461,8 @@ class PipelineStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        if self._saver is not None and self._failed:
+            self._saver.abandon()  # its peers may be gone: the previous checkpoint stays
         forget_groups()  # a message may be in flight: [Note: process groups are reused] in parallel/group_cache.py
         if self._faults is not None:
             self._faults.on_exception(exception)
@@ -437,6 +476,8 @@ class PipelineStrategy(ParallelStrategy):
         undo_metric_sync, self._undo_metric_sync = self._undo_metric_sync, None
         if undo_metric_sync is not None:
             undo_metric_sync()
+        if faults is not None and not faults.failed:
+            self.wait_for_checkpoint()  # the last save of the run is in place before the run ends
         if faults is not None:
             faults.stop()
         if self.rebalancer is not None:

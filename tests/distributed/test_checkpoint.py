@@ -226,3 +226,30 @@ def test_crash_mid_save_reshard_to_pp2_single_files_and_bad_input(four_ranks: di
             f"CheckpointError: No space left on {str(full_dir)!r}: saving {STEP4!r} needed about "), rank[-1]
     assert sorted(p.name for p in full_dir.iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]
     assert ckpt_lib.describe(full_dir / "last.ckpt") == "sharded"
+
+
+@pytest.mark.timeout(600)
+def test_async_checkpoints_resume_exactly_and_survive_a_kill_mid_write(tmp_path: Path) -> None:
+    """async_checkpoint=True: stopped after 4 of 8 steps and resumed == uninterrupted; a rank killed while "last"
+    is written on the saver's thread leaves the previous "last" complete (checksums verified), and the run resumes
+    from it."""
+    crash_dir = tmp_path / "crash"
+    with pytest.raises(RanksFailed, match="exit codes"):
+        launch("ckpt_crash", 2, [CheckpointCase(dir=str(crash_dir), crash_rank=1, async_save=True)],
+               tmp_path / "out_crash", timeout=200)
+    last = crash_dir / "last.ckpt"
+    assert last.is_dir() and not last.is_symlink()
+    assert ckpt_lib.verify_checksums(last) and ckpt_lib.consolidated(last)["global_step"] == 2
+    assert ckpt_lib.describe(crash_dir / STEP4) == "sharded"  # written before "last" (save 3 of 4 completed)
+
+    d = tmp_path / "async"
+    res = launch_runs(2, [("ckpt_train", CheckpointCase(dir=str(d), resume_from=str(d / STEP4), async_save=True)),
+                          ("ckpt_resume", CheckpointCase(resume_from=str(last), async_save=True))],
+                      tmp_path / "out", timeout=400)
+    for rank in res:
+        full, resumed = rank[0]["full"], rank[0]["resumed"]
+        assert resumed["global_step"] == 8 and rank[1]["global_step"] == 8
+        assert_same(resumed["params"], full["params"], EXACT, "async resume params")
+        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][4:]), atol=EXACT,
+                                   rtol=0)
+    assert ckpt_lib.consolidated(d / "last.ckpt")["global_step"] == 8 and not list(d.glob(".*partial*"))

@@ -83,7 +83,7 @@ def test_sigterm_and_requeue_are_acted_on_after_a_step(monkeypatch: pytest.Monke
                               state=SimpleNamespace(fn="validate"), validate_loop=SimpleNamespace(batch_progress=progress))
     strategy = SimpleNamespace(root_device="cpu", global_rank=0, launcher=None)
     watch = SimpleNamespace(clear_deadline=lambda: calls.append("clear"),
-                            set_deadline=lambda *args: calls.append("deadline"))
+                            set_deadline=lambda *args: calls.append("deadline"), heartbeat=None)
     faults = faults_module.PipelineFaults(strategy, trainer, watch)  # type: ignore[arg-type]
 
     faults.requeue_pending = True
