@@ -123,6 +123,8 @@ class Heartbeat:
         self._unseen = set(self._peers)  # no key yet: read with check(), which never waits
         self.store_ok_at = start
         """When the last beat completed (sent this rank's value and read the peers')."""
+        self.longest_gap = 0.0
+        """The longest time between two completed beats so far (what a ``timeout`` must stay well above)."""
 
     # ------------------------------------------------------------------ the beat (store I/O, watch thread)
     def beat(self, store: Any) -> None:
@@ -144,6 +146,7 @@ class Heartbeat:
                     del self._peers[peer]
                 elif value != state.value:
                     state.value, state.changed_at = value, now
+            self.longest_gap = max(self.longest_gap, now - self.store_ok_at)
             self.store_ok_at = now
 
     def finish(self, store: Any) -> None:

@@ -38,6 +38,12 @@ class Progress(pl.Callback):
             shutil.copytree(trainer.ckpt_path, self.out / f"resumed_w{trainer.world_size}_step{trainer.global_step}"
                             ".ckpt", dirs_exist_ok=True)
 
+    def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        faults = getattr(trainer.strategy, "_faults", None)
+        beat = faults.watch.heartbeat if faults is not None else None
+        if beat is not None:  # how long this rank's beats were apart at most (bench/lost_host.py reports it)
+            print(f"longest_heartbeat_gap_s={beat.longest_gap:.2f}", flush=True)
+
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         rank = trainer.global_rank
         (self.out / f"progress_rank{rank}").write_text(str(trainer.global_step))
@@ -49,9 +55,6 @@ class Progress(pl.Callback):
             while not trainer.received_sigterm:  # until torchrun stops this worker (a host joined)
                 time.sleep(0.1)
         time.sleep(self.case.get("step_sleep", 0.0))
-        if os.environ.get("LP_DEBUG"):
-            w = trainer.strategy._faults.watch
-            print("DEBUG", time.monotonic(), rank, w.heartbeat._peers, w.heartbeat._unseen, w.heartbeat._count, w._broken_at, flush=True)
 
 
 def make_model() -> ToyRegressor:
