@@ -12,7 +12,7 @@ What holds a shape, per release (read from each release's ``stage.py``):
   the stage-wide ``_stage_meta`` (not per micro-batch): :class:`ChunkShapes` answers it from the micro-batch's own
   descriptor;
 * torch 2.11 keeps shapes in ``inputs_meta`` / ``_outputs_meta`` and checks outputs against them: not rewritten
-  (:data:`SUPPORTED` is False; a new shape re-infers there, as before).
+  (:data:`SUPPORTED` is False; a new shape re-infers there).
 
 Anything else a stage keeps (``act_send_info``, ``grad_send_info``, ``_stage_meta``) holds stage indices, counts
 and dtypes, which a shape change leaves alone; runtime validation against ``_stage_meta`` runs only under

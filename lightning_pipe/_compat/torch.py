@@ -316,7 +316,7 @@ def _step_takes_return_outputs(schedule_class: Any) -> bool:
     if takes is None:
         try:
             takes = "return_outputs" in inspect.signature(schedule_class.step).parameters
-        except (TypeError, ValueError, AttributeError):  # a step inspect cannot read: called as before
+        except (TypeError, ValueError, AttributeError):  # a step inspect cannot read: called without it
             takes = False
         _TAKES_RETURN_OUTPUTS[schedule_class] = takes
     return takes

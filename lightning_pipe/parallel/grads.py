@@ -110,7 +110,7 @@ class GradientSync:
     # a summed fresh part onto a ``.grad`` not known to be summed sums the old part first, and a local fresh part onto
     # a summed ``.grad`` is summed at once (both only when ``zero_grad`` did not clear ``.grad``: accumulation with
     # ``set_to_none=False``, or a user override). Not with data-parallel overlap (the averaged gradients are views of
-    # its buckets, handed over later), FSDP or tensor-parallel copies: those sum in :meth:`sync`, as before.
+    # its buckets, handed over later), FSDP or tensor-parallel copies: those sum in :meth:`sync`.
     def sum_ties_early(self, fresh: Mapping[int, Tensor | None]) -> None:
         """Launch the tie sums of this batch's fresh gradients (``fresh``: by ``id(param)``), asynchronously."""
         for param, tie_group in self.ties:
@@ -126,7 +126,7 @@ class GradientSync:
     # [Note: tie sums in the agreement]
     # Launched early, the tie sum still is a collective of its own: for a small tie its fixed cost (a round trip and
     # the wake-up of the ranks blocked in it) outweighs the transfer, and the agreement queued behind it waits for it
-    # (measured in docs/performance.md, stop 20), a second meeting point per step. Where every tie group is the
+    # (docs/performance.md, "What the strategy adds per step"), a second meeting point per step. Where every tie group is the
     # whole world (one pipeline, each tied weight held by every rank: the pipeline-2 GPT) the sums can ride the
     # agreement's SUM all-reduce instead, as float64: a sum of two float32 (or bfloat16) values computed in float64
     # and rounded back is the correctly rounded sum — double rounding is innocuous for addition when the wide format

@@ -1,7 +1,7 @@
 """One collective per training step: the step's loss, the replicas' target count and the adapter's step flags.
 
 [Note: one collective at the step's end]
-A training step used to end in three collectives: the loss broadcast from the last stage over the pipeline group,
+A training step would otherwise end in three collectives: the loss broadcast from the last stage over the pipeline group,
 the all-reduce of the target count over the replicas (token-weighted loss), and the adapter's MAX all-reduce of
 its step flags over the world (SIGTERM, SLURM requeue, "last batch here" / "more here": lightning/faults.py). Each
 is a synchronisation point that costs a round trip and any skew between the ranks. They fold into one SUM
@@ -9,7 +9,7 @@ all-reduce over the world of a small float64 vector:
 
 * one (value, count) slot per pipeline, i.e. per (data-parallel index, tensor rank): written by that pipeline's
   last stage only, zeros everywhere else. A sum of one value and zeros is that value, bit for bit, so every rank
-  reads exactly what the broadcast gave it (a mean loss has count -1, as before);
+  reads exactly what a broadcast would give it (a mean loss has count -1);
 * the replicas' target count is the sum of the count column over the data-parallel indices at this rank's tensor
   rank: the sum the count all-reduce computed;
 * the flags, as 0 / 1: a sum > 0 is "set on some rank", what the MAX computed;

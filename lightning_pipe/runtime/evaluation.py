@@ -79,8 +79,8 @@ def batch_first_rule(out: Any, padded: int, m: int, owner: str) -> BrokenRule | 
     Torch's schedule joins the micro-batches' outputs along dim 0, and a short last batch is padded then trimmed
     there, so evaluation is exact only for outputs with the batch in dim 0. Training computes the loss per
     micro-batch and never joins outputs: a flattened ``[batch * seq, vocab]`` or sequence-first ``[seq, batch, ...]``
-    output trains at parity, then predicted wrong shapes silently and failed validation inside ``loss_fn`` on the last
-    stage alone (an outside tester). Refused here, naming the shape, on every rank."""
+    output would train at parity, then predict wrong shapes silently and fail validation inside ``loss_fn`` on the
+    last stage alone. Refused here, naming the shape, on every rank."""
     shapes = [tuple(value.shape) for value in leaves(out) if isinstance(value, Tensor)]
     bad = next((shape for shape in shapes if not shape or shape[0] != padded), None)
     if bad is None:

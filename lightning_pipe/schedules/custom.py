@@ -214,4 +214,4 @@ CUSTOM = ScheduleSpec("custom", _compat.PipelineScheduleRuntime,
                       "per-rank action lists (inline or CSV) run by torch's schedule runtime",
                       multi_stage=True, placement="given", default_stages_per_rank=1, allowed_stages_per_rank=None,
                       min_microbatches="none", resolve=resolve, build=build, options=OPTIONS,
-                      tensor_parallel=True)
+                      tensor_parallel=True, needs="lists checked before any rank starts (placement, order, deadlock)")

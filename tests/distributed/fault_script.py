@@ -14,7 +14,7 @@ Modes:
   process *ends*, closing its sockets: the other rank's transfer fails with gloo's own error, to which it must add
   the cause. ``on_exception_ckpt``: an ``OnExceptionCheckpoint`` too (no rank may try its collective save).
 
-Also the harness the tests and ``bench/sigterm.py`` share: start the script, wait for a step, time every rank's exit.
+Also the harness the tests and the sigterm benchmark (``bench/sigterm.py``) share: start the script, wait for a step, time every rank's exit.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ PIPEDREAM_2BW = ScheduleSpec(
     "pipedream_2bw", torch_schedules.Schedule1F1B,
     "PipeDream-2BW: 1F1B on the previous batch's weights (two versions per stage), one update per batch",
     theory_bubble=_bubble_flush, resolve=resolve_versioned, order=_order_1f1b,
-    stage_class=VersionedPipelineStage, tensor_parallel=True,
+    stage_class=VersionedPipelineStage, tensor_parallel=True, needs="m ≥ p; no recompute",
     resume_caveat=lambda config: "the checkpoint holds no previous weight version (the stash) for this layout's "
     "stages (it was written under another schedule, consolidated to a single file, or before the first batch): the "
     "first batch after the resume runs on the loaded weights instead of the version before them, so the run departs "
@@ -73,4 +73,4 @@ PIPEDREAM = ScheduleSpec(
     "pipedream", torch_schedules.Schedule1F1B,
     "PipeDream: 1F1B with weight stashing, one optimizer update per micro-batch per stage",
     theory_bubble=_bubble_flush, resolve=resolve_versioned, order=_order_1f1b,
-    stage_class=StashingPipelineStage, tensor_parallel=True)
+    stage_class=StashingPipelineStage, tensor_parallel=True, needs="m ≥ p; no recompute")

@@ -49,5 +49,5 @@ PIPEMARE = ScheduleSpec(
     "PipeMare: 1F1B on one weight version per stage, one update per micro-batch, LR rescheduling and "
     "discrepancy correction",
     theory_bubble=_bubble_flush, resolve=resolve_pipemare, order=_order_1f1b, options=OPTIONS,
-    stage_class=PipeMareStage,
+    stage_class=PipeMareStage, needs="m ≥ p; no recompute, no offload",
     resume_caveat=_resume_caveat)
