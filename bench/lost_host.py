@@ -7,7 +7,10 @@ link of the host holding the rendezvous store, or every process of a host killed
 fault to the end of the last process of the job (every torchrun agent included). A fourth run trains two hosts to
 the end while two busy loops load both cores, and reports the longest gap between a rank's completed heartbeats.
 
-    sudo python bench/lost_host.py [--heartbeat 30] [--steps-loaded 200]
+Figures: ``partitioned_host_job_ends_s``, ``store_host_partitioned_job_ends_s``, ``killed_host_job_ends_s``,
+``longest_heartbeat_gap_loaded_s``.
+
+    python -m bench lost_host [--heartbeat 30] [--steps-loaded 200]      (as root)
 """
 
 from __future__ import annotations
@@ -15,15 +18,12 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import re
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from tests.multihost import jobs  # noqa: E402
-from tests.multihost.hosts import TestHosts, unavailable_reason  # noqa: E402
+from bench.common import Benchmark, Outcome
+from tests.multihost import jobs
+from tests.multihost.hosts import TestHosts, unavailable_reason
 
 
 def _busy() -> None:
@@ -66,33 +66,37 @@ def loaded_gap(hosts: TestHosts, heartbeat: float, steps: int, out: Path) -> flo
     return max(gaps)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--heartbeat", type=float, default=30.0, help="heartbeat_timeout, seconds (default 30)")
-    parser.add_argument("--steps-loaded", type=int, default=200)
-    args = parser.parse_args(argv)
+def arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--heartbeat", type=float, default=30.0, help="heartbeat_timeout, seconds (default 30)")
+    p.add_argument("--steps-loaded", type=int, default=200)
+
+
+def run(args: argparse.Namespace) -> Outcome:
     reason = unavailable_reason()
     if reason is not None:
         raise SystemExit(f"lost_host: {reason}")
     hosts = TestHosts(3)
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            figures = {}
+            ends = {}
             for how in ("partition", "store", "kill"):
                 out = Path(tmp) / how
                 out.mkdir()
-                figures[how] = lose(hosts, how, args.heartbeat, out)
+                ends[how] = lose(hosts, how, args.heartbeat, out)
             out = Path(tmp) / "loaded"
             out.mkdir()
             gap = loaded_gap(hosts, args.heartbeat, args.steps_loaded, out)
     finally:
         hosts.close()
-    print(f"# 3 test hosts, 1 rank each, heartbeat_timeout={args.heartbeat:g} s")
-    print(f"partitioned_host_job_ends_s={figures['partition']:.1f}")
-    print(f"store_host_partitioned_job_ends_s={figures['store']:.1f}")
-    print(f"killed_host_job_ends_s={figures['kill']:.1f}")
-    print(f"longest_heartbeat_gap_loaded_s={gap:.2f}")
+    figures = {"partitioned_host_job_ends_s": ends["partition"], "store_host_partitioned_job_ends_s": ends["store"],
+               "killed_host_job_ends_s": ends["kill"], "longest_heartbeat_gap_loaded_s": gap}
+    report = (f"3 test hosts, 1 rank each, heartbeat_timeout={args.heartbeat:g} s: the job ended "
+              f"{ends['partition']:.1f} s after a host's link went down, {ends['store']:.1f} s after the store's "
+              f"host's did, {ends['kill']:.1f} s after a host's processes were killed; the longest gap between a "
+              f"rank's heartbeats with both cores busy: {gap:.2f} s")
+    return Outcome(report, figures)
 
 
-if __name__ == "__main__":
-    main()
+BENCHMARK = Benchmark(
+    "lost_host", "a host lost mid-training (link down, the store's host, killed): how long until the whole job has "
+    "ended; heartbeat gaps under load (root: network namespaces)", run, arguments, slow="needs root and ~5 minutes")

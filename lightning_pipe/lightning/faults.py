@@ -133,6 +133,7 @@ class PipelineFaults:
         self._requeued = False
         self.failed = False
         self._reporter = _FailureReporter(self)
+        self.heartbeat = getattr(watch, "heartbeat", None)  # [Note: heartbeats]; None: no liveness watch
         self._undo_skip: Any = None
 
     @classmethod
@@ -174,8 +175,8 @@ class PipelineFaults:
 
     def before_step(self, phase: str, batch_idx: int | None) -> None:
         """What this rank is doing, for its peers' messages if it falls silent ([Note: heartbeats])."""
-        if self.watch.heartbeat is not None:
-            self.watch.heartbeat.status = step_status(phase, batch_idx, self.trainer)
+        if self.heartbeat is not None:
+            self.heartbeat.status = step_status(phase, batch_idx, self.trainer)
 
     # ------------------------------------------------------------------ SIGTERM
     def sigterm_received(self, signum: Any) -> None:
@@ -186,8 +187,7 @@ class PipelineFaults:
         launcher = self.strategy.launcher
         if launcher is not None and hasattr(launcher, "kill"):
             launcher.kill(signum)  # the ranks this process started (Lightning's popen launcher) stop with us
-        beat = self.watch.heartbeat
-        if beat is not None and beat.contact_lost():  # no step boundary can come: a peer or the store is silent
+        if self.heartbeat is not None and self.heartbeat.contact_lost():  # no step boundary can come: a peer or the store is silent
             self.watch.set_deadline(0.0, f"lightning_pipe: rank {self.strategy.global_rank} received SIGTERM while "
                                     "a peer or the rendezvous store is silent (no step can end); exiting now, "
                                     "without a checkpoint, with code 143.", 143)
@@ -212,8 +212,8 @@ class PipelineFaults:
         epoch ends ([Note: the same last batch]), in one all-reduce (in training: the one of the step's loss)."""
         engine = getattr(self.strategy, "engine", None)
         agreed = engine.take_agreed_flags() if phase == "train" and engine is not None else None
-        if self.watch.heartbeat is not None:
-            self.watch.heartbeat.status = step_status(phase, batch_idx, self.trainer, done=True)
+        if self.heartbeat is not None:
+            self.heartbeat.status = step_status(phase, batch_idx, self.trainer, done=True)
         if not self.stopping:
             last = _compat.is_last_batch(self.trainer, phase)
             group = self._step_group(phase, engine)
