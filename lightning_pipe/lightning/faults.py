@@ -142,8 +142,11 @@ class PipelineFaults:
         if strategy.world_size < 2 or strategy.lightning_module is None:
             return None
         trainer: Any = strategy.lightning_module.trainer
-        watch = start_watch(strategy, heartbeat_timeout, before_exit=lambda: _end_launched_ranks(strategy))
+        holder: list[PipelineFaults] = []
+        watch = start_watch(strategy, heartbeat_timeout, before_exit=lambda: _end_launched_ranks(strategy),
+                            on_signal=lambda signum: holder[0].signal_seen(signum) if holder else None)
         faults = cls(strategy, trainer, watch)
+        holder.append(faults)
         connector = _compat.signal_connector(trainer)
         if isinstance(connector, PipelineSignalConnector):
             connector.faults = faults
@@ -179,6 +182,12 @@ class PipelineFaults:
             self.heartbeat.status = step_status(phase, batch_idx, self.trainer)
 
     # ------------------------------------------------------------------ SIGTERM
+    def signal_seen(self, signum: int) -> None:
+        """On the watch's guard thread, as soon as a signal arrives, even while the main thread waits in a native
+        call and its handler cannot run ([Note: signals while blocked] in runtime/watchdog.py)."""
+        if signum == signal.SIGTERM:
+            self.sigterm_received(signum)
+
     def sigterm_received(self, signum: Any) -> None:
         """Called from the signal handler: record, forward to launched ranks, arm the deadline."""
         if self.sigterm_pending:

@@ -36,7 +36,8 @@ def resolve_heartbeat_timeout(value: float | int | None) -> float | None:
     return float(value)
 
 
-def start_watch(strategy: Any, heartbeat_timeout: float | None, before_exit: Any) -> FailureWatch:
+def start_watch(strategy: Any, heartbeat_timeout: float | None, before_exit: Any,
+                on_signal: Any = None) -> FailureWatch:
     """The run's :class:`FailureWatch` (not started). A collective: every rank calls it, once per trainer run.
 
     Its keys are private to the run (a process that runs fit, then validate, reuses the store). With a TCP store
@@ -47,7 +48,7 @@ def start_watch(strategy: Any, heartbeat_timeout: float | None, before_exit: Any
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (uuid.uuid4().hex[:12], identity))
     prefix = f"lightning_pipe/faults/{gathered[0][0]}/"
-    kwargs: dict[str, Any] = {"world_size": strategy.world_size, "before_exit": before_exit}
+    kwargs: dict[str, Any] = {"world_size": strategy.world_size, "before_exit": before_exit, "on_signal": on_signal}
     if heartbeat_timeout is None or address is None:
         return FailureWatch(dist.PrefixStore(prefix, base), strategy.global_rank, **kwargs)
     host, port = address

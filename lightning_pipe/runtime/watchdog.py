@@ -36,6 +36,8 @@ when a peer or the store falls silent ([Note: heartbeats]). Plain torch: the Lig
 from __future__ import annotations
 
 import os
+import select
+import signal
 import sys
 import threading
 import time
@@ -103,6 +105,55 @@ def any_rank(flags: Sequence[bool], device: torch.device, group: Any | None = No
     return [bool(v) for v in value.tolist()]
 
 
+class SignalPipe:
+    """Signals seen off the main thread ([Note: signals while blocked]).
+
+    [Note: signals while blocked]
+    Python runs a signal handler on the main thread, between two bytecodes: while that thread waits inside a native
+    call (a P2P receive from a peer whose host is gone), the handler waits too, and SIGTERM from torchrun, SLURM or
+    Kubernetes would go unanswered until their ``SIGKILL``. The C-level handler also writes the signal's number to the
+    file given to :func:`signal.set_wakeup_fd`, at once; the guard thread reads it there and acts (the SIGTERM
+    deadline, or an immediate exit when a peer is already silent). The Python handler still runs later, if ever."""
+
+    def __init__(self, read: int, write: int, previous: int) -> None:
+        self.read, self.write, self.previous = read, write, previous
+
+    @classmethod
+    def open(cls) -> SignalPipe | None:
+        """Route signal numbers to a pipe; None off the main thread (only it may set the wakeup file)."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        read, write = os.pipe()
+        os.set_blocking(read, False)
+        os.set_blocking(write, False)
+        try:
+            previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        except ValueError:
+            os.close(read)
+            os.close(write)
+            return None
+        return cls(read, write, previous)
+
+    def wait(self, seconds: float) -> bytes:
+        """The signal numbers that arrived within ``seconds`` (empty if none)."""
+        try:
+            ready, _, _ = select.select([self.read], [], [], seconds)
+            return os.read(self.read, 64) if ready else b""
+        except OSError:
+            return b""
+
+    def close(self) -> None:
+        """Give the wakeup file back (on the main thread only; elsewhere the pipe stays open, as the handler may
+        still write to it)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        current = signal.set_wakeup_fd(self.previous)
+        if current != self.write:  # replaced by someone else since: theirs stays
+            signal.set_wakeup_fd(current)
+        for fd in (self.read, self.write):
+            os.close(fd)
+
+
 class FailureWatch:
     """Reports this rank's failure to its peers and stops this process when a peer failed ([Note: failure
     propagation]).
@@ -117,13 +168,16 @@ class FailureWatch:
         heartbeat: this rank's beats and its view of its peers ([Note: heartbeats]); None: no liveness watch.
         on_lost: adds lines to the message printed when a peer or the store falls silent (e.g. the newest
             checkpoint to restart from).
+        on_signal: called on the guard thread with each signal number the process receives while the watch runs
+            ([Note: signals while blocked]).
         reconnect: makes a new connection to the store after one failed (a client of the watch's own); None: a
             failed store is taken for gone (its process ended) and no longer polled.
     """
 
     def __init__(self, store: Any, rank: int, *, world_size: int = 1, interval: float = 0.5, grace: float = 5.0,
                  before_exit: Callable[[], None] | None = None, heartbeat: Heartbeat | None = None,
-                 reconnect: Callable[[], Any] | None = None, on_lost: Callable[[], str] | None = None) -> None:
+                 reconnect: Callable[[], Any] | None = None, on_lost: Callable[[], str] | None = None,
+                 on_signal: Callable[[int], None] | None = None) -> None:
         self.store = store
         self.rank = rank
         self.world_size = world_size
@@ -137,6 +191,8 @@ class FailureWatch:
         self.heartbeat = heartbeat
         self._reconnect = reconnect
         self.on_lost = on_lost
+        self.on_signal = on_signal
+        self._signals: SignalPipe | None = None
         self._broken_at: float | None = None  # the store connection failed then; replaced at most every few s
         self._seen_lock = threading.Lock()
         self._stop = threading.Event()
@@ -150,6 +206,8 @@ class FailureWatch:
         global _ACTIVE
         _ACTIVE = self
         self._thread = threading.Thread(target=self._run, name=f"lightning_pipe-watch-rank{self.rank}", daemon=True)
+        if self.on_signal is not None:
+            self._signals = SignalPipe.open()
         self._guard_thread = threading.Thread(target=self._guard, name=f"lightning_pipe-guard-rank{self.rank}",
                                               daemon=True)
         self._thread.start()
@@ -166,6 +224,9 @@ class FailureWatch:
             if thread is not None and thread is not threading.current_thread():
                 thread.join(timeout=max(2.0, 4 * self.interval))
         self._thread = self._guard_thread = None
+        signals, self._signals = self._signals, None
+        if signals is not None:
+            signals.close()
         if self.heartbeat is not None and self._usable():
             try:  # ended normally: peers stop watching this rank
                 self.heartbeat.finish(self.store)
@@ -272,7 +333,7 @@ class FailureWatch:
     def _guard(self) -> None:
         """The clock's side, which never calls the store (a call on a cut link can outlast its timeout): the
         deadline, and silent peers or a silent store ([Note: heartbeats])."""
-        while not self._stop.wait(min(self.interval, 1.0)):
+        while not self._wait_or_signal(min(self.interval, 1.0)):
             deadline = self._deadline
             if deadline is not None and time.monotonic() >= deadline[0]:
                 self.terminate(deadline[1], deadline[2])
@@ -290,6 +351,19 @@ class FailureWatch:
                 self._stop_for_silence(beat.describe_store_silence(quiet), "that host is lost, or this host is cut "
                                        "off from it", report=False)
                 return
+
+    def _wait_or_signal(self, seconds: float) -> bool:
+        """Wait ``seconds`` (less when a signal arrives, which is passed on); True once the watch is stopped."""
+        signals = self._signals
+        if signals is None:
+            return self._stop.wait(seconds)
+        for signum in signals.wait(seconds):
+            if self.on_signal is not None:
+                try:
+                    self.on_signal(signum)
+                except Exception:
+                    pass
+        return self._stop.is_set()
 
     def _connected(self) -> bool:
         """Whether the store connection is usable; a failed one is replaced, at most every
