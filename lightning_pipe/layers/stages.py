@@ -268,8 +268,7 @@ def localize_layers(module: nn.Module, attr: str, ranges: Sequence[range], local
             for s in local_stages]
 
 
-def materialize(module: nn.Module, attr: str, stage_modules: Sequence[StageModule], tied: Sequence[TiedParameter],
-                device: torch.device) -> bool:
+def materialize(module: nn.Module, stage_modules: Sequence[StageModule], device: torch.device) -> bool:
     """Allocate and initialise this rank's layers if they were built on the meta device; False if they were not.
 
     Each local layer is initialised by ``module.reset_layer(index, layer)`` when the module defines it (make it
@@ -277,7 +276,7 @@ def materialize(module: nn.Module, attr: str, stage_modules: Sequence[StageModul
     every pipeline layout start from the same values), else by each submodule's ``reset_parameters()``.
     """
     return materialize_layers(module, [(index, layer) for sm in stage_modules
-                                       for index, layer in zip(sm.layer_indices, sm.layers)], device, tied)
+                                       for index, layer in zip(sm.layer_indices, sm.layers)], device)
 
 
 def on_meta(module: nn.Module) -> bool:
@@ -285,20 +284,43 @@ def on_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
 
 
-def materialize_layers(module: nn.Module, layers: Sequence[tuple[int, nn.Module]], device: torch.device,
-                       tied: Sequence[TiedParameter] = ()) -> bool:
+def materialize_layers(module: nn.Module, layers: Sequence[tuple[int, nn.Module]], device: torch.device) -> bool:
     """The one meta-materialise path: if any of ``layers`` (``(index, layer)`` pairs of ``module``'s layer list)
-    is on the meta device, allocate them all on ``device`` (``to_empty``), tie the local uses of ``tied`` again
-    (``to_empty`` gives every module its own new Parameter) and initialise each with :func:`init_layer`; True.
-    False, and nothing changes, when none is on meta."""
+    is on the meta device, allocate them all on ``device`` (:func:`allocate_layers`) and initialise each with
+    :func:`init_layer`; True. False, and nothing changes, when none is on meta."""
     if not any(on_meta(layer) for _, layer in layers):
         return False
-    for _, layer in layers:
-        layer.to_empty(device=device)
-    _retie(module, tied)
+    allocate_layers([layer for _, layer in layers], device)
     for index, layer in layers:
         init_layer(module, index, layer)
     return True
+
+
+def place_layer(module: nn.Module, index: int, layer: nn.Module, device: torch.device) -> bool:
+    """One layer on ``device``: allocated and initialised if built on meta (True, :func:`materialize_layers`), else
+    moved (False)."""
+    if materialize_layers(module, [(index, layer)], device):
+        return True
+    layer.to(device)
+    return False
+
+
+def allocate_layers(layers: Sequence[nn.Module], device: torch.device | str) -> None:
+    """Allocate ``layers`` on ``device`` (``to_empty``: values are garbage until initialised or loaded), keeping the
+    parameters they share: ``to_empty`` gives every module its own new Parameter, so each parameter used in several
+    places among them (a tied embedding and head on one rank, a weight shared inside a layer) is one again after."""
+    uses: dict[int, list[tuple[nn.Module, str]]] = {}
+    for layer in layers:
+        for sub in layer.modules():
+            for name, p in sub._parameters.items():
+                if p is not None:
+                    uses.setdefault(id(p), []).append((sub, name))
+    for layer in layers:
+        layer.to_empty(device=device)
+    for owners in uses.values():
+        first, first_name = owners[0]
+        for sub, name in owners[1:]:
+            sub._parameters[name] = first._parameters[first_name]
 
 
 def init_layer(module: nn.Module, index: int, layer: nn.Module) -> None:
@@ -312,28 +334,6 @@ def init_layer(module: nn.Module, index: int, layer: nn.Module) -> None:
         reset = getattr(sub, "reset_parameters", None)
         if callable(reset):
             reset()
-
-
-def _local_submodule(module: nn.Module, path: str) -> nn.Module | None:
-    """``module.get_submodule(path)``, or None where the path runs through another rank's layer (a RemoteLayer)."""
-    for part in path.split(".") if path else ():
-        child = module._modules.get(part)
-        if child is None or isinstance(child, RemoteLayer):
-            return None
-        module = child
-    return module
-
-
-def _retie(module: nn.Module, tied: Sequence[TiedParameter]) -> None:
-    for tie in tied:
-        owners = []
-        for name in tie.names:
-            prefix, _, leaf = name.rpartition(".")
-            owner = _local_submodule(module, prefix)  # a use nested in another rank's layer is not here
-            if owner is not None and leaf in owner._parameters:
-                owners.append((owner, leaf))
-        for owner, leaf in owners[1:]:
-            owner._parameters[leaf] = owners[0][0]._parameters[owners[0][1]]
 
 
 def warn_batch_norm(layers: LayerList, attr: str, microbatches: int) -> None:

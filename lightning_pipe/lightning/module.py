@@ -86,7 +86,7 @@ class PipelineEngineHandle(Protocol):
     def output(self, module: pl.LightningModule, batch: Any) -> Any: ...
 
     @property
-    def aux(self) -> Any: ...  # lightning_pipe.runtime.aux.AuxLossStep: the last step's aux values
+    def aux(self) -> Any: ...  # lightning_pipe.runtime.aux_step.AuxLossStep: the last step's aux values
 
 
 class PipelineModule(pl.LightningModule):

@@ -24,10 +24,14 @@ from lightning_pipe.parallel.topology import Topology
 from lightning_pipe.planner.auto import balance_on_ranks, plan_on_ranks
 from lightning_pipe.planner.model import ActivationPolicy
 from lightning_pipe.planner.plan import apply_plan, explain, load_plan, plan_name
+from lightning_pipe.rebalance import check_rebalance
+from lightning_pipe.runtime.build import check_expert_settings
 from lightning_pipe.schedules import (
     SchedulePlan,
     check_schedule_settings,
     check_split_backward,
+    check_torch_runs,
+    plan_schedule,
     split_backward_actions,
 )
 
@@ -99,6 +103,20 @@ def resolve_settings(schedule: str, microbatches: int | None, data_parallel_size
     if check_schedule_settings(config).split_backward:
         check_split_backward(f"schedule={config.schedule!r}")
     return ResolvedSettings(config, auto, budget, plan_data, name)
+
+
+def plan_for_world(config: PipelineConfig, topology: Topology, plan_file: dict[str, Any] | None,
+                   plan_file_name: str | None) -> SchedulePlan:
+    """The one plan of a run, resolved when the world is known (``set_world_ranks``), with every rule on the world's
+    shape checked before any process waits on another."""
+    if plan_file is not None:
+        apply_plan(plan_file, world_size=topology.world_size, name=plan_file_name)  # for one world size
+    plan = plan_schedule(config, topology.pipeline_size)
+    check_torch_runs(plan)  # what this torch would compute wrongly ([Note: torch versions])
+    check_compiled_plan(config, plan)  # [Note: compiled layers]: no split backward
+    check_rebalance(config, plan)  # before any rank waits on another
+    check_expert_settings(plan, topology, config.expert_parallel_size)
+    return plan
 
 
 def check_compiled_plan(config: PipelineConfig, plan: SchedulePlan) -> None:

@@ -1,5 +1,6 @@
 """The order of ``PipelineStrategy.setup``: check the module, choose the layout (planner or measured partition),
-split it into this rank's engine, then optimizers, precision and rebalancing; and the module's move at teardown.
+split it into this rank's engine, then optimizers, precision and rebalancing; and at teardown, the undoing of it and
+the module's move.
 
 Kept apart from the strategy's hooks because the order is the contract: every check that can refuse the run comes
 before the split (a refused run must not hold half-moved layers), and the optimizers are built only over the layers
@@ -18,8 +19,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_pipe._compat import lightning as _compat
 from lightning_pipe.config import MEASURED_PARTITIONS
+from lightning_pipe.lightning.metrics import sync_metrics_over_data
+from lightning_pipe.lightning.microbatch_updates import attach_microbatch_updates
 from lightning_pipe.lightning.optimizers import check_optimizers_agree
-from lightning_pipe.lightning.pipedream import attach_microbatch_updates
+from lightning_pipe.lightning.precision import PipelinePrecision
 from lightning_pipe.lightning.preflight import (
     balance_partition,
     check_callbacks,
@@ -71,6 +74,31 @@ def setup_pipeline(strategy: Any, trainer: Trainer) -> None:
         if engine.per_microbatch_updates:  # schedule=pipedream ([Note: PipeDream in Lightning's loop])
             attach_microbatch_updates(strategy, trainer)
     strategy.rebalancer = start_rebalancing(strategy, trainer)
+    if strategy._undo_fast_log is None:  # [Note: self.log's move to the device it is on] (_compat/lightning.py)
+        strategy._undo_fast_log = _compat.fast_metric_moves()
+    if strategy._undo_metric_sync is None:  # [Note: what sync_dist reduces over] (lightning/metrics.py)
+        strategy._undo_metric_sync = sync_metrics_over_data(module, engine)
+
+
+def teardown_pipeline(strategy: Any) -> None:
+    """``PipelineStrategy.teardown``, before the module's move: undo what setup attached (the log and metric hooks,
+    the fault handling, the rebalancer), and drop the engine."""
+    faults, strategy._faults = strategy._faults, None
+    undo_fast_log, strategy._undo_fast_log = strategy._undo_fast_log, None
+    if undo_fast_log is not None:
+        undo_fast_log()
+    undo_metric_sync, strategy._undo_metric_sync = strategy._undo_metric_sync, None
+    if undo_metric_sync is not None:
+        undo_metric_sync()
+    if faults is not None:
+        faults.stop()
+    if strategy.rebalancer is not None:
+        strategy.rebalancer.detach()  # kept (its history) until the next setup
+    if strategy.lightning_module is not None:
+        strategy.lightning_module._pipeline_engine = None
+    if isinstance(strategy._precision_plugin, PipelinePrecision):
+        strategy._precision_plugin.engine = None
+    strategy.engine = None
 
 
 def check_rank_optimizers(strategy: Any) -> None:

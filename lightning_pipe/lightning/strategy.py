@@ -22,7 +22,6 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_pipe._compat import lightning as _compat
 from lightning_pipe.checkpoint import remove as remove_checkpoint_files
 from lightning_pipe.config import PartitionSpec, PipelineConfigError
 from lightning_pipe.lightning import metrics, world
@@ -30,21 +29,18 @@ from lightning_pipe.lightning.async_checkpoint import AsyncSaver, check_links, r
 from lightning_pipe.lightning.checkpointing import RankGroup, ShardedCheckpointer
 from lightning_pipe.lightning.elastic import elastic_world
 from lightning_pipe.lightning.faults import DEFAULT_TIMEOUT, PipelineFaults, resolve_timeout
-from lightning_pipe.lightning.launchers import PipelineMultiProcessingLauncher
+from lightning_pipe.lightning.launchers import pipeline_launcher
 from lightning_pipe.lightning.liveness import DEFAULT_HEARTBEAT_TIMEOUT, resolve_heartbeat_timeout
-from lightning_pipe.lightning.module import check_returned_loss
 from lightning_pipe.lightning.optimizers import empty_parameter_lists_allowed
 from lightning_pipe.lightning.precision import PipelinePrecision, to_pipeline_precision
-from lightning_pipe.lightning.preflight import check_compiled_plan, check_last_batch, resolve_settings
+from lightning_pipe.lightning.preflight import check_last_batch, plan_for_world, resolve_settings
 from lightning_pipe.lightning.rebalancing import StrategyRebalancer
-from lightning_pipe.lightning.setup import check_rank_optimizers, release_to_cpu, setup_pipeline
+from lightning_pipe.lightning.setup import check_rank_optimizers, release_to_cpu, setup_pipeline, teardown_pipeline
+from lightning_pipe.lightning.steps import run_step, synced_closure
 from lightning_pipe.parallel.group_cache import forget_groups
 from lightning_pipe.parallel.topology import Topology
-from lightning_pipe.planner.plan import apply_plan
-from lightning_pipe.rebalance import check_rebalance
-from lightning_pipe.runtime.build import check_expert_settings
 from lightning_pipe.runtime.engine import PipelineEngine
-from lightning_pipe.schedules import SchedulePlan, check_torch_runs, plan_schedule
+from lightning_pipe.schedules import SchedulePlan
 
 
 class PipelineStrategy(ParallelStrategy):
@@ -193,13 +189,7 @@ class PipelineStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if self.cluster_environment.creates_processes_externally:
-            self._launcher = None  # torchrun / SLURM / our tests started the ranks
-        elif self._start_method == "popen":
-            self._launcher = _compat.SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
-                                                              self.num_nodes)
-        else:
-            self._launcher = PipelineMultiProcessingLauncher(self, start_method=self._start_method)
+        self._launcher = pipeline_launcher(self, self.cluster_environment, self._start_method)
 
     def set_world_ranks(self) -> None:
         # torchrun's elastic agent may give another number of nodes than num_nodes: [Note: elastic worlds]
@@ -226,14 +216,7 @@ class PipelineStrategy(ParallelStrategy):
 
     def _plan_world(self) -> None:
         self.topology = None
-        if self._plan_source is not None:
-            apply_plan(self._plan_source, world_size=self.world_size, name=self._plan_name)  # for one world size
-        # World-shape rules are checked here, before any process waits on another; the plan is resolved once.
-        self.plan = plan_schedule(self.pipeline_config, self._topology().pipeline_size)
-        check_torch_runs(self.plan)  # what this torch would compute wrongly ([Note: torch versions])
-        check_compiled_plan(self.pipeline_config, self.plan)  # [Note: compiled layers]: no split backward
-        check_rebalance(self.pipeline_config, self.plan)  # before any rank waits on another
-        check_expert_settings(self.plan, self._topology(), self.pipeline_config.expert_parallel_size)
+        self.plan = plan_for_world(self.pipeline_config, self._topology(), self._plan_source, self._plan_name)
 
     @override
     def setup_environment(self) -> None:
@@ -265,11 +248,6 @@ class PipelineStrategy(ParallelStrategy):
         if self._saver is not None:
             check_links(trainer.callbacks)  # type: ignore[attr-defined]
         setup_pipeline(self, trainer)
-        if self._undo_fast_log is None:  # [Note: self.log's move to the device it is on] (_compat/lightning.py)
-            self._undo_fast_log = _compat.fast_metric_moves()
-        module = self.lightning_module  # [Note: what sync_dist reduces over] (lightning/metrics.py)
-        if self._undo_metric_sync is None and self.engine is not None and module is not None:
-            self._undo_metric_sync = metrics.sync_metrics_over_data(module, self.engine)
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -305,45 +283,14 @@ class PipelineStrategy(ParallelStrategy):
         engine = self.engine
         if engine is not None and engine.per_microbatch_updates:
             return closure()  # the optimizer already stepped per micro-batch ([Note: PipeDream in Lightning's loop])
-
-        def closure_then_sync() -> Any:
-            # After every accumulated backward, before on_before_optimizer_step and clipping see the gradients:
-            # average over replicas, sum tied copies (lightning_pipe.parallel.grads).
-            result = closure()
-            if engine is not None:
-                engine.sync_gradients()
-                engine.before_optimizer_step()  # weight versions (PipeDream-2BW) keep W(b) before the update
-            return result
-
-        result = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        result = super().optimizer_step(optimizer, synced_closure(closure, engine), model, **kwargs)
         if self.rebalancer is not None:
             self.rebalancer.after_optimizer_step()  # a step boundary: layers may move (lightning_pipe.rebalance)
         return result
 
     def _run(self, phase: str, parent: Any, *args: Any, **kwargs: Any) -> Any:
         assert self.engine is not None and self.lightning_module is not None
-        trainer = self.lightning_module.trainer
-        self.engine.accumulate_grad_batches = trainer.accumulate_grad_batches
-        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
-        if phase == "train":  # hints for the overlapped gradient sync (exact whatever they say: engine.py)
-            self.engine.dp_handoff.optimizer_step_follows = not _compat.should_accumulate(trainer)
-            self.engine.dp_handoff.zero_grad_follows = (batch_idx is None
-                                                        or batch_idx % trainer.accumulate_grad_batches == 0)
-            self.engine.step_flags = self._faults.train_flags if self._faults is not None else None
-        if self._faults is not None:
-            self._faults.before_step(phase, batch_idx)
-        try:
-            with self.engine.running(phase, batch_idx):
-                result = parent(*args, **kwargs)
-                if phase == "train":
-                    check_returned_loss(result, self.engine.step_loss, type(self.lightning_module).__name__)
-        except BaseException as err:
-            if self._faults is not None:
-                self._faults.report(err)  # now: peers are blocked on this rank ([Note: failure propagation])
-            raise
-        if self._faults is not None:
-            self._faults.after_step(phase, batch_idx)  # every rank: stop together on SIGTERM
-        return result
+        return run_step(self.engine, self.lightning_module, self._faults, phase, parent, *args, **kwargs)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -469,24 +416,9 @@ class PipelineStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        faults, self._faults = self._faults, None
-        undo_fast_log, self._undo_fast_log = self._undo_fast_log, None
-        if undo_fast_log is not None:
-            undo_fast_log()
-        undo_metric_sync, self._undo_metric_sync = self._undo_metric_sync, None
-        if undo_metric_sync is not None:
-            undo_metric_sync()
-        if faults is not None and not faults.failed:
+        if self._faults is not None and not self._faults.failed:
             self.wait_for_checkpoint()  # the last save of the run is in place before the run ends
-        if faults is not None:
-            faults.stop()
-        if self.rebalancer is not None:
-            self.rebalancer.detach()  # kept (its history) until the next setup
-        if self.lightning_module is not None:
-            self.lightning_module._pipeline_engine = None  # type: ignore[assignment]
-        if isinstance(self._precision_plugin, PipelinePrecision):
-            self._precision_plugin.engine = None
-        self.engine = None
+        teardown_pipeline(self)
         module = self._lightning_module
         if module is not None:
             release_to_cpu(module)

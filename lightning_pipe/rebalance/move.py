@@ -193,7 +193,6 @@ def rebuild_engine(old: PipelineEngine, module: nn.Module, config: PipelineConfi
     memory meter) is carried over and pointed at the new one. Collective (new process groups)."""
     new_layout = PipelineLayout(tuple(ranges_of(counts)), layout.tied, layout.plan)
     engine, new_layout = build_engine(module, config, layout.plan, old.groups.topology, old.device, new_layout)
-    engine.accumulate_grad_batches = old.accumulate_grad_batches
     engine.loss_scaler = old.loss_scaler
     for context in old.step_contexts:
         owner = getattr(context, "__self__", None)

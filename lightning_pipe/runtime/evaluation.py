@@ -16,10 +16,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_pipe._compat import torch as _compat
-from lightning_pipe._compat.stage_shapes import SplitOverride
 from lightning_pipe.layers.batches import input_args, leaves, loss_parts, pad_rows, signature, trim_rows
 from lightning_pipe.parallel.fsdp import reshard
-from lightning_pipe.runtime.microbatches import Microbatches, explicit_microbatches, microbatch_loss
+from lightning_pipe.runtime.microbatches import Microbatches, SplitOverride, explicit_microbatches, microbatch_loss
 from lightning_pipe.runtime.shapes import first_inputs, shapes_of
 from lightning_pipe.runtime.wire import named_p2p_failures
 
@@ -64,7 +63,7 @@ def forward_only(engine: Any, args: tuple[Tensor, ...], mbs: Microbatches | None
         return None
     if mbs is not None:
         return out
-    broken = batch_first_rule(out, padded, m, engine._owner)
+    broken = batch_first_rule(out, padded, m, engine.owner)
     return broken if broken is not None else trim_rows(out, rows)
 
 
@@ -111,7 +110,7 @@ def release_outputs(stages: list[Any]) -> None:
 
 def eval_loss(engine: Any, module: Any, batch: Any) -> Tensor:
     """The batch's loss in validation / test, the same value on every rank."""
-    owner = engine._owner
+    owner = engine.owner
     inputs, target = module.split_batch(batch)
     if target is None:
         raise ValueError(f"compute_loss needs a target, but {owner}.split_batch returned None for it (a batch "
@@ -132,9 +131,9 @@ def eval_loss(engine: Any, module: Any, batch: Any) -> Tensor:
 def eval_output(engine: Any, module: Any, batch: Any) -> Any:
     """``compute_output``: the last stage's outputs, on every rank."""
     inputs, target = module.split_batch(batch)
-    args = input_args(inputs, engine._owner)
+    args = input_args(inputs, engine.owner)
     out = forward_only(engine, args, explicit_microbatches(module, inputs, args, target, engine.plan.microbatches,
-                                                           engine._owner))
+                                                           engine.owner))
     out = broadcast_object(engine, out)
     if isinstance(out, BrokenRule):
         raise ValueError(str(out))
