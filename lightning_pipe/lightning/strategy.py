@@ -4,11 +4,9 @@ to the adapter's helpers (setup, preflight, checkpointing, faults, precision).""
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -16,17 +14,15 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_pipe.checkpoint import remove as remove_checkpoint_files
 from lightning_pipe.config import PartitionSpec, PipelineConfigError
 from lightning_pipe.lightning import metrics, world
 from lightning_pipe.lightning.async_checkpoint import AsyncSaver, check_links, resolve_async_checkpoint
-from lightning_pipe.lightning.checkpointing import RankGroup, ShardedCheckpointer
+from lightning_pipe.lightning.checkpoint_hooks import CheckpointHooks
 from lightning_pipe.lightning.elastic import elastic_world
 from lightning_pipe.lightning.faults import DEFAULT_TIMEOUT, PipelineFaults, resolve_timeout
 from lightning_pipe.lightning.launchers import pipeline_launcher
@@ -43,7 +39,7 @@ from lightning_pipe.runtime.engine import PipelineEngine
 from lightning_pipe.schedules import SchedulePlan
 
 
-class PipelineStrategy(ParallelStrategy):
+class PipelineStrategy(CheckpointHooks):
     """Pipeline parallelism (optionally times data parallelism) for a layer-list LightningModule.
 
     ``world size = data_parallel_size x pipeline size x fsdp_size x tensor_parallel_size``. The module's layer list is split into
@@ -71,6 +67,15 @@ class PipelineStrategy(ParallelStrategy):
     """
 
     strategy_name = "pipeline"
+    # Set by setup (and cleared by teardown); None before.
+    engine: PipelineEngine | None = None
+    plan: SchedulePlan | None = None
+    topology: Topology | None = None
+    rebalancer: StrategyRebalancer | None = None
+    auto_plan: dict[str, Any] | None = None
+    _faults: PipelineFaults | None = None
+    _undo_fast_log: Callable[[], None] | None = None
+    _undo_metric_sync: Callable[[], None] | None = None
 
     def __init__(
         self,
@@ -120,22 +125,14 @@ class PipelineStrategy(ParallelStrategy):
                                     rebalance_threshold=rebalance_threshold, offload=offload,
                                     compile=compile)
         self.pipeline_config = resolved.config
-        self.rebalancer: StrategyRebalancer | None = None
         self._plan_source, self._plan_name = resolved.plan, resolved.plan_name
         self._auto, self._memory_budget = resolved.auto, resolved.memory_budget
-        self.auto_plan: dict[str, Any] | None = None
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = resolve_timeout(timeout)
         self._heartbeat_timeout = resolve_heartbeat_timeout(heartbeat_timeout)
         self._saver = AsyncSaver() if resolve_async_checkpoint(async_checkpoint) else None
-        self._faults: PipelineFaults | None = None
-        self._undo_fast_log: Callable[[], None] | None = None
-        self._undo_metric_sync: Callable[[], None] | None = None
         self._start_method = start_method
-        self.engine: PipelineEngine | None = None
-        self.plan: SchedulePlan | None = None
-        self.topology: Topology | None = None
 
     @property
     def planned(self) -> dict[str, Any] | None:
@@ -308,80 +305,7 @@ class PipelineStrategy(ParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._run("predict", super().predict_step, *args, **kwargs)
 
-    # ------------------------------------------------------------------ checkpoints (lightning/checkpointing.py)
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # each rank can only load its own layers, which exist once setup() has split the model
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return False  # load_checkpoint restores them by parameter name; no load_optimizer_state_dict
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.lightning_module is not None
-        return self.lightning_module.state_dict()  # this rank's layers under their original names
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        return self._checkpointer().optimizer_state(optimizer)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        pass  # done in load_checkpoint, where each rank reads only its own layers
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if self._failed:
-            # A run that failed (here or on a peer: reported before any on_exception checkpoint) cannot write a
-            # sharded checkpoint: every rank writes its part together, and the ranks are stopping. Said, not
-            # attempted: the attempt would wait on a peer that is gone and end in the transport's error.
-            warnings.warn(f"lightning_pipe: no checkpoint written at {str(filepath)!r} on rank {self.global_rank}: "
-                          "the run failed, and a sharded checkpoint needs every rank to write its part (an "
-                          "OnExceptionCheckpoint saves on an agreed SIGTERM stop, not after an error). The last "
-                          "complete checkpoint stays.", stacklevel=2)
-            return
-        self._checkpointer().save(checkpoint, filepath, storage_options, saver=self._saver)
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        self.wait_for_checkpoint()
-        if self.is_global_zero:
-            remove_checkpoint_files(Path(filepath))
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        self.wait_for_checkpoint()
-        checkpointer = self._checkpointer()
-        checkpoint = checkpointer.load(checkpoint_path)
-        plan = self.plan
-        if plan is not None and plan.spec.resume_caveat is not None and not checkpointer.stage_state_complete:
-            caveat = plan.spec.resume_caveat(self.pipeline_config)
-            if caveat is not None:
-                rank_zero_warn(f"lightning_pipe: resuming under schedule={plan.spec.name!r}: {caveat}.")
-        if self.rebalancer is not None:  # back to the split it was saved with ([Note: resuming a rebalanced run])
-            self.rebalancer.resume(checkpoint, checkpointer.saved_layout)
-        return checkpoint
-
-    def wait_for_checkpoint(self) -> None:
-        """Until an asynchronous save in flight is written and in place; raises its error if it failed."""
-        if self._saver is not None:
-            self._saver.wait()
-
-    def _checkpointer(self) -> ShardedCheckpointer:
-        assert self.lightning_module is not None
-        ranks = RankGroup(self.global_rank, self.world_size, self.broadcast, self.barrier)
-        return ShardedCheckpointer(ranks, self.lightning_module, self.optimizers, self.pipeline_config,
-                                   self._topology(), getattr(self.engine, "stages", ()))
-
     # ------------------------------------------------------------------ collectives
-    @property
-    def _failed(self) -> bool:
-        """This run failed, here or on a peer (lightning/faults.py): no collective can complete any more."""
-        return self._faults is not None and self._faults.failed
-
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if self._failed:
