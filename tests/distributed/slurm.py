@@ -233,15 +233,20 @@ class SlurmCluster:
             parts.append(f"--- {path.name} ---\n" + "\n".join(text[-lines:]))
         return "\n".join(parts)
 
+    def cancel_all(self, timeout: float = 40) -> None:
+        """Cancel every job (the batch shell too) and wait until none is left in the queue."""
+        if "slurmctld" not in self.daemons or self.daemons["slurmctld"].poll() is not None:
+            return
+        jobs = self._quiet("squeue", "--noheader", "--format=%i").split()
+        if jobs:
+            subprocess.run(["scancel", "--full", *jobs], env=self.env, capture_output=True, timeout=30)
+            deadline = time.monotonic() + timeout
+            while self._quiet("squeue", "--noheader", "--format=%i") and time.monotonic() < deadline:
+                time.sleep(0.5)
+
     def stop(self) -> None:
         """Cancel every job, end the daemons and whatever their jobs left, remove the state."""
-        if "slurmctld" in self.daemons and self.daemons["slurmctld"].poll() is None:
-            jobs = self._quiet("squeue", "--noheader", "--format=%i").split()
-            if jobs:
-                subprocess.run(["scancel", "--full", *jobs], env=self.env, capture_output=True, timeout=30)
-                deadline = time.monotonic() + 40
-                while self._quiet("squeue", "--noheader", "--format=%i") and time.monotonic() < deadline:
-                    time.sleep(0.5)
+        self.cancel_all()
         for name in ("slurmd", "slurmctld", "munged"):
             proc = self.daemons.get(name)
             if proc is not None and proc.poll() is None:

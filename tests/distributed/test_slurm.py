@@ -61,9 +61,16 @@ class Run:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+def started_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     with slurm_cluster(tmp_path_factory.mktemp("slurm")) as started:
         yield started
+
+
+@pytest.fixture
+def cluster(started_cluster: SlurmCluster) -> Iterator[SlurmCluster]:
+    """The module's cluster, its queue emptied after the test (a failed test's job must not hold the node)."""
+    yield started_cluster
+    started_cluster.cancel_all()
 
 
 @pytest.fixture(scope="module")
