@@ -23,7 +23,10 @@ after the current batch. Because every rank is at the same point, checkpoint sav
 the ranks have not agreed within :data:`SIGTERM_DEADLINE_S` (a rank stuck outside any step), the process ends anyway.
 SLURM's requeue signal (SIGUSR1 with ``SLURMEnvironment(auto_requeue=True)``) has the same problem — Lightning saves
 a checkpoint inside its handler — and the same cure: recorded in the handler, agreed in the same all-reduce, and
-Lightning's requeue (checkpoint, ``scontrol requeue``) run by every rank at that step boundary.
+Lightning's requeue (checkpoint, ``scontrol requeue``) run by every rank at that step boundary: in training at the
+end of the batch whose optimizer step closes the accumulation window (``on_train_batch_end``, where
+``ModelCheckpoint(every_n_train_steps=...)`` saves), so the checkpoint holds that step's parameters, optimizer and
+scheduler state and the loop resumes at the next batch; in evaluation and prediction after the current batch.
 
 [Note: the same last batch]
 Every rank iterates its own data loader; the stages of a pipeline (and its tensor ranks, and the replicas, which
@@ -109,6 +112,17 @@ class PipelineSignalConnector(_compat.SignalConnector):
         return state
 
 
+class _RequeueAtBatchEnd(Callback):
+    """Runs an agreed SLURM requeue after the optimizer step ([Note: SIGTERM at a step boundary]): the training
+    step itself runs before it, so a checkpoint saved there would hold the parameters of the step before."""
+
+    def __init__(self, faults: PipelineFaults) -> None:
+        self.faults = faults
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.faults.requeue_if_due()
+
+
 class _FailureReporter(Callback):
     """Reports a failure before the checkpoint callbacks' ``on_exception`` (Lightning runs checkpoint callbacks
     last): their save is collective and would otherwise wait on peers that do not know yet."""
@@ -131,9 +145,11 @@ class PipelineFaults:
         self.stopping = False  # every rank agreed to stop on SIGTERM
         self.requeue_pending = False  # SLURM's requeue signal (SIGUSR1), recorded by the handler
         self._requeued = False
+        self._requeue_due = False  # agreed in training: runs at the end of the batch (_RequeueAtBatchEnd)
         self.failed = False
         self._reporter = _FailureReporter(self)
         self.heartbeat = getattr(watch, "heartbeat", None)  # [Note: heartbeats]; None: no liveness watch
+        self._requeue_hook = _RequeueAtBatchEnd(self)
         self._undo_skip: Any = None
 
     @classmethod
@@ -153,6 +169,7 @@ class PipelineFaults:
         else:
             _compat.set_signal_connector(trainer, PipelineSignalConnector(trainer, faults))
         trainer.callbacks.insert(0, faults._reporter)
+        trainer.callbacks.insert(0, faults._requeue_hook)
         # Lightning's own per-step SIGTERM broadcast: redundant under this agreement ([Note: SIGTERM at a step
         # boundary]); one collective less per step.
         faults._undo_skip = _compat.skip_sigterm_broadcast(trainer)
@@ -233,7 +250,9 @@ class PipelineFaults:
                 raise uneven_batches_error(phase, batch_idx, last, self.strategy.global_rank, group)
             if requeue:
                 self._requeued = True  # once per run: ranks may get the signal a step apart
-                _compat.signal_connector(self.trainer).run_requeue()
+                self._requeue_due = True
+                if phase != "train":
+                    self.requeue_if_due()
             if not sigterm:
                 return
             self.stopping = True
@@ -246,6 +265,14 @@ class PipelineFaults:
         if batch_idx is None or (batch_idx + 1) % accumulate == 0:
             # Lightning raises SIGTERMException after this batch's optimizer step (training_epoch_loop).
             _compat.signal_connector(self.trainer).received_sigterm = True
+
+    def requeue_if_due(self) -> None:
+        """Lightning's requeue (checkpoint, ``scontrol requeue`` on rank 0) once the ranks agreed on it; in training
+        only after the optimizer step that closes the accumulation window (every rank at the same batch)."""
+        if not self._requeue_due or (self.trainer.training and _compat.should_accumulate(self.trainer)):
+            return
+        self._requeue_due = False
+        _compat.signal_connector(self.trainer).run_requeue()
 
     @staticmethod
     def _step_group(phase: str, engine: Any) -> Any:
@@ -266,8 +293,9 @@ class PipelineFaults:
     def stop(self) -> None:
         """Strategy.teardown. After a normal end (or an agreed stop) every rank stops polling before any may exit:
         the store lives in rank 0's process, and a peer still polling it would log a failed connection."""
-        if self._reporter in self.trainer.callbacks:
-            self.trainer.callbacks.remove(self._reporter)
+        for hook in (self._reporter, self._requeue_hook):
+            if hook in self.trainer.callbacks:
+                self.trainer.callbacks.remove(hook)
         if self._undo_skip is not None:
             self._undo_skip()
         if not self.failed:
