@@ -15,6 +15,7 @@ removes its own at once (:func:`no_space_error` then says what was missing, befo
 from __future__ import annotations
 
 import errno
+import io
 import os
 import shutil
 import uuid
@@ -95,10 +96,26 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _save_synced(obj: Any, path: Path) -> None:
-    torch.save(obj, path)
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
+def _save_synced(obj: Any, path: Path, needed: int | None = None) -> None:
+    """``torch.save`` and fsync. Without ``needed`` (a small object) it is serialized in memory first, so a full
+    disk raises its own ``OSError``; with it, a failed write is checked against the space left (:func:`lacked_space`)."""
+    try:
+        if needed is None:
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            with open(path, "wb") as f:
+                f.write(buf.getbuffer())
+                f.flush()
+                os.fsync(f.fileno())
+            return
+        torch.save(obj, path)
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as err:
+        full = lacked_space(err, path.parent, needed or 0)
+        if full is not None and full is not err:
+            raise full from err
+        raise
 
 
 def remove(path: Path) -> None:
@@ -110,13 +127,24 @@ def remove(path: Path) -> None:
 
 
 class _RecordingWriter(FileSystemWriter):
-    """DCP's file writer, remembering which data files this process wrote (to checksum exactly those)."""
+    """DCP's file writer, remembering which data files this process wrote (to checksum exactly those), and saying
+    when a write failed for lack of space (:func:`lacked_space`: torch's zip writer hides it)."""
 
-    written: list[str]
+    def __init__(self, path: Path, needed: int) -> None:
+        super().__init__(str(path))
+        self.root, self.needed = path, needed
+        self.written: list[str] = []
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[Any]]:
-        fut = super().write_data(plan, planner)
-        self.written = [r.storage_data.relative_path for r in fut.wait()]
+        try:
+            fut = super().write_data(plan, planner)
+            self.written = [r.storage_data.relative_path for r in fut.wait()]
+        except (OSError, RuntimeError) as err:
+            # Checked here, before DCP gathers the failure to the other ranks: nothing of this save is removed yet.
+            full = lacked_space(err, self.root, self.needed)
+            if full is not None and full is not err:
+                raise full from err
+            raise
         return fut
 
 
@@ -127,8 +155,7 @@ def write_shards(state: dict[str, Any], tmp: Path, no_dist: bool = False) -> dic
     """
     from torch.distributed.checkpoint import save
 
-    writer = _RecordingWriter(str(tmp))
-    writer.written = []
+    writer = _RecordingWriter(tmp, state_bytes(state))
     save(state, storage_writer=writer, no_dist=no_dist)
     return checksums_of(tmp, writer.written)
 
@@ -140,16 +167,46 @@ def seal(tmp: Path, meta: dict[str, Any], shard_checksums: Mapping[str, FileChec
     write_checksums(tmp, {**shard_checksums, **checksums_of(tmp, [DCP_METADATA, META_FILENAME])})
 
 
-def save_file_atomic(obj: Any, path: Path) -> None:
-    """``torch.save`` that leaves either the old file or the whole new one at ``path``."""
+def seal_and_commit(tmp: Path, path: Path, token: str, meta: dict[str, Any],
+                    shard_checksums: Mapping[str, FileChecksum], needed: int) -> None:
+    """Rank 0's end of a sharded save (:func:`seal`, then :func:`commit`); a failure is a :class:`CheckpointError`
+    (:func:`no_space_error` for a full disk), which the strategy hands to every rank."""
+    try:
+        seal(tmp, meta, shard_checksums)
+        commit(tmp, path, token)
+    except Exception as err:
+        remove(tmp)  # first: the space left is then what the message reports
+        raise no_space_error(err, path, needed) or CheckpointError(
+            f"Saving {str(path)!r} failed on rank 0 while writing `{META_FILENAME}` / `{CHECKSUMS_FILENAME}` or "
+            f"renaming the save into place ({type(err).__name__}: {err}). The partial save was removed and earlier "
+            "checkpoints are intact.") from err
+
+
+def save_file_atomic(ckpt: dict[str, Any], path: Path) -> None:
+    """``torch.save`` of a checkpoint dict that leaves either the old file or the whole new one at ``path``."""
     tmp = partial_path(path, uuid.uuid4().hex[:8])
-    _save_synced(obj, tmp)
+    try:
+        _save_synced(ckpt, tmp, needed=nested_bytes(ckpt))
+    except BaseException:
+        remove(tmp)
+        raise
     commit(tmp, path, uuid.uuid4().hex[:8])
 
 
 def state_bytes(state: Mapping[str, Any]) -> int:
     """Bytes of the tensors in a flat state dict (what its shard files hold, near enough)."""
     return sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, Tensor))
+
+
+def nested_bytes(obj: Any) -> int:
+    """Bytes of the tensors anywhere in nested dicts, lists and tuples."""
+    if isinstance(obj, Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(nested_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(nested_bytes(v) for v in obj)
+    return 0
 
 
 def _errors_in(error: BaseException) -> list[BaseException]:
@@ -171,9 +228,33 @@ def _size(n: int) -> str:
     return f"{n / 2**20:.1f} MB" if n >= 2**20 else f"{n / 2**10:.0f} KB"
 
 
+def lacked_space(error: BaseException, where: Path, needed: int) -> OSError | None:
+    """The ``ENOSPC`` behind a failed write into ``where``: an ``OSError`` saying so in the error's chain, or a new
+    one when the failure is an ``OSError`` / ``RuntimeError`` and less than ``needed`` bytes are free there now.
+    torch's zip writer reports a write the disk refused as ``RuntimeError: [enforce fail at inline_container.cc]
+    unexpected pos ...`` (the errno lost; only the writing process can see the space it lacked)."""
+    errors = _errors_in(error)
+    for e in errors:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return e if e is error else OSError(e.errno, e.strerror, e.filename)
+    if not any(isinstance(e, (OSError, RuntimeError)) for e in errors):
+        return None
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        return None
+    if free >= needed:
+        return None
+    first = (str(error).strip().splitlines() or [""])[0][:200]
+    return OSError(errno.ENOSPC, f"No space left on device: {free} bytes free, about {needed} needed "
+                                 f"({type(error).__name__}: {first})", str(where))
+
+
 def no_space_error(error: BaseException, path: Path, needed: int) -> CheckpointError | None:
-    """A clear error when a save of ``needed`` bytes into ``path`` failed for lack of space; None otherwise."""
-    if not any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in _errors_in(error)):
+    """A clear error when a save of ``needed`` bytes into ``path`` failed for lack of space (an ``ENOSPC`` in the
+    error's chain, or in a failure DCP gathered from another rank); None otherwise."""
+    if isinstance(error, CheckpointError) or not any(
+            isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in _errors_in(error)):
         return None
     try:
         free = f"{_size(shutil.disk_usage(path.parent).free)} free there now"

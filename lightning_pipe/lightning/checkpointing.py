@@ -170,7 +170,7 @@ class ShardedCheckpointer:
         needed = sum(ranks.agree(check_target, payload=files.state_bytes(state)))
         tmp = files.partial_path(path, token)
         try:
-            self._write(ranks, path, tmp, token, state, checkpoint, groups)
+            self._write(ranks, path, tmp, token, state, checkpoint, groups, needed)
         except BaseException as err:  # DCP's CheckpointException is a BaseException
             files.remove(tmp)  # what this failed save wrote; the earlier checkpoints stay as they are
             full = files.no_space_error(err, path, needed)
@@ -179,15 +179,15 @@ class ShardedCheckpointer:
             raise
 
     def _write(self, ranks: RankGroup, path: Path, tmp: Path, token: str, state: dict[str, Any],
-               checkpoint: dict[str, Any], groups: list[Any] | None) -> None:
+               checkpoint: dict[str, Any], groups: list[Any] | None, needed: int) -> None:
         if ranks.rank == 0:
             tmp.mkdir(parents=True, exist_ok=True)
         ranks.barrier()
         shard_checksums = files.write_shards(state, tmp)  # module attribute: tests replace it to die mid-save
         gathered = ranks.gather((groups, self.names().order, shard_checksums))
+        every_shard: dict[str, Any] = {}
         if ranks.rank == 0:
             order: dict[str, Any] = {}
-            every_shard: dict[str, Any] = {}
             for _, rank_order, rank_checksums in gathered:
                 order.update(rank_order)
                 every_shard.update(rank_checksums)
@@ -202,9 +202,12 @@ class ShardedCheckpointer:
                            # the split was the rebalancer's: a resumed run that rebalances goes back to it
                            "rebalance_every_n_steps": self.config.rebalance_every_n_steps},
             }
-            files.seal(tmp, checkpoint, every_shard)
-            files.commit(tmp, path, token)
-        ranks.barrier()
+
+        def finish() -> None:  # rank 0's part; its failure (a full disk) stops every rank with the same error
+            if ranks.rank == 0:
+                files.seal_and_commit(tmp, path, token, checkpoint, every_shard, needed)
+
+        ranks.agree(finish)
 
     # ------------------------------------------------------------------ load
     def load(self, checkpoint_path: Any) -> dict[str, Any]:
