@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from torch.distributed.checkpoint import FileSystemWriter, save  # noqa: E402
 
-from lightning_pipe.checkpoint import checkpoint_size, files  # noqa: E402
+from lightning_pipe.checkpoint import checkpoint_size, files, reading  # noqa: E402
 from lightning_pipe.checkpoint.checksums import verify_checksums  # noqa: E402
 from lightning_pipe.checkpoint.format import FORMAT, META_FILENAME, MODEL_PREFIX, ModuleNames, flatten_optimizer  # noqa: E402
 
@@ -65,8 +65,8 @@ def save_once(state: dict[str, Any], path: Path, checksums: bool) -> None:
 def load_once(path: Path, checksums: bool) -> None:
     if checksums:
         verify_checksums(path)
-    md, _ = files.read_sharded_metadata(path)
-    files.load_flat(path, {k: None for k in md.state_dict_metadata}, md)
+    md, _ = reading.read_sharded_metadata(path)
+    reading.load_flat(path, {k: None for k in md.state_dict_metadata}, md)
 
 
 def timed(what: str, state: dict[str, Any], path: Path, checksums: bool) -> float:
