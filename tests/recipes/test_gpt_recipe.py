@@ -91,3 +91,10 @@ def test_pipeline_two_cpu_stages(tmp_path: Path) -> None:
     # The pipeline's checkpoint (sharded across stages) samples on one device like a single-device one.
     text = sample.main(["--ckpt", str(ckpt), "--prompt", "def ", "--tokens", "10"])
     assert text.startswith("def ")
+
+    # The recipe resumes its own checkpoint with its default settings: read as data, no trust needed.
+    resumed = tmp_path / "resumed"
+    run_train(["trainer=cpu_2", "strategy=pipeline", "schedule=gpipe", "schedule.microbatches=2", *TINY, *steps,
+               "trainer.max_steps=14", f"ckpt_path={ckpt}", f"hydra.run.dir={resumed}"], 300)
+    steps_logged = [int(r["step"]) for r in metrics(resumed) if r.get("train_loss")]
+    assert steps_logged and min(steps_logged) >= 12 and max(steps_logged) == 13, steps_logged
