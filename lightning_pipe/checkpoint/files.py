@@ -20,6 +20,7 @@ import io
 import os
 import shutil
 import uuid
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -160,6 +161,7 @@ def seal(tmp: Path, meta: dict[str, Any], shard_checksums: Mapping[str, FileChec
     """Rank 0, after every rank's shards are written: ``meta.pt``, then the checksums of every file, last."""
     meta["pipeline"]["checksums"] = CHECKSUMS_FILENAME
     _save_synced(to_plain(meta), tmp / META_FILENAME)
+    warn_unless_data(tmp / META_FILENAME, tmp.parent)
     write_checksums(tmp, {**shard_checksums, **checksums_of(tmp, [DCP_METADATA, META_FILENAME])})
 
 
@@ -188,7 +190,22 @@ def save_file_atomic(ckpt: dict[str, Any], path: Path) -> None:
     except BaseException:
         remove(tmp)
         raise
+    warn_unless_data(tmp, path.parent)
     commit(tmp, path, uuid.uuid4().hex[:8])
+
+
+def warn_unless_data(written: Path, where: Path) -> None:
+    """Warn when a file just written holds objects a load as data refuses (the user's own, in a callback's state
+    or the hyper-parameters): loading it will need trust ([Note: a checkpoint is data])."""
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(str(written))
+    except Exception:  # (only an early warning: the load says it again)
+        return
+    if names:
+        warnings.warn(f"lightning_pipe: a checkpoint saved in {str(where)!r} holds {', '.join(names[:8])}, which a "
+                      "load as data refuses: loading it will need `weights_only=False` (a trusted source), or these "
+                      "types registered with `torch.serialization.add_safe_globals` in the loading process.",
+                      stacklevel=2)
 
 
 def state_bytes(state: Mapping[str, Any]) -> int:

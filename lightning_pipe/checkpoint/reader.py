@@ -66,6 +66,15 @@ class _MetadataUnpickler(pickle.Unpickler):
         return obj
 
 
+def _well_formed(md: Any) -> bool:
+    """Metadata whose entries and storage records have the types the loaders read (data from the file)."""
+    if not (isinstance(md, dcp_metadata.Metadata) and isinstance(md.state_dict_metadata, dict)
+            and isinstance(md.storage_data, dict)):
+        return False
+    return all(isinstance(getattr(info, "relative_path", None), str) and isinstance(getattr(info, "offset", None), int)
+               and isinstance(getattr(info, "length", None), int) for info in md.storage_data.values())
+
+
 def read_metadata_as_data(f: IO[bytes], where: Path) -> Any:
     """Unpickle a DCP ``.metadata`` stream with :class:`_MetadataUnpickler`; refusals name the object."""
     try:
@@ -74,9 +83,9 @@ def read_metadata_as_data(f: IO[bytes], where: Path) -> Any:
         raise refused(where / DCP_METADATA, f"`{DCP_METADATA}`", [err.name],
                       " It admits torch.distributed.checkpoint's metadata classes, sizes, dtypes and paths "
                       "only.") from None
-    if not isinstance(md, dcp_metadata.Metadata):
-        raise CheckpointError(f"Checkpoint directory {str(where)!r}: `{DCP_METADATA}` holds a "
-                              f"{type(md).__name__}, not torch.distributed.checkpoint metadata.")
+    if not _well_formed(md):
+        raise CheckpointError(f"Checkpoint directory {str(where)!r}: `{DCP_METADATA}` is not the metadata of a "
+                              "torch.distributed.checkpoint save (its entries or storage records have other types).")
     return md
 
 
@@ -100,9 +109,10 @@ class CheckpointReader(FileSystemReader):
             if getattr(md, "storage_meta", None) is None:  # as torch's reader does
                 md.storage_meta = dcp_metadata.StorageMeta()
             md.storage_meta.load_id = getattr(self, "load_id", None)
-        for info in (md.storage_data or {}).values():
-            if not inside(self.root, getattr(info, "relative_path", None)):
-                raise outside_error(self.root, DCP_METADATA, getattr(info, "relative_path", info))
+        names = {getattr(info, "relative_path", None) for info in (md.storage_data or {}).values()}
+        for name in sorted(names, key=repr):  # (a few data files, each checked once)
+            if not inside(self.root, name):
+                raise outside_error(self.root, DCP_METADATA, name)
         return md
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:

@@ -193,6 +193,15 @@ def test_data_files_lie_inside_the_checkpoint_directory(saved: Path, tmp_path: P
             strategy_load(path, weights_only)
 
 
+def test_metadata_of_other_types_is_refused_plainly(saved: Path, tmp_path: Path) -> None:
+    """Built only from admitted classes, yet not what a save writes: a clear error, not a TypeError later."""
+    path = copied(saved, tmp_path)
+    crafted_metadata(path, lambda md: setattr(md, "storage_data", {
+        k: dataclasses.replace(v, relative_path=["a", "list"]) for k, v in md.storage_data.items()}))
+    with pytest.raises(ckpt_lib.CheckpointError, match="is not the metadata of a torch.distributed.checkpoint save"):
+        strategy_load(path)
+
+
 def test_checksums_name_files_inside_the_directory(saved: Path, tmp_path: Path) -> None:
     path = copied(saved, tmp_path)
     recorded = read_checksums(path)
@@ -251,6 +260,27 @@ def saved_for(tmp_path: Path) -> Path:
     path = tmp_path / "small.ckpt"
     ckpt.save({"state_dict": model.state_dict(), "optimizer_states": [ckpt.optimizer_state(opt)]}, path)
     return path
+
+
+class Tally:
+    """An object of the user's own in a callback's state."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+
+def test_a_save_that_will_need_trust_says_so(tmp_path: Path) -> None:
+    model, opt = trained()
+    ckpt = checkpointer(model, opt)
+    state = {"state_dict": model.state_dict(), "optimizer_states": [ckpt.optimizer_state(opt)],
+             "callbacks": {"Counter": {"tally": Tally(3)}}}
+    with pytest.warns(UserWarning, match=r"holds .*test_checkpoint_trust.Tally, which a load as data refuses"):
+        ckpt.save(dict(state), tmp_path / "own.ckpt")
+    with pytest.raises(ckpt_lib.CheckpointError, match="test_checkpoint_trust.Tally"):
+        strategy_load(tmp_path / "own.ckpt")
+    with torch.serialization.safe_globals([Tally]):  # admitted without trusting the whole file
+        assert strategy_load(tmp_path / "own.ckpt")["callbacks"]["Counter"]["tally"].count == 3
+    assert strategy_load(tmp_path / "own.ckpt", weights_only=False)["callbacks"]["Counter"]["tally"].count == 3
 
 
 def test_a_meta_file_written_by_an_earlier_version_asks_for_trust(saved: Path, tmp_path: Path) -> None:
