@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -268,28 +268,19 @@ def test_crash_mid_save_reshard_to_pp2_single_files_and_bad_input(four_ranks: di
 
 
 @pytest.mark.timeout(300)
-def test_a_really_full_disk_stops_every_rank_naming_it(tmp_path: Path) -> None:
+def test_a_really_full_disk_stops_every_rank_naming_it(tmp_path: Path, small_tmpfs: Callable[[str], Path]) -> None:
     """Saves into a 260 KiB tmpfs until it is full: the toy's second checkpoint, then the tiny GPT's first (its
     tensors alone need more than is left). Whichever write the disk refuses — a rank's tensors, which torch's zip
     writer reports without the errno, or rank 0's meta.pt — every rank raises the same error naming the directory,
     no partial save stays, and the checkpoint written before it is intact."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=260k", "tmpfs", str(disk)], capture_output=True,
-                             text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip() or 'mount failed'}); "
-                    "test_a_full_disk_is_named_first_with_the_size_needed injects the failure instead")
-    try:
-        toy, gpt = disk / "toy", disk / "gpt"
-        res = launch("ckpt_train", 2, [CheckpointCase(dir=str(toy), expect_error=True),
-                                       CheckpointCase(dir=str(gpt), model="gpt", n_layers=4, expect_error=True)],
-                     tmp_path / "out", timeout=250)
-        for case, where in enumerate((toy, gpt)):
-            errors = [rank[case] for rank in res]
-            assert all(not e["ok"] for e in errors) and errors[0]["error"] == errors[1]["error"], errors
-            assert errors[0]["error"].startswith(f"CheckpointError: No space left on {str(where)!r}: saving "), errors
-            assert not [p for p in where.iterdir() if ".partial-" in p.name]
-        assert ckpt_lib.describe(toy / STEP4) == "sharded" and ckpt_lib.consolidated(toy / STEP4)["global_step"] == 4
-    finally:
-        subprocess.run(["umount", str(disk)], check=False)
+    disk = small_tmpfs("260k")
+    toy, gpt = disk / "toy", disk / "gpt"
+    res = launch("ckpt_train", 2, [CheckpointCase(dir=str(toy), expect_error=True),
+                                   CheckpointCase(dir=str(gpt), model="gpt", n_layers=4, expect_error=True)],
+                 tmp_path / "out", timeout=250)
+    for case, where in enumerate((toy, gpt)):
+        errors = [rank[case] for rank in res]
+        assert all(not e["ok"] for e in errors) and errors[0]["error"] == errors[1]["error"], errors
+        assert errors[0]["error"].startswith(f"CheckpointError: No space left on {str(where)!r}: saving "), errors
+        assert not [p for p in where.iterdir() if ".partial-" in p.name]
+    assert ckpt_lib.describe(toy / STEP4) == "sharded" and ckpt_lib.consolidated(toy / STEP4)["global_step"] == 4

@@ -10,8 +10,7 @@ import errno
 import json
 import re
 import shutil
-import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -234,25 +233,10 @@ def test_a_full_disk_behind_torchs_zip_writer_is_found_by_the_space_left(tmp_pat
     assert isinstance(failure, OSError) and "inline_container" in str(failure)  # (what travels to the other ranks)
 
 
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 64 KiB tmpfs (mounting needs root: skipped, saying so, where it is not permitted)."""
-    where = tmp_path / "small"
-    where.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)], capture_output=True,
-                             text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a 64 KiB tmpfs here ({mounted.stderr.strip() or 'mount failed'}); the injected "
-                    "failure above covers the logic")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", str(where)], check=False)
-
-
-def test_a_really_full_disk_is_named_on_every_write(small_disk: Path) -> None:
+def test_a_really_full_disk_is_named_on_every_write(small_tmpfs: Callable[[str], Path]) -> None:
     from lightning_pipe.checkpoint import files
 
+    small_disk = small_tmpfs("64k")
     big = torch.zeros(40_000)  # 160 kB: more than the disk holds
     with pytest.raises(BaseException) as shards:  # DCP's tensor files, written through torch's zip writer
         files.write_shards({"w": big}, small_disk / "partial", no_dist=True)
