@@ -27,6 +27,7 @@ from lightning_pipe._compat.lightning import requested_weights_only
 from lightning_pipe.checkpoint import files, reading
 from lightning_pipe.checkpoint.__main__ import main
 from lightning_pipe.checkpoint.checksums import checksums_of, read_checksums, write_checksums
+from lightning_pipe.checkpoint.format import saved_layout
 from lightning_pipe.checkpoint.trust import trusted
 from lightning_pipe.config import PipelineConfigError
 from lightning_pipe.planner.plan import load_plan
@@ -351,6 +352,15 @@ def test_the_help_says_what_trust_means(capsys: pytest.CaptureFixture) -> None:
         out = " ".join(capsys.readouterr().out.split())
         assert "--trust" in out and "Checkpoints from others" in out
     assert "run code from the file" in out and "add_safe_globals" in out
+
+
+def test_the_saved_layout_reaches_the_rebalancer_only_as_layer_lists() -> None:
+    """A resumed rebalancing run goes back to the split a checkpoint names: data from the file, checked first."""
+    good = {"schedule": "1f1b", "pipeline_size": 2, "stages": [[0, 1], [2, 3]]}
+    assert saved_layout({"layout": good}) == good
+    assert saved_layout({"layout": {**good, "stages": "0-1,2-3"}}) == {"schedule": "1f1b", "pipeline_size": 2}
+    assert saved_layout({"layout": {**good, "stages": [[0, 1.5]]}}) == {"schedule": "1f1b", "pipeline_size": 2}
+    assert saved_layout({"layout": ["not", "a", "dict"]}) is None and saved_layout({}) is None
 
 
 def test_saved_plans_are_json_never_pickle(tmp_path: Path) -> None:
