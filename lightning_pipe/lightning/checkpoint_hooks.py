@@ -87,7 +87,7 @@ class CheckpointHooks(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         self.wait_for_checkpoint()
         checkpointer = self._checkpointer()
-        checkpoint = checkpointer.load(checkpoint_path)
+        checkpoint = checkpointer.load(checkpoint_path, weights_only)  # as data unless False
         plan = self.plan
         if plan is not None and plan.spec.resume_caveat is not None and not checkpointer.stage_state_complete:
             caveat = plan.spec.resume_caveat(self.pipeline_config)

@@ -6,8 +6,11 @@ ranks run, minus the collectives.
 
 from __future__ import annotations
 
+import errno
 import json
+import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -194,6 +197,61 @@ def test_a_full_disk_is_named_first_with_the_size_needed(tmp_path: Path) -> None
         assert files.no_space_error(chained, tmp_path / "x", 10) is not None
     assert files.no_space_error(CheckpointException("x", {0: (ValueError("bad"), None)}), tmp_path / "x", 1) is None
     assert files.state_bytes({"a": torch.zeros(4), "b": 3, "c": torch.zeros(2, dtype=torch.float64)}) == 32
+
+
+ZIP_WRITER_ERROR = "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+
+
+def test_a_full_disk_behind_torchs_zip_writer_is_found_by_the_space_left(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.save's zip writer reports a refused write as a RuntimeError without the errno: the writing rank checks
+    the space left, before DCP hands its failure to the others (where only the message would arrive)."""
+    from torch.distributed.checkpoint import CheckpointException
+
+    from lightning_pipe.checkpoint import files
+
+    real_save = torch.save
+
+    def failing_save(obj: object, f: object, *args: object, **kwargs: object) -> None:
+        if isinstance(obj, torch.Tensor):  # DCP's write of a tensor item
+            raise RuntimeError(ZIP_WRITER_ERROR)
+        real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    space = {"free": 10**12}
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda _: SimpleNamespace(free=space["free"]))
+    state = {"w": torch.zeros(1000)}
+    with pytest.raises(CheckpointException) as plenty:  # space left: another failure, said as it was
+        files.write_shards(state, tmp_path / "a", no_dist=True)
+    assert files.no_space_error(plenty.value, tmp_path / "a.ckpt", 4000) is None
+    space["free"] = 100
+    with pytest.raises(CheckpointException) as full:
+        files.write_shards(state, tmp_path / "b", no_dist=True)
+    error = files.no_space_error(full.value, tmp_path / "b.ckpt", 4000)
+    assert error is not None and str(error).startswith(f"No space left on {str(tmp_path)!r}: saving 'b.ckpt'")
+    (failure, _), = full.value.failures.values()
+    assert isinstance(failure, OSError) and "inline_container" in str(failure)  # (what travels to the other ranks)
+
+
+def test_a_really_full_disk_is_named_on_every_write(small_tmpfs: Callable[[str], Path]) -> None:
+    from lightning_pipe.checkpoint import files
+
+    small_disk = small_tmpfs("64k")
+    big = torch.zeros(40_000)  # 160 kB: more than the disk holds
+    with pytest.raises(BaseException) as shards:  # DCP's tensor files, written through torch's zip writer
+        files.write_shards({"w": big}, small_disk / "partial", no_dist=True)
+    error = files.no_space_error(shards.value, small_disk / "x.ckpt", 160_000)
+    assert error is not None and str(error).startswith(f"No space left on {str(small_disk)!r}")
+    files.remove(small_disk / "partial")
+    with pytest.raises(OSError) as single:  # one file (consolidate), torch.save to a path
+        files.save_file_atomic({"state_dict": {"w": big}}, small_disk / "one.ckpt")
+    assert single.value.errno == errno.ENOSPC and list(small_disk.iterdir()) == []  # its partial file removed
+    tmp = small_disk / "partial"
+    tmp.mkdir()
+    with pytest.raises(ckpt_lib.CheckpointError, match=f"^No space left on {re.escape(repr(str(small_disk)))}"):
+        # rank 0's end of a sharded save: meta.pt
+        files.seal_and_commit(tmp, small_disk / "y.ckpt", "t", {"pipeline": {}, "big": big}, {}, 160_000)
+    assert list(small_disk.iterdir()) == []
 
 
 def test_a_model_mismatch_names_shapes_and_names_together() -> None:

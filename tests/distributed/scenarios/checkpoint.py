@@ -51,6 +51,7 @@ class CheckpointCase:
     schedule_options: dict[str, Any] | None = None
     compile: bool = False  # torch.compile each layer (test_compile.py: saved compiled, loaded eager and back)
     async_save: bool = False  # PipelineStrategy(async_checkpoint=True); "last" is then a copy, not a link
+    weights_only: bool | None = None  # Trainer.fit's: False trusts the checkpoint's source
 
 
 class CheckpointRun(TypedDict):
@@ -125,7 +126,7 @@ def _run(case: CheckpointCase, ckpt_path: str | Path | None = None,
                         max_steps=case.steps, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                         callbacks=[recorder, start, *callbacks], enable_checkpointing=bool(callbacks))
-    trainer.fit(model, loader(_data(case, n_data), case.batch), ckpt_path=ckpt_path)
+    trainer.fit(model, loader(_data(case, n_data), case.batch), ckpt_path=ckpt_path, weights_only=case.weights_only)
     return CheckpointRun(params={n: full_tensor(p) for n, p in model.named_parameters()},
                          losses=recorder.losses, start_params=start.params, start_optim=start.optim,
                          global_step=trainer.global_step,
