@@ -8,7 +8,15 @@ consolidate|shard|info`` is the command line. Plain torch: nothing here imports 
 
 from lightning_pipe.checkpoint.checksums import read_checksums, verify_checksums
 from lightning_pipe.checkpoint.convert import as_file, checkpoint_size, consolidate, consolidated, shard
-from lightning_pipe.checkpoint.files import commit, partial_path, recover, remove, save_file_atomic, write_shards
+from lightning_pipe.checkpoint.files import (
+    aside_path,
+    commit,
+    partial_path,
+    recover,
+    remove,
+    save_file_atomic,
+    write_shards,
+)
 from lightning_pipe.checkpoint.format import (
     CHECKSUMS_FILENAME,
     DCP_METADATA,
@@ -23,7 +31,7 @@ from lightning_pipe.checkpoint.format import (
 from lightning_pipe.checkpoint.reading import describe, load_file, read_sharded_metadata
 
 __all__ = [
-    "CHECKSUMS_FILENAME", "DCP_METADATA", "FORMAT", "META_FILENAME", "MODEL_PREFIX", "NAMES_KEY", "CheckpointError",
+    "CHECKSUMS_FILENAME", "DCP_METADATA", "FORMAT", "META_FILENAME", "MODEL_PREFIX", "NAMES_KEY", "CheckpointError", "aside_path",
     "ModuleNames", "ShardedOptimizerState", "as_file", "checkpoint_size", "commit", "consolidate", "consolidated",
     "describe", "load_file", "partial_path", "read_checksums", "read_sharded_metadata", "recover", "remove",
     "save_file_atomic", "shard", "verify_checksums", "write_shards",

@@ -1,10 +1,11 @@
 """A checkpoint on disk: atomic commit, the writes of torch.distributed.checkpoint, and a full disk said plainly.
 
 [Note: never half-written]
-Every rank writes into ``.<name>.partial-<token>`` next to the target; after the collective DCP save (which returns
+Every rank writes into ``.partial-<key>-<token>.tmp`` next to the target (``<key>``: a hash of the target's name;
+:func:`aside_path`); after the collective DCP save (which returns
 on the coordinator only once every rank's files are written and fsynced), rank 0 writes ``meta.pt`` and
 ``checksums.json`` (:func:`seal`) and renames the directory into place (:func:`commit`). An existing checkpoint at the
-same path is first renamed aside to ``.<name>.old-<token>`` and removed after the swap; if a process dies between
+same path is first renamed aside to ``.old-<key>-<token>.tmp`` and removed after the swap; if a process dies between
 those two renames, :func:`recover` puts the old copy back (PipelineStrategy calls it on rank 0 before loading; the
 CLI's ``consolidate`` calls it too; ``reading.describe`` only points at it). A rank killed while writing leaves only a
 ``.partial`` directory: the previous checkpoint, and any link to it (``ModelCheckpoint``'s ``last``), stay valid.
@@ -16,6 +17,7 @@ Reading lives in ``reading.py``.
 from __future__ import annotations
 
 import errno
+import hashlib
 import io
 import os
 import shutil
@@ -37,20 +39,30 @@ from lightning_pipe.checkpoint.plain import to_plain
 
 
 # ---------------------------------------------------------------------------------------------------------- atomic save
+def aside_path(path: Path, kind: str, token: str) -> Path:
+    """Where a save of ``path`` stages (``kind="partial"``) or sets the checkpoint it replaces aside (``"old"``).
+
+    A hidden name keyed by a hash of the target's: it never holds ``ckpt_``, from which Lightning reads a version
+    number in every file name of a directory (its SLURM ``hpc_ckpt_<n>.ckpt`` resume would take a staging directory
+    for the newest checkpoint)."""
+    key = hashlib.sha1(path.name.encode()).hexdigest()[:12]
+    return path.parent / f".{kind}-{key}-{token}.tmp"  # torch's zip writer names its archive after the stem
+
+
 def partial_path(path: Path, token: str) -> Path:
     """Where a save into ``path`` writes until it is complete."""
-    return path.parent / f".{path.name}.partial-{token}"
+    return aside_path(path, "partial", token)
 
 
 def old_copies(path: Path) -> list[Path]:
     if not path.parent.is_dir():
         return []
-    return [old for old in sorted(path.parent.glob(f".{path.name}.old-*"))
+    return [old for old in sorted(path.parent.glob(aside_path(path, "old", "*").name))
             if old.is_file() or (old / META_FILENAME).is_file()]
 
 
 def recover(path: Path) -> Path:
-    """A crash between the two renames of a swap leaves only ``.<name>.old-*``: rename it back into place.
+    """A crash between the two renames of a swap leaves only the old copy set aside: rename it back into place.
 
     Changes the file system (unlike everything that only reads a checkpoint); returns where the checkpoint is.
     """
@@ -69,13 +81,13 @@ def commit(tmp: Path, path: Path, token: str) -> None:
     """Rename a finished save into place (rank 0 only), keeping the old checkpoint until the new one is there."""
     old = None
     if path.exists() or path.is_symlink():
-        old = path.parent / f".{path.name}.old-{token}"
+        old = aside_path(path, "old", token)
         os.replace(path, old)
     os.replace(tmp, path)
     fsync_dir(path.parent)
     if old is not None:
         remove(old)
-    for stale in path.parent.glob(f".{path.name}.partial-*"):
+    for stale in path.parent.glob(partial_path(path, "*").name):
         remove(stale)
 
 

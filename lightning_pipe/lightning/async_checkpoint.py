@@ -16,11 +16,14 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor
 
+from lightning_pipe.checkpoint import CheckpointError, files
 from lightning_pipe.config import config_error
 from lightning_pipe.parallel.group_cache import shared_group
 
@@ -58,6 +61,32 @@ def check_links(callbacks: Sequence[Any]) -> None:
             "save_last='link') would point `last` at a checkpoint still being written.",
             f"async_checkpoint=True with ModelCheckpoint(save_last='link', dirpath={linked[0].dirpath!r})",
             "async_checkpoint", fix="Use ModelCheckpoint(save_last=True)")
+
+
+def write_in_background(state: dict[str, Any], tmp: Path, path: Path, token: str, meta: dict[str, Any] | None,
+                        needed: int, group: Any, world_size: int) -> None:
+    """The saver thread's part of a sharded save: every rank's shards over ``group``, then rank 0 (the one holding
+    ``meta``) seals and renames into place; a failure of rank 0's part fails every rank's save alike."""
+    shard_checksums = files.write_shards(state, tmp, process_group=group)
+    every = _gathered(shard_checksums, group, world_size)
+    failure = None
+    if meta is not None:
+        try:
+            files.seal_and_commit(tmp, path, token, meta, {k: v for c in every for k, v in c.items()}, needed)
+        except CheckpointError as err:
+            failure = str(err)
+    first = next((f for f in _gathered(failure, group, world_size) if f), None)
+    if first is not None:
+        raise CheckpointError(first)
+
+
+def _gathered(obj: Any, group: Any, world_size: int) -> list[Any]:
+    """Every rank's ``obj`` over ``group`` (just this one without a process group)."""
+    if group is None:
+        return [obj]
+    out: list[Any] = [None] * world_size
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 class AsyncSaver:
@@ -102,4 +131,4 @@ class AsyncSaver:
         self._error = None
 
 
-__all__ = ["AsyncSaver", "check_links", "resolve_async_checkpoint", "staged", "write_group"]
+__all__ = ["AsyncSaver", "check_links", "resolve_async_checkpoint", "staged", "write_group", "write_in_background"]

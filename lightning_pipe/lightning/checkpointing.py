@@ -48,7 +48,7 @@ from lightning_pipe.checkpoint.format import (
     stage_state_key,
 )
 from lightning_pipe.config import PipelineConfig
-from lightning_pipe.lightning.async_checkpoint import AsyncSaver, staged, write_group
+from lightning_pipe.lightning.async_checkpoint import AsyncSaver, staged, write_group, write_in_background
 from lightning_pipe.parallel.dtensor import full_values, shard_like, shard_optimizer_state, shard_state_like
 from lightning_pipe.parallel.experts import is_expert
 from lightning_pipe.parallel.topology import Topology
@@ -216,18 +216,7 @@ class ShardedCheckpointer:
 
         def write() -> None:
             try:
-                shard_checksums = files.write_shards(copied, tmp, process_group=group)
-                every = _gathered(shard_checksums, group, ranks.world_size)
-                failure = None
-                if meta is not None:  # rank 0's part; its failure (a full disk) fails every rank's save alike
-                    try:
-                        files.seal_and_commit(tmp, path, token, meta, {k: v for c in every for k, v in c.items()},
-                                              needed)
-                    except CheckpointError as err:
-                        failure = str(err)
-                first = next((f for f in _gathered(failure, group, ranks.world_size) if f), None)
-                if first is not None:
-                    raise CheckpointError(first)
+                write_in_background(copied, tmp, path, token, meta, needed, group, ranks.world_size)
             except BaseException as err:
                 _failed_save(err, tmp, path, needed)
 
@@ -398,15 +387,6 @@ class ShardedCheckpointer:
                                                      for k, v in entries.items()}
 
             opt.load_state_dict(shard_optimizer_state(opt, build_local_optimizer_state(opt, names, groups, state_of)))
-
-
-def _gathered(obj: Any, group: Any, world_size: int) -> list[Any]:
-    """Every rank's ``obj`` over ``group`` (just this one without a process group)."""
-    if group is None:
-        return [obj]
-    out: list[Any] = [None] * world_size
-    dist.all_gather_object(out, obj, group=group)
-    return out
 
 
 def _failed_save(error: BaseException, tmp: Path, path: Path, needed: int) -> None:

@@ -182,7 +182,7 @@ def test_crash_mid_save_reshard_to_pp2_single_files_and_bad_input(four_ranks: di
     assert ckpt_lib.describe(crash_dir / "epoch=0-step=2.ckpt") == "sharded"
     assert not (crash_dir / STEP4).exists()
     assert os.readlink(crash_dir / "last.ckpt") == "epoch=0-step=2.ckpt"
-    assert not list(crash_dir.glob(f".{STEP4}.partial-*")), "the surviving rank removes the failed save's files"
+    assert not list(crash_dir.glob(ckpt_lib.partial_path(crash_dir / STEP4, "*").name)), "the surviving rank removes the failed save's files"
     assert ckpt_lib.consolidated(crash_dir / "last.ckpt")["global_step"] == 2
 
     # 2) single files: one consolidated from a pipeline checkpoint, one written by a plain single-device run

@@ -164,9 +164,9 @@ def test_checkpoint_without_checksums_still_loads(saved: tuple, tmp_path: Path) 
 
 def test_describe_is_a_pure_query(saved: tuple, tmp_path: Path) -> None:
     target = tmp_path / "last.ckpt"
-    old = copy(saved[0], tmp_path / ".last.ckpt.old-abcd1234")  # a save died between its two renames
+    old = copy(saved[0], ckpt_lib.aside_path(tmp_path / "last.ckpt", "old", "abcd1234"))  # a save died between its two renames
     before = sorted(p.name for p in tmp_path.iterdir())
-    with pytest.raises(ckpt_lib.CheckpointError, match="does not exist.*left the previous checkpoint at .*old-abcd"):
+    with pytest.raises(ckpt_lib.CheckpointError, match="does not exist.*left the previous checkpoint at .*old-[0-9a-f]*-abcd1234"):
         ckpt_lib.describe(target)
     with pytest.raises(ckpt_lib.CheckpointError, match="does not exist"):
         ckpt_lib.consolidated(target)
@@ -266,3 +266,13 @@ def test_a_model_mismatch_names_shapes_and_names_together() -> None:
     assert "Unexpected in the checkpoint (no such parameter/buffer in the model): layers.2.weight." in message
     assert "strict_loading" not in message  # no loading option skips a shape
     assert "strict_loading" in name_mismatch_message("ck", ["a"], [])
+
+
+def test_staging_names_hold_no_checkpoint_version_for_lightning_to_read(tmp_path: Path) -> None:
+    """Lightning's SLURM resume reads a version number from every name in the directory that holds ``ckpt_``: a save
+    of ``hpc_ckpt_3.ckpt`` killed half-way must leave nothing that reads as ``hpc_ckpt_<digits>``."""
+    target = tmp_path / "hpc_ckpt_3.ckpt"
+    for kind in ("partial", "old"):
+        aside = ckpt_lib.aside_path(target, kind, "1a2b3c4d")
+        assert aside.parent == tmp_path and aside.name.startswith(f".{kind}-") and "ckpt_" not in aside.name
+    assert ckpt_lib.aside_path(target, "old", "t") != ckpt_lib.aside_path(tmp_path / "hpc_ckpt_4.ckpt", "old", "t")
