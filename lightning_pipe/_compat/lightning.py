@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -73,6 +74,7 @@ _ModelSummaryCallback = _resolve("lightning.pytorch.callbacks", "ModelSummary")
 format_summary_table = _resolve("lightning.pytorch.utilities.model_summary.model_summary", "_format_summary_table")
 # lightning/strategy.py: self.log's per-call move of its metric to the value's device (see fast_metric_moves).
 _ResultMetric = _resolve("lightning.pytorch.trainer.connectors.logger_connector.result", "_ResultMetric")
+_Trainer = _resolve("lightning.pytorch", "Trainer")
 
 # Private methods we override or call: (class, method name).
 PRIVATE_LIGHTNING_METHODS = (
@@ -86,12 +88,32 @@ PRIVATE_LIGHTNING_METHODS = (
     _method(_FitLoop, "_should_accumulate"),  # lightning/strategy.py: does an optimizer step follow this batch?
     _method(_ResultMetric, "to"),  # fast_metric_moves: a move to where the metric already is returns it as is
     _method(_ModelSummaryCallback, "_summary"),  # lightning/summary.py: the whole pipeline's summary
+    _method(_Trainer, "_run"),  # requested_weights_only: the argument it holds
 )
 
 
 def summary_depth(callback: Any) -> int:
     """A ``ModelSummary`` callback's ``max_depth`` (its private ``_max_depth``; 0: it prints nothing)."""
     return int(callback._max_depth)
+
+
+def requested_weights_only(trainer: Any) -> bool | None:
+    """The ``weights_only`` of the ``Trainer.fit/validate/test/predict`` call running on ``trainer`` now.
+
+    Lightning 2.6 hands it to ``Strategy.load_checkpoint`` only for strategies that restore before setup: for
+    those that restore after it (FSDP's, ModelParallel's, ours) ``Trainer._run`` calls
+    ``_restore_modules_and_callbacks(ckpt_path)`` without it, and the strategy sees ``None``. It is a local of
+    ``Trainer._run``, read from that frame on the stack; ``None`` when no call is running (or it was not a bool)."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if frame.f_code.co_name == "_run" and frame.f_locals.get("self") is trainer:
+                value = frame.f_locals.get("weights_only")
+                return value if isinstance(value, bool) else None
+            frame = frame.f_back
+        return None
+    finally:
+        del frame  # (a frame kept in a local is a reference cycle)
 
 
 def should_accumulate(trainer: Any) -> bool:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch.distributed.pipelining import schedules as _torch_schedules
 
+from lightning_pipe._compat.dcp import DCP_METADATA_PRIVATE  # noqa: F401  (re-exported)
 from lightning_pipe._compat.shape_inference import (  # noqa: F401  (re-exported)
     FORWARD_CONTEXT,
     METADATA_INFERENCE,

@@ -8,9 +8,10 @@ all ranks, so that a bad checkpoint fails everywhere at once instead of leaving 
 
 from __future__ import annotations
 
+import copy
 import uuid
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar, overload
@@ -23,7 +24,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_pipe._compat import lightning as _compat
-from lightning_pipe.checkpoint import files
+from lightning_pipe.checkpoint import files, reading
 from lightning_pipe.checkpoint.checksums import verify_checksums
 from lightning_pipe.checkpoint.convert import consolidate
 from lightning_pipe.checkpoint.format import (
@@ -45,10 +46,12 @@ from lightning_pipe.checkpoint.format import (
     names_from_positions,
     optimizer_entries,
     optimizer_prefix,
+    saved_layout,
     stage_state_key,
 )
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.lightning import same_call
+from lightning_pipe.lightning.async_checkpoint import AsyncSaver, staged, write_group, write_in_background
 from lightning_pipe.parallel.dtensor import full_values, shard_like, shard_optimizer_state, shard_state_like
 from lightning_pipe.parallel.experts import is_expert
 from lightning_pipe.parallel.topology import Topology
@@ -78,9 +81,10 @@ def save_on_every_rank(strategy: Any, checkpoint: dict[str, Any], filepath: Any,
         return  # a peer failed meanwhile: as above, the ranks are stopping
     checkpointer = strategy._checkpointer()
     if strategy._save_consolidated:
+        strategy.wait_for_checkpoint()
         checkpointer.save_consolidated(checkpoint, filepath, storage_options)
     else:
-        checkpointer.save(checkpoint, filepath, storage_options)
+        checkpointer.save(checkpoint, filepath, storage_options, saver=strategy._saver)
 
 
 @dataclass(frozen=True)
@@ -147,8 +151,10 @@ class ShardedCheckpointer:
         return flatten_optimizer(optimizer, self.names(), index)
 
     # ------------------------------------------------------------------ save
-    def save(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """A sharded directory checkpoint, written in a temporary place and renamed into place when complete."""
+    def save(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None,
+             saver: AsyncSaver | None = None) -> None:
+        """A sharded directory checkpoint, written in a temporary place and renamed into place when complete; with
+        ``saver``, written on a thread ([Note: asynchronous checkpoints])."""
         if storage_options is not None:
             raise TypeError("`PipelineStrategy.save_checkpoint(..., storage_options=...)` is not supported: the "
                             "pipeline writes with torch.distributed.checkpoint, not the CheckpointIO plugin.")
@@ -193,14 +199,13 @@ class ShardedCheckpointer:
         # the target check and every rank's size in one gather (the size names what a full disk lacked)
         needed = sum(ranks.agree(check_target, payload=files.state_bytes(state)))
         tmp = files.partial_path(path, token)
+        if saver is not None:
+            self._write_later(saver, path, tmp, token, state, checkpoint, groups, needed)
+            return
         try:
-            self._write(ranks, path, tmp, token, state, checkpoint, groups)
+            self._write(ranks, path, tmp, token, state, checkpoint, groups, needed)
         except BaseException as err:  # DCP's CheckpointException is a BaseException
-            files.remove(tmp)  # what this failed save wrote; the earlier checkpoints stay as they are
-            full = files.no_space_error(err, path, needed)
-            if full is not None:
-                raise full from err
-            raise
+            _failed_save(err, tmp, path, needed)
 
     # [Note: consolidated checkpoints]
     # PipelineStrategy(save_consolidated=True) writes every checkpoint as one ordinary Lightning ``.ckpt`` file at the
@@ -233,85 +238,114 @@ class ShardedCheckpointer:
         ranks.agree(write)
 
     def _write(self, ranks: RankGroup, path: Path, tmp: Path, token: str, state: dict[str, Any],
-               checkpoint: dict[str, Any], groups: list[Any] | None) -> None:
+               checkpoint: dict[str, Any], groups: list[Any] | None, needed: int) -> None:
         if ranks.rank == 0:
             tmp.mkdir(parents=True, exist_ok=True)
         ranks.barrier()
         shard_checksums = files.write_shards(state, tmp)  # module attribute: tests replace it to die mid-save
         gathered = ranks.gather((groups, self.names().order, shard_checksums))
+        every_shard: dict[str, Any] = {}
+        meta = None
         if ranks.rank == 0:
-            order: dict[str, Any] = {}
-            every_shard: dict[str, Any] = {}
-            for _, rank_order, rank_checksums in gathered:
-                order.update(rank_order)
+            for _, _, rank_checksums in gathered:
                 every_shard.update(rank_checksums)
-            optimizers = merge_groups([g for g, _, _ in gathered], order) if groups is not None else None
-            topo = self.topology
-            checkpoint["pipeline"] = {
-                "format": FORMAT,
-                "optimizers": optimizers,
-                "layout": {"pipeline_size": topo.pipeline_size, "data_parallel_size": topo.data_parallel_size,
-                           "schedule": self.config.schedule,
-                           "stages": [list(r) for r in self._layout_ranges()],
-                           # the split was the rebalancer's: a resumed run that rebalances goes back to it
-                           "rebalance_every_n_steps": self.config.rebalance_every_n_steps},
-            }
-            files.seal(tmp, checkpoint, every_shard)
-            files.commit(tmp, path, token)
-        ranks.barrier()
+            meta = self._meta(checkpoint, [(g, o) for g, o, _ in gathered], groups is not None)
+
+        def finish() -> None:  # rank 0's part; its failure (a full disk) stops every rank with the same error
+            if meta is not None:
+                files.seal_and_commit(tmp, path, token, meta, every_shard, needed)
+
+        ranks.agree(finish)
+
+    def _write_later(self, saver: AsyncSaver, path: Path, tmp: Path, token: str, state: dict[str, Any],
+                     checkpoint: dict[str, Any], groups: list[Any] | None, needed: int) -> None:
+        """[Note: asynchronous checkpoints]: what ``meta.pt`` needs is gathered and the state copied now; the
+        shards, the checksums, ``meta.pt`` and the rename follow on the saver's thread."""
+        ranks = self.ranks
+        if ranks.rank == 0:
+            tmp.mkdir(parents=True, exist_ok=True)
+        gathered = ranks.gather((groups, self.names().order))  # also the barrier: tmp exists for every rank
+        meta = self._meta(copy.deepcopy(checkpoint), gathered, groups is not None) if ranks.rank == 0 else None
+        group = write_group(ranks.world_size) if _compat.distributed_is_initialized() else None
+        copied = staged(state)
+
+        def write() -> None:
+            try:
+                write_in_background(copied, tmp, path, token, meta, needed, group, ranks.world_size)
+            except BaseException as err:
+                _failed_save(err, tmp, path, needed)
+
+        saver.submit(str(path), write)
+
+    def _meta(self, checkpoint: dict[str, Any], gathered: Sequence[tuple[Any, Any]],
+              with_optimizers: bool) -> dict[str, Any]:
+        """``meta.pt`` (rank 0): the rest of Lightning's checkpoint, with the layout and the optimizers' groups
+        of every rank (``gathered``: each rank's groups and parameter order)."""
+        order: dict[str, Any] = {}
+        for _, rank_order in gathered:
+            order.update(rank_order)
+        optimizers = merge_groups([g for g, _ in gathered], order) if with_optimizers else None
+        topo = self.topology
+        checkpoint["pipeline"] = {
+            "format": FORMAT,
+            "optimizers": optimizers,
+            "layout": {"pipeline_size": topo.pipeline_size, "data_parallel_size": topo.data_parallel_size,
+                       "schedule": self.config.schedule,
+                       "stages": [list(r) for r in self._layout_ranges()],
+                       # the split was the rebalancer's: a resumed run that rebalances goes back to it
+                       "rebalance_every_n_steps": self.config.rebalance_every_n_steps},
+        }
+        return checkpoint
 
     # ------------------------------------------------------------------ load
-    def load(self, checkpoint_path: Any) -> dict[str, Any]:
+    def load(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Each rank reads its own parameters (and their optimizer state) from a sharded directory written by any
-        layout, or from an ordinary single-file Lightning checkpoint; returns the rest of the checkpoint."""
-        ranks, module = self.ranks, self.module
+        layout, or from an ordinary single-file Lightning checkpoint; returns the rest of the checkpoint. Read as
+        data unless ``weights_only=False`` ([Note: a checkpoint is data]): a refused object, like every other bad
+        checkpoint, fails every rank with the same CheckpointError."""
+        ranks = self.ranks
+        if weights_only is None:  # what the user gave Trainer.fit, which Lightning 2.6 does not pass on here
+            weights_only = _compat.requested_weights_only(self.module.trainer)
         path = Path(ranks.broadcast(str(checkpoint_path)))
         if ranks.rank == 0:
             files.recover(path)  # put back a checkpoint left aside by a save interrupted mid-swap
         ranks.barrier()
-        kind = ranks.agree(lambda: files.describe(path))
-        names = self.names()
-        local_sd = module.state_dict()
-        fitting = module.trainer.state.fn == TrainerFn.FITTING and bool(self.optimizers)
-        if kind == "sharded":
-            ranks.agree(lambda: verify_checksums(path, ranks.rank, ranks.world_size))  # each rank checks 1/N
-            md, meta = ranks.agree(lambda: files.read_sharded_metadata(path))
-            available = {k[len(MODEL_PREFIX):]: v for k, v in md.state_dict_metadata.items()
-                         if k.startswith(MODEL_PREFIX)}
-            shapes = {k: tuple(v.size) for k, v in available.items() if hasattr(v, "size")}
-        else:
-            ckpt = ranks.agree(lambda: files.load_file(path))
-            available = ckpt["state_dict"]
-            shapes = {k: tuple(v.shape) for k, v in available.items() if isinstance(v, Tensor)}
+        if ranks.agree(lambda: reading.describe(path)) == "sharded":
+            return self._load_sharded(path, weights_only)
+        return self._load_file(path, weights_only)
+
+    def _fitting(self) -> bool:
+        return self.module.trainer.state.fn == TrainerFn.FITTING and bool(self.optimizers)
+
+    def _load_file(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
+        """An ordinary single-file checkpoint: every rank reads it and keeps its own parameters."""
+        module = self.module
+        ckpt = self.ranks.agree(lambda: reading.load_file(path, weights_only))
+        available, local_sd = ckpt["state_dict"], module.state_dict()
+        shapes = {k: tuple(v.shape) for k, v in available.items() if isinstance(v, Tensor)}
         self._check_names(path, local_sd, available, shapes, module.strict_loading)
+        module.load_state_dict(shard_state_like({k: available[k] for k in local_sd if k in available}, local_sd),
+                               strict=False)
+        if self._fitting():
+            self._load_positional_optimizers(ckpt, self.names())
+            self._restore_stage_state({})  # a single-file checkpoint holds none
+        return {k: v for k, v in ckpt.items() if k not in ("state_dict", "optimizer_states")}
 
-        if kind != "sharded":
-            module.load_state_dict(shard_state_like({k: available[k] for k in local_sd if k in available}, local_sd),
-                                   strict=False)
-            if fitting:
-                self._load_positional_optimizers(ckpt, names)
-                self._restore_stage_state({})  # a single-file checkpoint holds none
-            return {k: v for k, v in ckpt.items() if k not in ("state_dict", "optimizer_states")}
-
+    def _load_sharded(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
+        """A sharded directory: the checks on every rank, then each rank reads only its own keys."""
+        ranks, module = self.ranks, self.module
+        ranks.agree(lambda: verify_checksums(path, ranks.rank, ranks.world_size))  # each rank checks 1/N
+        md, meta = ranks.agree(lambda: reading.read_sharded_metadata(path, weights_only))
+        available = {k[len(MODEL_PREFIX):]: v for k, v in md.state_dict_metadata.items() if k.startswith(MODEL_PREFIX)}
+        local_sd = module.state_dict()
+        shapes = {k: tuple(v.size) for k, v in available.items() if hasattr(v, "size")}
+        self._check_names(path, local_sd, available, shapes, module.strict_loading)
+        names, fitting = self.names(), self._fitting()
         saved_opts = meta["pipeline"].get("optimizers")
-        # (a sharded parameter reads its full tensor, then keeps its own shard: shard_state_like)
-        keys: dict[str, Any] = {MODEL_PREFIX + k: None if isinstance(v, DTensor) else v for k, v in local_sd.items()
-                                if k in available}
-        kept: dict[str, tuple[Tensor, str]] = {}  # flat key -> (live parameter, key) of the stages' state
         if fitting:
             ranks.agree(lambda: self._check_optimizers(saved_opts, names))
-            for i, opt in enumerate(self.optimizers):
-                entries = optimizer_entries(md.state_dict_metadata, i)
-                for p in (p for g in opt.param_groups for p in g["params"]):
-                    for flat_key in entries.get(names.name_of[id(p)], {}).values():
-                        keys[flat_key] = None
-            for p, key in stage_state.state_slots(self.stages):
-                name = names.name_of.get(id(p))
-                state_key = stage_state_key(name, key) if name is not None else None
-                if state_key is not None and state_key in md.state_dict_metadata:
-                    keys[state_key] = None
-                    kept[state_key] = (p, key)
-        loaded = ranks.agree(lambda: files.load_flat(path, keys, md))  # a failed read stops every rank
+        keys, kept = self._keys_to_read(md.state_dict_metadata, local_sd, available, names, fitting)
+        loaded = ranks.agree(lambda: reading.load_flat(path, keys, md, weights_only))  # a failed read stops all
         module.load_state_dict(shard_state_like({k: loaded[MODEL_PREFIX + k] for k in local_sd if k in available},
                                                 local_sd), strict=False)
         if fitting:
@@ -324,8 +358,31 @@ class ShardedCheckpointer:
                 opt.load_state_dict(shard_optimizer_state(
                     opt, build_local_optimizer_state(opt, names, saved_opts[i], state_of)))
             self._restore_stage_state({(id(p), key): shard_like(loaded[k], p) for k, (p, key) in kept.items()})
-        self.saved_layout = meta["pipeline"].get("layout")
+        self.saved_layout = saved_layout(meta["pipeline"])
         return {k: v for k, v in meta.items() if k != "pipeline"}
+
+    def _keys_to_read(self, saved: Mapping[str, Any], local_sd: dict[str, Any], available: Mapping[str, Any],
+                      names: ModuleNames, fitting: bool) -> tuple[dict[str, Any], dict[str, tuple[Tensor, str]]]:
+        """The flat keys this rank reads (-> a tensor to read into, or None), and the keys of what its stages keep
+        across batches (-> the live parameter and its key)."""
+        # (a sharded parameter reads its full tensor, then keeps its own shard: shard_state_like)
+        keys: dict[str, Any] = {MODEL_PREFIX + k: None if isinstance(v, DTensor) else v for k, v in local_sd.items()
+                                if k in available}
+        kept: dict[str, tuple[Tensor, str]] = {}
+        if not fitting:
+            return keys, kept
+        for i, opt in enumerate(self.optimizers):
+            entries = optimizer_entries(saved, i)
+            for p in (p for g in opt.param_groups for p in g["params"]):
+                for flat_key in entries.get(names.name_of[id(p)], {}).values():
+                    keys[flat_key] = None
+        for p, key in stage_state.state_slots(self.stages):
+            name = names.name_of.get(id(p))
+            state_key = stage_state_key(name, key) if name is not None else None
+            if state_key is not None and state_key in saved:
+                keys[state_key] = None
+                kept[state_key] = (p, key)
+        return keys, kept
 
     def _restore_stage_state(self, values: dict[tuple[int, str], Tensor]) -> None:
         """Hand the stages what they keep across batches; whether every rank's found all of it (one gather)."""
@@ -385,3 +442,13 @@ class ShardedCheckpointer:
                                                      for k, v in entries.items()}
 
             opt.load_state_dict(shard_optimizer_state(opt, build_local_optimizer_state(opt, names, groups, state_of)))
+
+
+def _failed_save(error: BaseException, tmp: Path, path: Path, needed: int) -> None:
+    """A save failed: remove what it wrote (the earlier checkpoints stay as they are) and raise its error, as
+    "no space left" when that is what it was."""
+    files.remove(tmp)
+    full = files.no_space_error(error, path, needed)
+    if full is not None:
+        raise full from error
+    raise error

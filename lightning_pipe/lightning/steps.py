@@ -34,6 +34,8 @@ def run_step(engine: PipelineEngine, module: LightningModule, faults: PipelineFa
     batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
     hints = step_hints(module.trainer, batch_idx, faults) if phase == "train" else None
     manual = phase == "train" and not module.automatic_optimization  # [Note: manual optimization in a pipeline]
+    if faults is not None:
+        faults.before_step(phase, batch_idx)
     try:
         with engine.running(phase, batch_idx, hints), step_context(module, engine if manual else None):
             result = parent(*args, **kwargs)

@@ -7,7 +7,6 @@ import os
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -15,18 +14,19 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from typing_extensions import override
 
-from lightning_pipe.checkpoint import remove as remove_checkpoint_files
-from lightning_pipe.config import PartitionSpec
+from lightning_pipe.config import PartitionSpec, PipelineConfigError
 from lightning_pipe.lightning import same_call, world
-from lightning_pipe.lightning.checkpointing import RankGroup, ShardedCheckpointer, save_on_every_rank
+from lightning_pipe.lightning.async_checkpoint import AsyncSaver, check_links, resolve_async_checkpoint
+from lightning_pipe.lightning.checkpoint_hooks import CheckpointHooks
 from lightning_pipe.lightning.collectives import DataCollectives
+from lightning_pipe.lightning.elastic import elastic_world
 from lightning_pipe.lightning.faults import DEFAULT_TIMEOUT, PipelineFaults, resolve_timeout
 from lightning_pipe.lightning.launchers import pipeline_launcher
+from lightning_pipe.lightning.liveness import DEFAULT_HEARTBEAT_TIMEOUT, resolve_heartbeat_timeout
 from lightning_pipe.lightning.optimizers import empty_parameter_lists_allowed
 from lightning_pipe.lightning.precision import PipelinePrecision, to_pipeline_precision
 from lightning_pipe.lightning.preflight import check_last_batch, plan_for_world, resolve_settings
@@ -39,7 +39,7 @@ from lightning_pipe.runtime.engine import PipelineEngine
 from lightning_pipe.schedules import SchedulePlan
 
 
-class PipelineStrategy(DataCollectives, ParallelStrategy):
+class PipelineStrategy(DataCollectives, CheckpointHooks):
     """Pipeline parallelism (optionally times data parallelism) for a layer-list LightningModule.
 
     ``world size = data_parallel_size x pipeline size x fsdp_size x tensor_parallel_size``. The module's layer list is split into
@@ -59,6 +59,10 @@ class PipelineStrategy(DataCollectives, ParallelStrategy):
         timeout: how long a rank waits on another in one transfer before failing (a ``timedelta`` or seconds;
             default 10 minutes). A rank that fails stops its peers within seconds regardless
             (docs/failures.md).
+        heartbeat_timeout: seconds after which a rank (or the rendezvous store) that has not been heard from is
+            taken for lost and every other rank stops, naming it (default 30; 0 or None: off; docs/multi-node.md).
+        async_checkpoint: write checkpoints on a background thread after copying them to host memory (docs/
+            checkpoints.md); the next save, a load and the end of the run wait for the write.
         start_method: ``"popen"`` re-runs the script per rank (like ``ddp``); ``"spawn"`` for notebooks.
         save_consolidated: write every checkpoint as one ordinary ``.ckpt`` file (``torch.load`` and any
             ``load_from_checkpoint`` read it; rank 0 holds the whole model while writing) instead of a sharded
@@ -66,6 +70,15 @@ class PipelineStrategy(DataCollectives, ParallelStrategy):
     """
 
     strategy_name = "pipeline"
+    # Set by setup (and cleared by teardown); None before.
+    engine: PipelineEngine | None = None
+    plan: SchedulePlan | None = None
+    topology: Topology | None = None
+    rebalancer: StrategyRebalancer | None = None
+    auto_plan: dict[str, Any] | None = None
+    _faults: PipelineFaults | None = None
+    _undo_fast_log: Callable[[], None] | None = None
+    _undo_metric_sync: Callable[[], None] | None = None
     _undo_features: Callable[[], None] | None = None  # lightning/features.py, between setup and teardown
 
     def __init__(
@@ -94,7 +107,10 @@ class PipelineStrategy(DataCollectives, ParallelStrategy):
         # the processes
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = DEFAULT_TIMEOUT,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen", save_consolidated: bool = False,
+        heartbeat_timeout: float | None = DEFAULT_HEARTBEAT_TIMEOUT,
+        async_checkpoint: bool = False,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        save_consolidated: bool = False,
         # Lightning's plugins
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -114,20 +130,14 @@ class PipelineStrategy(DataCollectives, ParallelStrategy):
                                     rebalance_threshold=rebalance_threshold, offload=offload,
                                     compile=compile)
         self.pipeline_config = resolved.config
-        self.rebalancer: StrategyRebalancer | None = None
         self._plan_source, self._plan_name = resolved.plan, resolved.plan_name
         self._auto, self._memory_budget = resolved.auto, resolved.memory_budget
-        self.auto_plan: dict[str, Any] | None = None
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = resolve_timeout(timeout)
-        self._faults: PipelineFaults | None = None
-        self._undo_fast_log: Callable[[], None] | None = None
-        self._undo_metric_sync: Callable[[], None] | None = None
+        self._heartbeat_timeout = resolve_heartbeat_timeout(heartbeat_timeout)
+        self._saver = AsyncSaver() if resolve_async_checkpoint(async_checkpoint) else None
         self._start_method, self._save_consolidated = start_method, save_consolidated
-        self.engine: PipelineEngine | None = None
-        self.plan: SchedulePlan | None = None
-        self.topology: Topology | None = None
 
     @property
     def planned(self) -> dict[str, Any] | None:
@@ -184,6 +194,11 @@ class PipelineStrategy(DataCollectives, ParallelStrategy):
         self._launcher = pipeline_launcher(self, self.cluster_environment, self._start_method)
 
     def set_world_ranks(self) -> None:
+        # torchrun's elastic agent may give another number of nodes than num_nodes: [Note: elastic worlds]
+        elastic = elastic_world(self.cluster_environment, self.num_nodes, self.num_processes, self.pipeline_config)
+        if elastic is not None:
+            planned_replicas = self.pipeline_config.data_parallel_size
+            self._num_nodes, self.pipeline_config = elastic.nodes, elastic.config
         if self.cluster_environment is not None and self.cluster_environment.creates_processes_externally:
             # torchrun / SLURM started the processes: Lightning's own rule that devices x num_nodes is their world
             # (its launcher checks it; none runs here), before any device list is indexed by a local rank
@@ -192,6 +207,16 @@ class PipelineStrategy(DataCollectives, ParallelStrategy):
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        if elastic is not None:
+            rank_zero_info(elastic.describe(planned_replicas))
+        try:
+            self._plan_world()
+        except PipelineConfigError as err:
+            if elastic is None:
+                raise
+            raise PipelineConfigError(f"{elastic.headline()}, and no layout of this run fits it: {err}") from err
+
+    def _plan_world(self) -> None:
         self.topology = None
         self.plan = plan_for_world(self.pipeline_config, self._topology(), self._plan_source, self._plan_name)
 
@@ -204,7 +229,7 @@ class PipelineStrategy(DataCollectives, ParallelStrategy):
                                                                self._process_group_backend, self._timeout)
         same_call.start_together(self)  # every rank starts this Trainer call ([Note: every rank saves])
         # Failures on one rank stop the others; SIGTERM stops all ranks at a step boundary (lightning/faults.py).
-        self._faults = PipelineFaults.start(self)
+        self._faults = PipelineFaults.start(self, self._heartbeat_timeout)
 
     # ------------------------------------------------------------------ precision
     @property
@@ -223,6 +248,8 @@ class PipelineStrategy(DataCollectives, ParallelStrategy):
     # ------------------------------------------------------------------ setup (lightning/setup.py)
     @override
     def setup(self, trainer: Trainer) -> None:
+        if self._saver is not None:
+            check_links(trainer.callbacks)  # type: ignore[attr-defined]
         setup_pipeline(self, trainer)
 
     @override
@@ -286,64 +313,7 @@ class PipelineStrategy(DataCollectives, ParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._run("predict", super().predict_step, *args, **kwargs)
 
-    # ------------------------------------------------------------------ checkpoints (lightning/checkpointing.py)
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # each rank can only load its own layers, which exist once setup() has split the model
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return False  # load_checkpoint restores them by parameter name; no load_optimizer_state_dict
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.lightning_module is not None
-        return self.lightning_module.state_dict()  # this rank's layers under their original names
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        return self._checkpointer().optimizer_state(optimizer)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        pass  # done in load_checkpoint, where each rank reads only its own layers
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        save_on_every_rank(self, checkpoint, filepath, storage_options)  # lightning/checkpointing.py
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
-            remove_checkpoint_files(Path(filepath))
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpointer = self._checkpointer()
-        checkpoint = checkpointer.load(checkpoint_path)
-        plan = self.plan
-        if plan is not None and plan.spec.resume_caveat is not None and not checkpointer.stage_state_complete:
-            caveat = plan.spec.resume_caveat(self.pipeline_config)
-            if caveat is not None:
-                rank_zero_warn(f"lightning_pipe: resuming under schedule={plan.spec.name!r}: {caveat}.")
-        if self.rebalancer is not None:  # back to the split it was saved with ([Note: resuming a rebalanced run])
-            self.rebalancer.resume(checkpoint, checkpointer.saved_layout)
-        return checkpoint
-
-    def _checkpointer(self) -> ShardedCheckpointer:
-        assert self.lightning_module is not None
-        ranks = RankGroup(self.global_rank, self.world_size, self.broadcast, self.barrier)
-        return ShardedCheckpointer(ranks, self.lightning_module, self.optimizers, self.pipeline_config,
-                                   self._topology(), getattr(self.engine, "stages", ()))
-
     # ------------------------------------------------------------------ collectives
-    @property
-    def _failed(self) -> bool:
-        """This run failed, here or on a peer (lightning/faults.py): no collective can complete any more."""
-        return self._faults is not None and self._faults.failed
-
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if self._failed:
@@ -358,12 +328,16 @@ class PipelineStrategy(DataCollectives, ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        if self._saver is not None and self._failed:
+            self._saver.abandon()  # its peers may be gone: the previous checkpoint stays
         forget_groups()  # a message may be in flight: [Note: process groups are reused] in parallel/group_cache.py
         if self._faults is not None:
             self._faults.on_exception(exception)
 
     @override
     def teardown(self) -> None:
+        if self._faults is not None and not self._faults.failed:
+            self.wait_for_checkpoint()  # the last save of the run is in place before the run ends
         teardown_pipeline(self)
         module = self._lightning_module
         if module is not None:

@@ -64,14 +64,15 @@ def _alive(group: Any, ranks: Sequence[int] | None = None) -> bool:
     return ranks is None or members == list(ranks)
 
 
-def shared_group(ranks: Sequence[int], purpose: str) -> Any:
+def shared_group(ranks: Sequence[int], purpose: str, backend: str | None = None) -> Any:
     """The process group over ``ranks`` (global ranks, in order) kept for ``purpose``; created on the first
-    request. Collective: every rank of the world calls it with the same arguments, in the same order."""
+    request (with ``backend``, default the world's). Collective: every rank of the world calls it with the same
+    arguments, in the same order."""
     _same_world()
     key = (purpose, tuple(ranks))
     group = _groups.get(key)
     if group is None or not _alive(group, key[1]):
-        group = _groups[key] = dist.new_group(list(ranks))
+        group = _groups[key] = dist.new_group(list(ranks), backend=backend)
     return group
 
 

@@ -112,6 +112,8 @@ def _recv(src: int, device: torch.device) -> dict[str, Any]:
     dist.recv(size, src)
     payload = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
     dist.recv(payload, src)
+    # A whole module from a rank of this job, not a file: inside the job's trust boundary, like torch.distributed's
+    # object collectives ([Note: a checkpoint is data]; docs/checkpoints.md, "Checkpoints from others").
     return torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), map_location="cpu", weights_only=False)
 
 
