@@ -277,6 +277,7 @@ class FailureWatch:
             stuck = next((m for m in (check() for check in self.checks) if m is not None), None)
             if stuck is not None:
                 self.report(stuck)
+                self.wait_seen()  # peers read it before this process ends (a launcher may end them when it does)
                 self.terminate(stuck, 1)
                 return
             if self.seen is None or self.failed_here:
