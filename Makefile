@@ -17,7 +17,7 @@ TVENV     := .venv-torch$(TORCH)
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip "setuptools>=68,<82" wheel
+	$(BIN)/python -m pip install -q --upgrade pip "setuptools>=77,<82" wheel
 	# torch first, from the dev pin: the range in pyproject.toml then keeps it (no multi-GB CUDA wheel on CPU).
 	$(BIN)/python -m pip install -q "torch==$(DEV_TORCH)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
@@ -29,7 +29,7 @@ train: setup
 	OMP_NUM_THREADS=1 $(BIN)/python recipes/gpt/train.py experiment=tiny_cpu_1f1b $(ARGS)
 
 lint: setup
-	$(BIN)/python -m ruff check lightning_pipe recipes bench tests examples
+	$(BIN)/python -m ruff check lightning_pipe recipes bench tests examples tools
 	$(BIN)/python -m mypy
 
 test: lint
@@ -42,7 +42,7 @@ test-fast: setup
 # command, e.g. PIP_CONFIG_FILE=/dev/null make test-torch TORCH=2.15.0 (docs/versions.md, "Running another torch").
 $(TVENV)/.installed-stamp: pyproject.toml
 	@test -x $(TVENV)/bin/python || $(PYTHON) -m venv $(TVENV)
-	$(TVENV)/bin/python -m pip install -q --upgrade pip "setuptools>=68,<82" wheel
+	$(TVENV)/bin/python -m pip install -q --upgrade pip "setuptools>=77,<82" wheel
 	$(TVENV)/bin/python -m pip install -q "torch==$(TORCH)"
 	$(TVENV)/bin/python -m pip install -q -e ".[dev]"
 	@$(TVENV)/bin/python -c "import torch, sys; v = torch.__version__.split('+')[0]; \
@@ -54,9 +54,10 @@ setup-torch: $(TVENV)/.installed-stamp
 test-torch: setup-torch
 	OMP_NUM_THREADS=1 $(TVENV)/bin/python -m pytest -q -m "not distributed or compact" tests/unit tests/distributed $(ARGS)
 
+# every benchmark's quick form, one JSON (python -m bench lists them; docs/development.md, "Benchmarks")
 bench: setup
-	$(BIN)/python bench/overhead.py
-	$(BIN)/python bench/schedules.py
+	@mkdir -p bench/out
+	OMP_NUM_THREADS=1 $(BIN)/python -m bench all --quick --json bench/out/quick.json
 
 clean:
 	rm -rf $(VENV) .venv-torch* outputs multirun lightning_logs .pytest_cache

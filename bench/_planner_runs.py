@@ -1,31 +1,28 @@
-"""The runs behind ``bench/planner.py`` (imported inside its rank workers): the two models, one measured layout, and
-the in-run calibration probes (the real model's per-action costs and layer scales, the tiny model's step costs)."""
+"""The runs behind the planner benchmark (``bench/planner.py``, in its rank processes): the two models, one measured
+layout, and the in-run calibration probes (the real model's per-action costs and layer scales, the tiny model's step
+costs)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
+
+from bench.common import gather, gpt, residual_mlp, step_clock, trainer
 
 
 def gpt_model(args: argparse.Namespace):
-    import torch
+    return gpt(n_layer=args.layers, n_embd=args.width, block_size=args.seq, vocab_size=_vocab(args))
 
-    from recipes.gpt.model import GPT
 
-    torch.manual_seed(0)
-    vocab = 256 if args.model == "gpt" else 256 * args.heavy
-    return GPT(vocab_size=vocab, block_size=args.seq, n_layer=args.layers, n_head=4, n_embd=args.width, dropout=0.0,
-               warmup_steps=5, max_steps=1000)
+def _vocab(args: argparse.Namespace) -> int:
+    return 256 if args.model == "gpt" else 256 * args.heavy
 
 
 def token_rows(args: argparse.Namespace, rows: int):
     import torch
 
-    vocab = 256 if args.model == "gpt" else 256 * args.heavy
-    g = torch.Generator().manual_seed(0)
-    return torch.randint(0, vocab, (rows, args.seq + 1), generator=g)
+    return torch.randint(0, _vocab(args), (rows, args.seq + 1), generator=torch.Generator().manual_seed(0))
 
 
 def measure(args: argparse.Namespace, schedule: str, v: int, m: int, counts: tuple[int, ...],
@@ -33,12 +30,9 @@ def measure(args: argparse.Namespace, schedule: str, v: int, m: int, counts: tup
     """(fastest full training step, fastest schedule step) in seconds, as this rank measured them, and this rank's
     recorded timeline (StepRecord dicts). The fastest of the steps: on a shared machine contention only ever adds
     time, so the least-disturbed step is the closest to the layout's own cost (the profile is read the same way)."""
-    import lightning.pytorch as L
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
-    from bench._models import residual_mlp
-    from bench._timing import StepClock
     from lightning_pipe import PipelineStrategy, PipelineTimeline
 
     rows = args.batch * (args.steps + args.warmup)
@@ -50,15 +44,12 @@ def measure(args: argparse.Namespace, schedule: str, v: int, m: int, counts: tup
         dataset = TensorDataset(tokens[:, :-1], tokens[:, 1:])
     # each replica takes batch / dp rows per step (the same rows on every replica: only the time is measured)
     data = DataLoader(dataset, batch_size=args.batch // dp, drop_last=True)
-    clock = StepClock()
+    clock = step_clock()
     timeline = PipelineTimeline(warmup_steps=args.warmup, log=False)
     strategy = PipelineStrategy(schedule=schedule, microbatches=m, stages_per_rank=v, data_parallel_size=dp,
                                 partition=list(counts))
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]),
-                        max_steps=args.steps + args.warmup, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[clock, timeline],
-                        limit_val_batches=0, use_distributed_sampler=False)
-    trainer.fit(residual_mlp(4, sum(counts)) if probe else gpt_model(args), data)
+    trainer(strategy, args.steps + args.warmup, [clock, timeline]).fit(
+        residual_mlp(4, sum(counts)) if probe else gpt_model(args), data)
     return (min(clock.durations(args.warmup)), min(r.wall_ns / 1e9 for r in timeline.records),
             [r.to_dict() for r in timeline.records], clock.durations(args.warmup))
 
@@ -98,16 +89,14 @@ def calibrate(args: argparse.Namespace, base, speeds: list[float], pp: int, ms: 
     PipelineTimeline, fitted by :func:`fit_calibration`."""
     import torch.distributed as dist
 
-    world, dp = dist.get_world_size(), dist.get_world_size() // pp
+    dp = dist.get_world_size() // pp
     probes = probe_layouts(base, pp, ms)
     runs: dict = {key: [] for key in probes}
     for rep in range(args.probe_repeats):
         for schedule, m in sorted(probes, reverse=bool(rep % 2)):
             v, _, counts = probes[(schedule, m)]
             _, _, records, steps = measure(args, schedule, v, m, counts, dp)
-            everyone: list = [None] * world
-            dist.all_gather_object(everyone, (steps, records))
-            runs[(schedule, m)].append(everyone)
+            runs[(schedule, m)].append(gather((steps, records)))
     return fit_calibration(args, base, speeds, pp, probes, runs)
 
 
@@ -176,7 +165,6 @@ def step_costs(args: argparse.Namespace, pp: int, ms: list[int],
     import torch
     import torch.distributed as dist
 
-    from bench._models import residual_mlp
     from lightning_pipe.planner import profile_model
     from lightning_pipe.planner.calibrate import action_cost_from_records, solve_step_costs
     from lightning_pipe.trace.records import StepRecord
@@ -192,8 +180,7 @@ def step_costs(args: argparse.Namespace, pp: int, ms: list[int],
     records = []
     for m in counts + counts[::-1]:
         step, _, recs = measure(args, "1f1b", 1, m, tuple([1] * pp), world // pp, probe=True)[:3]
-        everyone: list = [None] * world
-        dist.all_gather_object(everyone, (step, recs))
+        everyone = gather((step, recs))
         measured[m] = min(measured.get(m, float("inf")), max(e[0] for e in everyone))
         records += [StepRecord.from_dict(r) for e in everyone for r in e[1]]
     inside, around = action_cost_from_records(records, layer_time)

@@ -7,15 +7,16 @@ are counted by wrapping ``torch.distributed``'s functions and named by the calle
 faults.after_step``). P2P is torch's post and wait of the schedule's sends and receives, and a wait includes the
 time the peer is still computing (the pipeline's bubble). "Lightning's loop (rest)" is what no probe covers:
 Lightning's hooks, logging, the LR scheduler, the loop itself (for the hand-written loop: zero_grad, the loop).
-Printed: ms per step per category (mean over the timed steps), then the per-step collectives (count, ms).
+Printed: ms per step per category (mean over the timed steps), then the per-step collectives (count, ms). Figures:
+``probed_ratio`` (the probes add their own cost to both sides: ``overhead`` gives the ratio), and the collectives
+per step of each side on rank 0, ``collectives_per_step_hand`` / ``collectives_per_step_strategy`` (counts).
 
-    python bench/breakdown.py [--steps 20] [--schedule 1f1b] [--microbatches 4]
+    python -m bench breakdown [--steps 20] [--schedule 1f1b] [--microbatches 4]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -24,11 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench._ranks import run_ranks  # noqa: E402
-from bench.overhead import add_run_arguments  # noqa: E402
+from bench.common import Benchmark, Outcome, gather, run_ranks, write_result
+from bench.overhead import add_run_arguments
 
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_object", "broadcast_object_list", "barrier",
                "reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single", "gather_object")
@@ -162,10 +160,7 @@ def worker(args: argparse.Namespace) -> None:
         ms[REST] = ms.get(REST, 0.0) + total - sum(ms.values())
         result[side] = {"total": total, "ms": ms, "calls": calls}
         dist.barrier()
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, result)
-    if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps(gathered))
+    write_result(args, gather(result))
     # Exit without the interpreter's finalisation: a gloo worker thread can still hold the last reference to the
     # all-gather's work when the main thread starts finalising, and its tensor's decref then needs the GIL of a dying
     # interpreter: std::terminate, SIGABRT after good results (about one run in eight; seen in a core dump).
@@ -174,7 +169,7 @@ def worker(args: argparse.Namespace) -> None:
     os._exit(0)
 
 
-def report(ranks: list[dict[str, Any]]) -> str:
+def report_table(ranks: list[dict[str, Any]]) -> str:
     sides = [(side, r) for side in ("hand", "strategy") for r in range(len(ranks))]
     head = " | ".join(f"{'hand-written' if s == 'hand' else 'strategy'} r{r}" for s, r in sides)
     lines = [f"| ms per step | {head} |", "|---" * (len(sides) + 1) + "|"]
@@ -197,20 +192,24 @@ def report(ranks: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_run_arguments(p, steps=20)
-    args = p.parse_args()
-    if args.worker:
-        return worker(args)
-    ranks = run_ranks(__file__, 2, sys.argv[1:])
-    print(report(ranks))
+def run(args: argparse.Namespace) -> Outcome:
+    ranks = run_ranks("breakdown", 2, args)
     hand = max(r["hand"]["total"] for r in ranks)
     light = max(r["strategy"]["total"] for r in ranks)
-    print(f"schedule={args.schedule} microbatches={args.microbatches} ranks=2 batch={args.batch} "
-          f"(probes add their own cost to both sides: use bench/overhead.py for the ratio)")
-    print(f"step_ms hand={hand:.1f} strategy={light:.1f} probed_ratio={light / hand:.3f}")
+    counts = {side: sum(c for k, c in ranks[0][side]["calls"].items() if k.startswith("collective: "))
+              for side in ("hand", "strategy")}
+    report = (report_table(ranks) + f"\nschedule={args.schedule} microbatches={args.microbatches} ranks=2 "
+              f"batch={args.batch} (probes add their own cost to both sides: the overhead benchmark gives the ratio)"
+              f"\nstep_ms hand={hand:.1f} strategy={light:.1f}")
+    return Outcome(report, {"collectives_per_step_hand": counts["hand"],
+                            "collectives_per_step_strategy": counts["strategy"], "probed_ratio": light / hand})
 
 
-if __name__ == "__main__":
-    main()
+def arguments(p: argparse.ArgumentParser) -> None:
+    add_run_arguments(p, steps=20)
+
+
+BENCHMARK = Benchmark(
+    "breakdown", "where a training step's time goes per rank, the strategy against the hand-written loop (timers "
+    "around the functions a step passes through; collectives counted)", run, arguments, worker,
+    quick=("--steps", "10"))

@@ -17,33 +17,25 @@ Recording overhead: median (and 10th percentile) iteration time with the callbac
 it, alternating runs; and the direct cost (a timed wrapper around a no-op, per action, times actions per step).
 
 Last line: ``max_rel_error=<x>`` over the rows whose theoretical bubble is at least 5 % (smaller bubbles are
-dominated by per-step fixed costs on CPU; they are shown, and excluded from the number).
+dominated by per-step fixed costs on CPU; they are shown, and excluded from the number); also
+``recording_overhead`` (median iteration with the recorder on / off).
 
-    python bench/bubble.py [--steps 6] [--overhead-steps 12]
+    python -m bench bubble [--steps 6] [--overhead-steps 14] [--microbatches 2,4,8,16,32]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench.common import Benchmark, Outcome, gather, residual_mlp, run_ranks, trainer, write_result
 
-from bench._models import residual_mlp  # noqa: E402
-from bench._ranks import run_ranks  # noqa: E402
-
-MICROBATCHES = (2, 4, 8, 16, 32)
 SCHEDULES = ("gpipe", "1f1b")
 MEASURABLE = 0.05  # theory below this: excluded from max_rel_error (see the module docstring)
 
 
 def _fit(args: argparse.Namespace, schedule: str, m: int, steps: int, timeline: bool) -> dict:
-    import lightning.pytorch as L
     import torch
     from lightning.pytorch.callbacks import Callback
     from torch.utils.data import DataLoader, TensorDataset
@@ -69,11 +61,8 @@ def _fit(args: argparse.Namespace, schedule: str, m: int, steps: int, timeline: 
     tl = PipelineTimeline(every_n_steps=1, warmup_steps=1, prog_bar=False) if timeline else None
     if tl is not None:
         callbacks.append(tl)
-    trainer = L.Trainer(strategy=PipelineStrategy(schedule=schedule, microbatches=m), accelerator="cpu",
-                        devices=2, max_steps=steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                        callbacks=callbacks)
-    trainer.fit(residual_mlp(args.width, args.blocks), loader)
+    trainer(PipelineStrategy(schedule=schedule, microbatches=m), steps, callbacks).fit(
+        residual_mlp(args.width, args.blocks), loader)
     iters = [b - a for a, b in zip(clock.starts, clock.starts[1:])][2:]  # drop shape inference + first step
     out = {"iter_s": iters}
     if tl is not None:
@@ -162,22 +151,17 @@ def _wrapper_cost_ns(n: int = 200_000) -> float:
 
 
 def worker(args: argparse.Namespace) -> None:
-    import torch.distributed as dist
-
     rows, overhead = [], {"on": [], "off": []}
     latency = _ping_pong(args)
     for schedule in SCHEDULES:
-        for m in MICROBATCHES:
+        for m in (int(m) for m in args.microbatches.split(",")):
             res = _fit(args, schedule, m, args.steps, timeline=True)
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, res["records"])
-            rows.append({"schedule": schedule, "m": m, "records": gathered})
+            rows.append({"schedule": schedule, "m": m, "records": gather(res["records"])})
     for i in range(args.overhead_rounds):
         for mode in (("off", "on") if i % 2 == 0 else ("on", "off")):
             res = _fit(args, "1f1b", args.overhead_m, args.overhead_steps, timeline=(mode == "on"))
             overhead[mode].extend(res["iter_s"])
-    if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps({"rows": rows, "overhead": overhead, "latency_s": latency}))
+    write_result(args, {"rows": rows, "overhead": overhead, "latency_s": latency})
 
 
 def _median_step(records_by_rank: list[list[dict]]) -> list[dict]:
@@ -222,31 +206,26 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
+def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=6, help="training steps per configuration (the first 1 unrecorded)")
+    p.add_argument("--microbatches", default="2,4,8,16,32", help="micro-batch counts per schedule")
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--blocks", type=int, default=8)
     p.add_argument("--rows", type=int, default=32, help="rows per micro-batch")
     p.add_argument("--overhead-m", type=int, default=8)
     p.add_argument("--overhead-steps", type=int, default=14)
     p.add_argument("--overhead-rounds", type=int, default=4)
-    args = p.parse_args()
-    if args.worker:
-        return worker(args)
-    passthrough = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("worker", "out")]
-    t0 = time.time()
-    result = run_ranks(__file__, 2, passthrough, timeout=900)
+
+
+def run(args: argparse.Namespace) -> Outcome:
+    result = run_ranks("bubble", 2, args, timeout=900)
     p_size = 2
-    print(f"p = {p_size}, {args.blocks} blocks of width {args.width} ({args.blocks // p_size} per stage), "
-          f"{args.rows} rows per micro-batch, CPU/gloo, 1 thread per rank; median over {args.steps - 1} recorded "
-          "steps\n")
+    lines = [f"p = {p_size}, {args.blocks} blocks of width {args.width} ({args.blocks // p_size} per stage), "
+             f"{args.rows} rows per micro-batch, CPU/gloo, 1 thread per rank; median over {args.steps - 1} recorded "
+             "steps", "",
+             "| schedule | m | theory | measured | rel err | r0 | r1 | F ms | B ms | comm share | step ms | replay "
+             "| replay, c=0 |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     latency_ns = result["latency_s"] * 1e9
-    print("| schedule | m | theory | measured | rel err | r0 | r1 | F ms | B ms | comm share | step ms "
-          "| replay | replay, c=0 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     errors = []
     for row in result["rows"]:
         m = row["m"]
@@ -258,27 +237,30 @@ def main() -> None:
         replay, replay0 = _replay(step, latency_ns), _replay(step, 0.0)
         if theory >= MEASURABLE:
             errors.append(rel)
-        print(f"| {row['schedule']} | {m} | {theory:.3f} | {s['measured']:.3f} | {rel:.1%}{mark} | "
-              f"{s['ranks'][0]:.3f} | {s['ranks'][1]:.3f} | {s['F']:.2f} | {s['B']:.2f} | {s['comm']:.1%} | "
-              f"{s['wall_ms']:.0f} | {replay:.3f} | {replay0:.3f} |")
-    print(f"\n* theory < {MEASURABLE:.0%}: excluded from max_rel_error (fixed per-step costs dominate there).")
-    print(f"measured P2P latency (one way, {args.rows}x{args.width} fp32, median of a ping-pong): "
-          f"{latency_ns / 1e6:.3f} ms")
+        lines.append(f"| {row['schedule']} | {m} | {theory:.3f} | {s['measured']:.3f} | {rel:.1%}{mark} | "
+                     f"{s['ranks'][0]:.3f} | {s['ranks'][1]:.3f} | {s['F']:.2f} | {s['B']:.2f} | {s['comm']:.1%} | "
+                     f"{s['wall_ms']:.0f} | {replay:.3f} | {replay0:.3f} |")
+    lines += ["", f"* theory < {MEASURABLE:.0%}: excluded from max_rel_error (fixed per-step costs dominate there).",
+              f"measured P2P latency (one way, {args.rows}x{args.width} fp32, median of a ping-pong): "
+              f"{latency_ns / 1e6:.3f} ms"]
     on, off = result["overhead"]["on"], result["overhead"]["off"]
     med_on, med_off = statistics.median(on), statistics.median(off)
     q_on, q_off = _quantile(on, 0.1), _quantile(off, 0.1)
-    print(f"\nrecording overhead (1F1B, m={args.overhead_m}, {len(on)} vs {len(off)} iterations, alternating runs): "
-          f"median iteration {med_off * 1e3:.1f} ms off, {med_on * 1e3:.1f} ms on ({med_on / med_off - 1:+.2%}); "
-          f"10th percentile {q_off * 1e3:.1f} off, {q_on * 1e3:.1f} on ({q_on / q_off - 1:+.2%})")
-    row = next(r for r in result["rows"] if r["schedule"] == "1f1b" and r["m"] == args.overhead_m)
-    actions = max(len(rec["slices"]) for recs in row["records"] for rec in recs) + 1
+    lines.append(f"recording overhead (1F1B, m={args.overhead_m}, {len(on)} vs {len(off)} iterations, alternating "
+                 f"runs): median iteration {med_off * 1e3:.1f} ms off, {med_on * 1e3:.1f} ms on "
+                 f"({med_on / med_off - 1:+.2%}); 10th percentile {q_off * 1e3:.1f} off, {q_on * 1e3:.1f} on "
+                 f"({q_on / q_off - 1:+.2%})")
+    recorded = [r for r in result["rows"] if r["schedule"] == "1f1b" and r["m"] == args.overhead_m] or result["rows"]
+    actions = max(len(rec["slices"]) for recs in recorded[0]["records"] for rec in recs) + 1
     per_action = _wrapper_cost_ns()
-    print(f"direct cost: {per_action / 1e3:.2f} us per recorded action x {actions} actions per rank and step "
-          f"= {per_action * actions / 1e6:.3f} ms per step (+ one 3-float all_gather per logged step), "
-          f"{per_action * actions / (q_off * 1e9):.2%} of the step")
-    print(f"bench wall time {time.time() - t0:.0f} s")
-    print(f"max_rel_error={max(errors):.3f}")
+    lines.append(f"direct cost: {per_action / 1e3:.2f} us per recorded action x {actions} actions per rank and step "
+                 f"= {per_action * actions / 1e6:.3f} ms per step (+ one 3-float all_gather per logged step), "
+                 f"{per_action * actions / (q_off * 1e9):.2%} of the step")
+    return Outcome("\n".join(lines), {"recording_overhead": med_on / med_off,
+                                      "max_rel_error": max(errors) if errors else float("nan")})
 
 
-if __name__ == "__main__":
-    main()
+BENCHMARK = Benchmark(
+    "bubble", "measured pipeline bubble against theory and a replay of the recorded order, GPipe and 1F1B at p = 2 "
+    "(m = 2 ... 32), and what recording costs", run, arguments, worker,
+    quick=("--steps", "4", "--microbatches", "2,4,8", "--overhead-steps", "8", "--overhead-rounds", "2"))

@@ -13,27 +13,21 @@ alternates every optimizer step, so both ways see the same machine noise. Per st
 - the step time (slowest rank), for context: on an oversubscribed CPU the all-reduce's own CPU work competes with
   compute, so hiding it need not shorten the step.
 
-Medians over the timed steps. Last line: ``exposed_dp_sync_ratio=<after / before>`` (overlap on / off).
+Medians over the timed steps. Figures: ``sync_call_ratio``, ``step_time_ratio`` and ``exposed_dp_sync_ratio`` (overlap
+on / off), ``noise_floor`` (the overlap-off steps against themselves).
 
-    python bench/dp_overlap.py [--steps 24] [--width 1024] [--layers 8] [--batch 32] [--bucket-mb 4]
+    python -m bench dp_overlap [--steps 24] [--width 1024] [--layers 8] [--batch 32] [--bucket-mb 4]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench._models import residual_mlp  # noqa: E402
-from bench._ranks import run_ranks  # noqa: E402
+from bench.common import Benchmark, Outcome, noise_floor, residual_mlp, run_ranks, step_clock, trainer, write_result
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -44,7 +38,6 @@ def worker(args: argparse.Namespace) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     import lightning_pipe.parallel.grads as grads_module
-    from bench._timing import StepClock
     from lightning_pipe import PipelineStrategy
 
     calls: dict[int, float] = {}  # batch index -> seconds in the gradient-sync calls after the schedule
@@ -107,20 +100,17 @@ def worker(args: argparse.Namespace) -> None:
                                                    "ends": clock.ends,
                                                    "counts": trainer.strategy.engine.dp_sync_counts})  # type: ignore[attr-defined]
 
-    clock = StepClock()
+    clock = step_clock()
     alternate = Alternate()
     total = args.steps + args.warmup
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args.batch * 2 * total, args.width, generator=g)
     data = DataLoader(TensorDataset(x, torch.randn(x.shape, generator=g)), batch_size=args.batch, drop_last=True)
-    trainer = L.Trainer(strategy=PipelineStrategy(schedule=args.schedule, microbatches=args.microbatches,
-                                                  data_parallel_size=2),
-                        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), max_steps=total, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[alternate, clock])
-    trainer.fit(residual_mlp(args.width, args.layers), data)
-    if int(os.environ["RANK"]) == 0:
-        Path(args.out).write_text(json.dumps(alternate.gathered))
+    strategy = PipelineStrategy(schedule=args.schedule, microbatches=args.microbatches, data_parallel_size=2)
+    # each replica its own batches (the strategy's distributed sampler), as in a data-parallel run
+    trainer(strategy, total, [alternate, clock], use_distributed_sampler=True).fit(
+        residual_mlp(args.width, args.layers), data)
+    write_result(args, alternate.gathered)
 
 
 def summarize(ranks: list[dict[str, Any]], warmup: int) -> dict[str, dict[str, float]]:
@@ -136,12 +126,12 @@ def summarize(ranks: list[dict[str, Any]], warmup: int) -> dict[str, dict[str, f
         step = [max(r["ends"][b] - r["ends"][b - 1] for r in ranks) for b in timed if b >= 1]
         schedule = [max(r["schedule"][str(b)] for r in ranks) for b in timed]
         out[mode] = {"calls": statistics.median(calls), "exposed": statistics.median(exposed),
-                     "schedule": statistics.median(schedule), "step": statistics.median(step), "n": len(timed)}
+                     "schedule": statistics.median(schedule), "step": statistics.median(step), "n": len(timed),
+                     "noise_floor": noise_floor(step)}
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--width", type=int, default=1024)
@@ -150,30 +140,33 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
     p.add_argument("--bucket-mb", type=float, default=4.0)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.worker:
-        return worker(args)
-    ranks = run_ranks(__file__, 4, sys.argv[1:])
+
+
+def run(args: argparse.Namespace) -> Outcome:
+    ranks = run_ranks("dp_overlap", 4, args)
     res = summarize(ranks, args.warmup)
     counts = [r["counts"] for r in ranks]
     total = args.steps + args.warmup
     if any(c != {"overlapped": (total + 1) // 2, "after_schedule": total // 2} for c in counts):
         raise SystemExit(f"the overlap switch did not alternate as asked: {counts}")
     grads_mib = args.width * (args.width + 1) * 4 * args.layers / 2 / 2**20
-    print(f"pipeline 2 x replicas 2, schedule={args.schedule}, microbatches={args.microbatches}, width={args.width}, "
-          f"layers={args.layers} ({grads_mib:.0f} MiB of gradients per rank), batch={args.batch} per replica, "
-          f"buckets {args.bucket_mb} MiB, load {os.getloadavg()[0]:.1f}")
-    print("| data-parallel sync | exposed sync (ms) | sync calls after the schedule (ms) | schedule (ms) | step (ms) "
-          "| steps |\n|---|---|---|---|---|---|")
+    lines = [f"pipeline 2 x replicas 2, schedule={args.schedule}, microbatches={args.microbatches}, "
+             f"width={args.width}, layers={args.layers} ({grads_mib:.0f} MiB of gradients per rank), batch={args.batch} "
+             f"per replica, buckets {args.bucket_mb} MiB, load {os.getloadavg()[0]:.1f}",
+             "| data-parallel sync | exposed sync (ms) | sync calls after the schedule (ms) | schedule (ms) | step (ms) "
+             "| steps |", "|---|---|---|---|---|---|"]
     for mode, label in (("before", "after the schedule (off)"), ("after", "overlapped with backward (on)")):
         r = res[mode]
-        print(f"| {label} | {r['exposed'] * 1e3:.1f} | {r['calls'] * 1e3:.1f} | {r['schedule'] * 1e3:.1f} "
-              f"| {r['step'] * 1e3:.1f} | {r['n']} |")
-    print(f"sync_call_ratio={res['after']['calls'] / res['before']['calls']:.3f}")
-    print(f"step_time_ratio={res['after']['step'] / res['before']['step']:.3f}")
-    print(f"exposed_dp_sync_ratio={res['after']['exposed'] / res['before']['exposed']:.3f}")
+        lines.append(f"| {label} | {r['exposed'] * 1e3:.1f} | {r['calls'] * 1e3:.1f} | {r['schedule'] * 1e3:.1f} "
+                     f"| {r['step'] * 1e3:.1f} | {r['n']} |")
+    return Outcome("\n".join(lines), {
+        "sync_call_ratio": res["after"]["calls"] / res["before"]["calls"],
+        "step_time_ratio": res["after"]["step"] / res["before"]["step"],
+        "noise_floor": res["before"]["noise_floor"],
+        "exposed_dp_sync_ratio": res["after"]["exposed"] / res["before"]["exposed"]})
 
-if __name__ == "__main__":
-    main()
+
+BENCHMARK = Benchmark(
+    "dp_overlap", "exposed data-parallel gradient sync with the overlap off and on, alternating every step "
+    "(pipeline 2 x replicas 2, 4 ranks)", run, arguments, worker,
+    quick=("--steps", "8", "--warmup", "2", "--width", "512"))

@@ -17,8 +17,8 @@ A least-squares line through t(m) gives the per-micro-batch slope and the fixed 
 the strategy's fixed cost). The row ``strategy: training step`` is the part of the strategy's step inside the engine's
 training step (the schedule with our per-micro-batch work, and our work before and after it; timed by a wrapper
 in this process, never in the library): what the strategy's step adds per micro-batch outside it is Lightning's
-fixed per-step work running slower after a longer step, not work done per micro-batch (measured in
-docs/performance.md, stop 19). The same line through the number of function calls per step (``sys.setprofile``; a
+fixed per-step work running slower after a longer step, not work done per micro-batch (docs/performance.md, "Host
+cost per micro-batch"). The same line through the number of function calls per step (``sys.setprofile``; a
 count, so the same on a busy machine) shows host work where timings are noise. Last lines: ``slope_ratio=<strategy /
 torch-pp>``, ``step_slope_ratio=<strategy's training step / torch-pp>``, ``fixed_ratio`` and ``calls_slope_ratio``.
 
@@ -28,8 +28,8 @@ difference over the extra micro-batches; setup cancels). An exact count of the h
 machine noise moves; last line ``instructions_slope_ratio=<strategy / torch-pp>``. What a count cannot show is what
 the same instructions cost in time (caches, memory), which the timed slope includes.
 
-    python bench/hostcost.py [--steps 60] [--microbatches 1 4 16] [--rounds 3]
-    python bench/hostcost.py --instructions [--steps 20]
+    python -m bench hostcost [--steps 60] [--microbatches 1 4 16] [--rounds 3]
+    python -m bench hostcost --instructions [--steps 20]
 """
 
 from __future__ import annotations
@@ -46,8 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench.common import REPO, Benchmark, Outcome
 
 LAYERS, WIDTH, BATCH, WARMUP = 17, 8, 32, 5
 STEP = "strategy: training step"
@@ -248,15 +247,15 @@ def instructions(way: str, m: int, steps: int, out: Path) -> int:
     """Instructions a fresh process executes running ``way`` at ``m`` for ``steps`` (+ warm-up) steps, all threads,
     counted by callgrind (this file's ``--one`` mode under valgrind)."""
     cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out / f'{way}.{m}.out'}", sys.executable,
-           __file__, "--one", way, str(m), "--steps", str(steps)]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+           "-m", "bench", "hostcost", "--one", way, str(m), "--steps", str(steps)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=REPO)
     found = re.search(r"I\s+refs:\s+([\d,]+)", done.stderr)
     if done.returncode != 0 or found is None:
         raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return int(found.group(1).replace(",", ""))
 
 
-def count_instructions(steps: int) -> None:
+def count_instructions(steps: int) -> Outcome:
     """Instructions per micro-batch of torch-pp and the strategy: (count at m = 16 - count at m = 1) over the extra
     micro-batches, two processes at a time."""
     from concurrent.futures import ThreadPoolExecutor
@@ -268,31 +267,30 @@ def count_instructions(steps: int) -> None:
         counts = dict(zip(runs, pool.map(lambda run: instructions(run[0], run[1], steps, Path(tmp)), runs)))
     extra = 15 * (steps + WARMUP + 1)  # micro-batches the m = 16 run adds
     per = {way: (counts[way, 16] - counts[way, 1]) / extra for way in ("torch-pp", "strategy")}
-    print("| way | instructions at m=1 | at m=16 | per micro-batch |")
-    print("|---|---|---|---|")
-    for way, value in per.items():
-        print(f"| {way} | {counts[way, 1]:,} | {counts[way, 16]:,} | {value:,.0f} |")
-    print(f"layers={LAYERS} width={WIDTH} batch={BATCH} steps={steps} (+{WARMUP + 1} warm-up; callgrind, all threads)")
-    print(f"instructions_slope_ratio={per['strategy'] / per['torch-pp']:.3f}")
+    lines = ["| way | instructions at m=1 | at m=16 | per micro-batch |", "|---|---|---|---|"]
+    lines += [f"| {way} | {counts[way, 1]:,} | {counts[way, 16]:,} | {value:,.0f} |" for way, value in per.items()]
+    lines.append(f"layers={LAYERS} width={WIDTH} batch={BATCH} steps={steps} (+{WARMUP + 1} warm-up; callgrind, "
+                 "all threads)")
+    return Outcome("\n".join(lines), {"instructions_slope_ratio": per["strategy"] / per["torch-pp"]})
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 60; 20 with --instructions)")
     p.add_argument("--microbatches", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
     p.add_argument("--rounds", type=int, default=3, help="runs of each way and m; the least disturbed is kept")
     p.add_argument("--instructions", action="store_true", help="count instructions with valgrind instead of timing")
     p.add_argument("--one", nargs=2, metavar=("WAY", "M"), help=argparse.SUPPRESS)  # one run (under valgrind)
-    args = p.parse_args()
+
+
+def run(args: argparse.Namespace) -> Outcome:
     if args.instructions:
-        count_instructions(args.steps or 20)
-        return
+        return count_instructions(args.steps or 20)
     steps = args.steps or 60
     _setup()
     if args.one:
         WAYS[args.one[0]](int(args.one[1]), steps)
-        return
+        return Outcome("", {})
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     runs: dict[tuple[str, int], list[float]] = {}
@@ -306,19 +304,23 @@ def main() -> None:
     calls = {name: fit_line([4, 16], [min(calls_per_step(run, m) for _ in range(2)) for m in (4, 16)])
              for name, run in WAYS.items()}
     cols = " | ".join(f"m={m} (ms)" for m in args.microbatches)
-    print(f"| way | {cols} | per micro-batch (us) | fixed per step (ms) | calls per micro-batch | calls per step |")
-    print("|---" * (len(args.microbatches) + 5) + "|")
+    lines = [f"| way | {cols} | per micro-batch (us) | fixed per step (ms) | calls per micro-batch | calls per step |",
+             "|---" * (len(args.microbatches) + 5) + "|"]
     for name, ts in times.items():
         slope, fixed = fits[name]
         counted = " | ".join(f"{c:.0f}" for c in calls[name]) if name in calls else " | "
-        print(f"| {name} | " + " | ".join(f"{t * 1e3:.2f}" for t in ts)
-              + f" | {slope * 1e6:.0f} | {fixed * 1e3:.2f} | {counted} |")
-    print(f"layers={LAYERS} width={WIDTH} batch={BATCH} steps={steps} (median step time, {args.clock} clock)")
-    print(f"slope_ratio={fits['strategy'][0] / fits['torch-pp'][0]:.3f}")
-    print(f"step_slope_ratio={fits[STEP][0] / fits['torch-pp'][0]:.3f}")
-    print(f"fixed_ratio={fits['strategy'][1] / fits['torch-pp'][1]:.3f}")
-    print(f"calls_slope_ratio={calls['strategy'][0] / calls['torch-pp'][0]:.3f}")
+        lines.append(f"| {name} | " + " | ".join(f"{t * 1e3:.2f}" for t in ts)
+                     + f" | {slope * 1e6:.0f} | {fixed * 1e3:.2f} | {counted} |")
+    lines.append(f"layers={LAYERS} width={WIDTH} batch={BATCH} steps={steps} (median step time, {args.clock} clock)")
+    return Outcome("\n".join(lines), {
+        "slope_ratio": fits["strategy"][0] / fits["torch-pp"][0],
+        "step_slope_ratio": fits[STEP][0] / fits["torch-pp"][0],
+        "fixed_ratio": fits["strategy"][1] / fits["torch-pp"][1],
+        "calls_slope_ratio": calls["strategy"][0] / calls["torch-pp"][0],
+        "calls_per_microbatch_strategy": calls["strategy"][0], "calls_per_microbatch_torch_pp": calls["torch-pp"][0]})
 
 
-if __name__ == "__main__":
-    main()
+BENCHMARK = Benchmark(
+    "hostcost", "host work per micro-batch and per step on one process: plain accumulation, torch's 1-stage "
+    "schedule, the strategy (CPU time, function calls; --instructions: callgrind)", run, arguments,
+    quick=("--steps", "30", "--rounds", "1"))

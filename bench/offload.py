@@ -7,24 +7,17 @@ On a CPU device offload moves nothing ([Note: activation offload] in lightning_p
 step times say what the hooks' bookkeeping costs, not what host copies would; bench/gpu's ``c_offload`` row measures
 those on a GPU. Last line: ``device_bytes_offload_all_vs_none=<x>`` on rank 0.
 
-    python bench/offload.py [--sizes 2]
+    python -m bench offload [--sizes 2] [--steps 4]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench._ranks import run_ranks  # noqa: E402
+from bench.common import Benchmark, Outcome, gather, gpt, run_ranks, token_batches, trainer, write_result
 
 M = 8
 CONFIGS: list[tuple[str, Any]] = [  # (recompute, offload)
@@ -37,15 +30,10 @@ CONFIGS: list[tuple[str, Any]] = [  # (recompute, offload)
 
 
 def worker(args: argparse.Namespace) -> None:
-    import lightning.pytorch as L
-    import torch
-    import torch.distributed as dist
     from lightning.pytorch.callbacks import Callback
-    from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_pipe import PipelineStrategy
     from lightning_pipe.trace.memory import ActivationMeter
-    from recipes.gpt.model import GPT
 
     class Meter(Callback):
         def __init__(self) -> None:
@@ -64,53 +52,39 @@ def worker(args: argparse.Namespace) -> None:
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             self.host = sum(sm.offload_stats.peak_bytes for sm in trainer.strategy.engine.stage_modules)
 
-    world = int(os.environ["WORLD_SIZE"])
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 256, (M * 4 * args.steps, 65), generator=g)
     rows = []
     for recompute, offload in CONFIGS:
-        torch.manual_seed(0)
-        model = GPT(vocab_size=256, block_size=64, n_layer=8, n_head=4, n_embd=64, warmup_steps=1, max_steps=100)
+        model = gpt(n_layer=8, n_embd=64, block_size=64, warmup_steps=1, max_steps=100)
         meter = Meter()
-        trainer = L.Trainer(strategy=PipelineStrategy(schedule="1f1b", microbatches=M, recompute=recompute,
-                                                      offload=offload),
-                            accelerator="cpu", devices=world, max_steps=args.steps, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                            use_distributed_sampler=False, callbacks=[meter])
-        loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=M * 4, drop_last=True)
-        trainer.fit(model, loader)
-        mine = (meter.meter.peak_bytes, meter.host, statistics.median(meter.times[1:]))
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, mine)
+        strategy = PipelineStrategy(schedule="1f1b", microbatches=M, recompute=recompute, offload=offload)
+        trainer(strategy, args.steps, [meter]).fit(model, token_batches(M * 4 * args.steps, 64, M * 4))
+        gathered = gather((meter.meter.peak_bytes, meter.host, statistics.median(meter.times[1:])))
         rows.append({"recompute": recompute, "offload": offload, "device": [x[0] for x in gathered],
                      "host": [x[1] for x in gathered], "step_s": max(x[2] for x in gathered)})
-    if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps(rows))
+    write_result(args, rows)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
+def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="2", help="pipeline sizes to run (ranks)")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps per configuration (the first is untimed)")
-    args = p.parse_args()
-    if args.worker:
-        return worker(args)
-    print("| p | recompute | offload | device activation MiB per rank | host MiB per rank | device vs none, rank 0 "
-          "| ms/step |\n|---|---|---|---|---|---|---|")
-    ratio = None
+
+
+def run(args: argparse.Namespace) -> Outcome:
+    lines = ["| p | recompute | offload | device activation MiB per rank | host MiB per rank | device vs none, rank 0 "
+             "| ms/step |", "|---|---|---|---|---|---|---|"]
+    ratio = 0.0
     for size in (int(s) for s in args.sizes.split(",")):
-        rows = run_ranks(__file__, size, ["--sizes", str(size), "--steps", str(args.steps)])
+        rows = run_ranks("offload", size, args)
         base = rows[0]["device"][0]
         for r in rows:
             dev = ", ".join(f"{b / 2**20:.2f}" for b in r["device"])
             host = ", ".join(f"{b / 2**20:.2f}" for b in r["host"])
-            print(f"| {size} | {r['recompute']} | {r['offload']} | {dev} | {host} | {r['device'][0] / base:.2f} | "
-                  f"{r['step_s'] * 1e3:.0f} |")
+            lines.append(f"| {size} | {r['recompute']} | {r['offload']} | {dev} | {host} | "
+                         f"{r['device'][0] / base:.2f} | {r['step_s'] * 1e3:.0f} |")
         ratio = next(r for r in rows if r["recompute"] == "none" and r["offload"] == "all")["device"][0] / base
-    print(f"device_bytes_offload_all_vs_none={ratio:.3f}")
+    return Outcome("\n".join(lines), {"device_bytes_offload_all_vs_none": ratio})
 
 
-if __name__ == "__main__":
-    main()
+BENCHMARK = Benchmark(
+    "offload", "activation offload and recomputation on the CPU: device bytes autograd keeps, host bytes offload "
+    "holds, the step time (1F1B, m = 8)", run, arguments, worker, quick=("--steps", "3"))

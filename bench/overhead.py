@@ -14,44 +14,41 @@ Each strategy round is followed by a round of the *Lightning floor* (``--floor``
 ``lightning_floor_ratio_<kind>=`` is what Lightning's loop alone costs around torch's pipeline, the bound no
 strategy can go below; the strategy over the floor is what this library adds.
 
-    python bench/overhead.py [--steps 30] [--rounds 3] [--schedule 1f1b] [--microbatches 4] [--floor auto]
+Figures: ``overhead_ratio`` (strategy / hand-written), ``lightning_floor_ratio_<kind>`` (floor / hand-written, each
+against the hand-written steps of its own rounds), ``strategy_over_floor_<kind>``, and ``noise_floor`` (the
+hand-written steps of the strategy's rounds disagreeing with themselves: ratios closer to 1 are not resolved).
+
+    python -m bench overhead [--steps 30] [--rounds 3] [--schedule 1f1b] [--microbatches 4] [--floor auto]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench.common import (
+    Benchmark,
+    Outcome,
+    gpt,
+    noise_floor,
+    paired_ratio,
+    run_ranks,
+    step_clock,
+    token_batches,
+    trainer,
+    write_result,
+)
 
-from bench._ranks import run_ranks  # noqa: E402
+
+def _model() -> Any:
+    return gpt(n_layer=4, n_embd=128, block_size=64)
 
 
-def _model():
-    import torch
-
-    from recipes.gpt.model import GPT
-
-    torch.manual_seed(0)
-    return GPT(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128, warmup_steps=5, max_steps=1000)
-
-
-def _data(n: int, batch: int):
-    import torch
-    from torch.utils.data import DataLoader, TensorDataset
-
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 256, (n, 65), generator=g)
-    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch, shuffle=False,
-                      drop_last=True)
+def _data(args: argparse.Namespace) -> Any:
+    return token_batches(args.batch * (args.steps + args.warmup), 64, args.batch)
 
 
 class HandWritten:
@@ -115,7 +112,7 @@ def hand_written(args: argparse.Namespace, on_step: Callable[[int], None] | None
     probes there)."""
     loop = HandWritten(args)
     times, last = [], None
-    for x, y in _data(args.batch * (args.steps + args.warmup), args.batch):
+    for x, y in _data(args):
         loop.step(x, y)
         now = time.perf_counter()
         if last is not None:
@@ -129,7 +126,6 @@ def hand_written(args: argparse.Namespace, on_step: Callable[[int], None] | None
 def _trainer(args: argparse.Namespace, callback: Any, stock: bool = False) -> Any:
     """The strategy's Trainer, or with ``stock`` Lightning's own single-device strategy in each rank process (the
     Lightning floor: :class:`LightningFloor` brings its own process group and pipeline)."""
-    import lightning.pytorch as L
     import torch
     from lightning.pytorch.strategies import SingleDeviceStrategy
 
@@ -137,18 +133,14 @@ def _trainer(args: argparse.Namespace, callback: Any, stock: bool = False) -> An
 
     strategy = (SingleDeviceStrategy(torch.device("cpu")) if stock
                 else PipelineStrategy(schedule=args.schedule, microbatches=args.microbatches))
-    return L.Trainer(strategy=strategy, accelerator="cpu", devices=1 if stock else int(os.environ["WORLD_SIZE"]),
-                     max_steps=args.steps + args.warmup, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
-                     use_distributed_sampler=False)  # same batches, in the same order, as the hand-written loop
+    # the same batches, in the same order, as the hand-written loop
+    return trainer(strategy, args.steps + args.warmup, [callback], devices=1 if stock else None)
 
 
 def through_lightning(args: argparse.Namespace, on_step: Callable[[int], None] | None = None) -> list[float]:
     """The strategy on its own (bench/breakdown.py)."""
-    from bench._timing import StepClock
-
-    clock = StepClock(on_step)
-    _trainer(args, clock).fit(_model(), _data(args.batch * (args.steps + args.warmup), args.batch))
+    clock = step_clock(on_step)
+    _trainer(args, clock).fit(_model(), _data(args))
     return clock.durations(args.warmup)
 
 
@@ -207,7 +199,7 @@ def paired(args: argparse.Namespace, floor: str | None = None) -> tuple[list[flo
     from lightning.pytorch.callbacks import Callback
 
     hand = HandWritten(args)
-    hand_batches = iter(_data(args.batch * (args.steps + args.warmup), args.batch))
+    hand_batches = iter(_data(args))
 
     class Pairs(Callback):
         def __init__(self) -> None:
@@ -225,8 +217,7 @@ def paired(args: argparse.Namespace, floor: str | None = None) -> tuple[list[flo
 
     pairs = Pairs()
     module = _floor_module(args, floor) if floor else _model()
-    _trainer(args, pairs, stock=floor is not None).fit(module, _data(args.batch * (args.steps + args.warmup),
-                                                                     args.batch))
+    _trainer(args, pairs, stock=floor is not None).fit(module, _data(args))
     skip = args.warmup - 1
     return pairs.light[skip:], pairs.hand[skip + 1:]
 
@@ -249,51 +240,51 @@ def worker(args: argparse.Namespace) -> None:
             results[kind] += light
             results[f"{kind}_hand"] += hand
             dist.barrier()
-    if int(os.environ["RANK"]) == 0:
-        Path(args.out).write_text(json.dumps(results))
-    dist.destroy_process_group()  # its last collective, a barrier, holds no tensor (cf. bench/breakdown.py exit)
+    write_result(args, results)
+    dist.destroy_process_group()  # its last collective holds no tensor (cf. bench/breakdown.py's exit)
 
 
 def add_run_arguments(p: argparse.ArgumentParser, steps: int) -> None:
-    """The run's settings (model size, schedule, steps) and the rank-process flags, shared with bench/breakdown.py,
-    which times the same two runs."""
+    """The run's settings (model size, schedule, steps), shared with bench/breakdown.py, which times the same two
+    runs."""
     p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments(p: argparse.ArgumentParser) -> None:
     add_run_arguments(p, steps=30)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--floor", default="auto", choices=["auto", "manual", "both", "none"],
                    help="the Lightning floor's rounds: automatic optimization (the strategy's path), manual, both, none")
-    args = p.parse_args()
-    if args.worker:
-        return worker(args)
-    times = run_ranks(__file__, 2, sys.argv[1:])
+
+
+def run(args: argparse.Namespace) -> Outcome:
+    times = run_ranks("overhead", 2, args)
     hand, light = statistics.median(times["hand"]), statistics.median(times["lightning"])
-    print("| path | median step (ms) | steps timed |\n|---|---|---|")
-    print(f"| hand-written torch.distributed.pipelining | {hand * 1e3:.1f} | {len(times['hand'])} |")
-    print(f"| Trainer(strategy=PipelineStrategy) | {light * 1e3:.1f} | {len(times['lightning'])} |")
-    pairs = statistics.median(a / b for a, b in zip(times["lightning"], times["hand"]))
+    lines = ["| path | median step (ms) | steps timed |", "|---|---|---|",
+             f"| hand-written torch.distributed.pipelining | {hand * 1e3:.1f} | {len(times['hand'])} |",
+             f"| Trainer(strategy=PipelineStrategy) | {light * 1e3:.1f} | {len(times['lightning'])} |"]
+    figures: dict[str, float] = {}
     for kind in ("auto", "manual"):
         if kind not in times:
             continue
         floor, floor_hand = statistics.median(times[kind]), statistics.median(times[f"{kind}_hand"])
-        print(f"| Lightning floor ({kind} optimization): the hand-written step in a stock Trainer | "
-              f"{floor * 1e3:.1f} | {len(times[kind])} |")
-        print(f"| hand-written, paired with that floor's rounds | {floor_hand * 1e3:.1f} | {len(times[f'{kind}_hand'])} |")
-        print(f"lightning_floor_ratio_{kind}={floor / floor_hand:.3f} (the floor over the hand-written loop of its "
-              f"rounds; the strategy over the floor: {(light / hand) / (floor / floor_hand):.3f})")
-    print(f"schedule={args.schedule} microbatches={args.microbatches} ranks=2 batch={args.batch} "
-          f"rounds={args.rounds}; median of the per-step ratios {pairs:.3f}")
-    print(f"overhead_ratio={light / hand:.3f}")
+        lines += [f"| Lightning floor ({kind} optimization): the hand-written step in a stock Trainer | "
+                  f"{floor * 1e3:.1f} | {len(times[kind])} |",
+                  f"| hand-written, paired with that floor's rounds | {floor_hand * 1e3:.1f} | "
+                  f"{len(times[f'{kind}_hand'])} |"]
+        figures[f"lightning_floor_ratio_{kind}"] = floor / floor_hand
+        figures[f"strategy_over_floor_{kind}"] = (light / hand) / (floor / floor_hand)
+    lines.append(f"schedule={args.schedule} microbatches={args.microbatches} ranks=2 batch={args.batch} "
+                 f"rounds={args.rounds}; median of the per-step ratios {paired_ratio(times['lightning'], times['hand']):.3f}")
+    figures["noise_floor"] = noise_floor(times["hand"])
+    figures["overhead_ratio"] = light / hand
+    return Outcome("\n".join(lines), figures)
 
 
-if __name__ == "__main__":
-    main()
+BENCHMARK = Benchmark(
+    "overhead", "the strategy's training step against a hand-written torch.distributed.pipelining loop and the "
+    "Lightning floor (GPT, 1F1B, m = 4, 2 ranks)", run, arguments, worker, quick=("--steps", "15", "--rounds", "2"))

@@ -23,8 +23,7 @@ timeline: [Note: the strategy's cost per action, from its own timeline] and [Not
 costs] in lightning_pipe/planner/calibrate.py).
 
 Measuring on a shared machine: slow phases last from one step (a step 1.5x its neighbours) to minutes (every layout
-1.3-1.5x slower in the later rounds of one run, in part this bench's own process groups piling up until
-stop 21: docs/planner.md), and contention only ever adds time. Each layout is therefore its
+1.3-1.5x slower in the later rounds of one run), and contention only ever adds time. Each layout is therefore its
 least-disturbed step: the fastest of ``--steps`` steps, in each of ``--rounds`` rounds that sweep the whole grid in
 a different (seeded, shuffled) order, so that a slow phase of minutes meets different layouts in different rounds
 instead of the same stretch of the grid each time; the layout's time is the fastest round (the profile reads layers
@@ -34,7 +33,7 @@ is measured). ``floor_spread_max``: the two fastest rounds of one layout differ 
 is pinned down); ``round_to_round_spread_max``: the slowest round over the fastest. ``--dump`` writes every step and
 timeline for offline analysis.
 
-    python bench/planner.py [--configs gpt:2,unbalanced:2,gpt:4,unbalanced:4] [--rounds 5] [--steps 6] [--dump P]
+    python -m bench planner [--configs gpt:2,unbalanced:2,gpt:4,unbalanced:4] [--rounds 5] [--steps 6] [--dump P]
 """
 
 from __future__ import annotations
@@ -45,15 +44,11 @@ import logging
 import os
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench._analytic import analytic_profiles  # noqa: E402
-from bench._planner_runs import (  # noqa: E402
+from bench._analytic import analytic_profiles
+from bench._planner_runs import (
     calibrate,
     fit_calibration,
     gpt_model,
@@ -63,8 +58,7 @@ from bench._planner_runs import (  # noqa: E402
     step_costs,
     token_rows,
 )
-from bench._ranks import run_ranks  # noqa: E402
-from bench.rebalance import measure_rebalance_speedup  # noqa: E402
+from bench.common import Benchmark, Outcome, gather, run_ranks, with_args, write_result
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2)]
 
@@ -85,7 +79,6 @@ def _splits(n_layers: int, stages: int, world: int = 2) -> list[tuple[int, ...]]
 
 
 def worker(args: argparse.Namespace) -> None:
-    import torch
     import torch.distributed as dist
 
     from lightning_pipe.config import PipelineConfig
@@ -96,7 +89,6 @@ def worker(args: argparse.Namespace) -> None:
     from lightning_pipe.schedules import compute_order, plan_schedule
     from lightning_pipe.schedules.simulate import compile_order
 
-    torch.set_num_threads(1)
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     ms = [int(m) for m in args.microbatches.split(",")]
@@ -108,9 +100,7 @@ def worker(args: argparse.Namespace) -> None:
                          passes=args.passes)
     prof.link_latency, prof.link_bandwidth = measure_link(repeats=20)  # fastest of 20: one slow phase is not the link
     overhead = measure_action_overhead(latency=prof.link_latency, repeats=8) if not args.no_overhead else 0.0
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, prof.to_json())
-    profiles = [ModelProfile.from_json(g) for g in gathered]
+    profiles = [ModelProfile.from_json(g) for g in gather(prof.to_json())]
     base = profiles[0]
     base.link_latency, base.link_bandwidth, base.action_overhead = prof.link_latency, prof.link_bandwidth, overhead
     speeds = rank_speeds(profiles, max(sizes))  # as schedule="auto" reads them: the largest size, the least noisy
@@ -155,16 +145,12 @@ def worker(args: argparse.Namespace) -> None:
                 dumped.setdefault(key, []).append({"t": time.time(), "round": rnd, "steps": out[3], "records": out[2]})
             dist.barrier()
     if args.dump:
-        every_dump: list = [None] * world
-        dist.all_gather_object(every_dump, dumped)
+        every_dump = gather(dumped)
         if rank == 0:
             Path(f"{args.dump}.{args.model}{world}.json").write_text(json.dumps(
                 {"dumped": every_dump, "base": base.to_json(), "raw": raw.to_json(), "speeds": speeds,
                  "batch": args.batch, "grid": grid}))
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, measured)
-    every_timeline: list = [None] * world
-    dist.all_gather_object(every_timeline, timelines)
+    everyone, every_timeline = gather(measured), gather(timelines)
     # the same fit, from the probe layouts' own rounds in the grid (prediction_error_max_grid_calibrated)
     at_grid = None
     if probe_steps:
@@ -201,8 +187,7 @@ def worker(args: argparse.Namespace) -> None:
     # [the machine's drift]: the probe layouts' fastest round over their fastest step when calibrated
     floors = {json.dumps([r["pp"], r["schedule"], r["v"], r["m"], r["counts"]]): r["meas"] for r in rows}
     drift = statistics.geometric_mean([floors[k] / t for k, t in probe_steps.items()]) if probe_steps else 1.0
-    if rank == 0:
-        Path(args.out).write_text(json.dumps({"drift": drift,
+    write_result(args, {"drift": drift,
             "rows": rows, "speeds": speeds, "profile_s": profile_s, "search_s": search_s, "overhead": overhead,
             "tiny_action": list(tiny), "fitted": fitted,
             "calibration": {r.what: [r.measured, r.predicted] for r in rows_cal},
@@ -210,15 +195,15 @@ def worker(args: argparse.Namespace) -> None:
             "transfer_overhead": base.transfer_overhead, "measured_step_costs": [raw.step_overhead, raw.microbatch_overhead],
             "link": [base.link_latency, base.link_bandwidth], "replayed": result.considered,
             "machine": [machine.peak_tflops * 1e3, machine.hbm_gbps, machine.kernel_us],
-            "pick_pred": result.best[1].step_time}))
+            "pick_pred": result.best[1].step_time})
 
 
-def _report(args: argparse.Namespace, model: str, ranks: int,
-            res: dict) -> tuple[float, float, float, float, float, float, float, float]:
+def _report(args: argparse.Namespace, model: str, ranks: int, res: dict,
+            say: list[str]) -> tuple[float, ...]:
     rows = res["rows"]
     speeds = [round(s, 2) for s in res["speeds"]]
     vocab = 256 if model == "gpt" else 256 * args.heavy
-    print(f"\n### {model}: GPT {args.layers} blocks, width {args.width}, vocab {vocab}, seq {args.seq}, batch "
+    say.append(f"\n### {model}: GPT {args.layers} blocks, width {args.width}, vocab {vocab}, seq {args.seq}, batch "
           f"{args.batch}; {ranks} CPU ranks x 1 thread\nprofiled in {res['profile_s']:.1f} s (rank speeds {speeds}, "
           f"link {res['link'][0] * 1e6:.0f} us + {res['link'][1] / 1e9:.2f} GB/s, "
           f"{res['overhead'] * 1e3:.2f} ms per action on torch's bare stages, the strategy's on one tiny layer "
@@ -230,19 +215,19 @@ def _report(args: argparse.Namespace, model: str, ranks: int,
         fit = "; ".join(f"m={m}: layers " + " ".join(f"{k} x{v:.2f}" for k, v in sorted(scales.items()))
                         + f", per action {inside * 1e3:.2f} ms in its slices"
                         for m, (scales, inside, _, _) in res["fitted"].items())
-        print(f"probe runs (measured / profile-predicted): {cal}\nfitted: {fit}; charged per action (in + around) "
+        say.append(f"probe runs (measured / profile-predicted): {cal}\nfitted: {fit}; charged per action (in + around) "
               f"{res['action_overhead'] * 1e3:.2f} ms, per transfer {res['transfer_overhead'] * 1e3:.2f} ms (every "
               f"probe's host time); trainer per step {res['step_overhead'] * 1e3:.1f} ms")
-    print("\n| pp x dp | schedule | v | m | split | step meas ms | pred (profile only) | pred (calibrated) | error | "
+    say.append("\n| pp x dp | schedule | v | m | split | step meas ms | pred (profile only) | pred (calibrated) | error | "
           "calibrated in the grid's rounds: pred | error | schedule meas ms | schedule pred | error | "
           "replayed from its measured actions | analytic (+ host costs) |")
-    print("|---" * 17 + "|")
+    say.append("|---" * 17 + "|")
     for r in sorted(rows, key=lambda r: r["meas"]):
         err = (r["pred"] - r["meas"]) / r["meas"]
         serr = (r["pred_sched"] - r["meas_sched"]) / r["meas_sched"]
         gerr = (r["pred_grid"] - r["meas"]) / r["meas"]
         mark = (" **(pick)**" if r["pick"] else "") + (" (probe)" if r["probe"] else "")
-        print(f"| {r['pp']} x {r['dp']} | {r['schedule']}{mark} | {r['v']} | {r['m']} | {r['counts']} | "
+        say.append(f"| {r['pp']} x {r['dp']} | {r['schedule']}{mark} | {r['v']} | {r['m']} | {r['counts']} | "
               f"{r['meas'] * 1e3:.1f} | {r['pred_raw'] * 1e3:.1f} | {r['pred'] * 1e3:.1f} | {err:+.1%} | "
               f"{r['pred_grid'] * 1e3:.1f} | {gerr:+.1%} | "
               f"{r['meas_sched'] * 1e3:.1f} | {r['pred_sched'] * 1e3:.1f} | {serr:+.1%} | "
@@ -255,7 +240,7 @@ def _report(args: argparse.Namespace, model: str, ranks: int,
             shapes.setdefault((r["pp"], r["dp"]), []).append(r["meas"])
         text = ", ".join(f"pp {pp} x dp {dp}: {min(v) * 1e3:.1f} ms" for (pp, dp), v in sorted(shapes.items()))
         faster = min(shapes, key=lambda k: min(shapes[k]))
-        print(f"\nbest measured per shape: {text}; the planner picked pp {pick['pp']} x dp {pick['dp']} "
+        say.append(f"\nbest measured per shape: {text}; the planner picked pp {pick['pp']} x dp {pick['dp']} "
               f"({'the faster shape' if (pick['pp'], pick['dp']) == faster else 'NOT the faster shape'})")
     error = max(abs(r["pred"] - r["meas"]) / r["meas"] for r in rows)
     raw_error = max(abs(r["pred_raw"] - r["meas"]) / r["meas"] for r in rows)
@@ -265,32 +250,29 @@ def _report(args: argparse.Namespace, model: str, ranks: int,
     drifted = max(abs(r["pred"] * res["drift"] - r["meas"]) / r["meas"] for r in rows)
     structure = max(abs(r["structure_error"]) for r in rows)
     at_grid = max(abs(r["pred_grid"] - r["meas"]) / r["meas"] for r in rows if not r["probe"])
-    print(f"the probe layouts measured x{res['drift']:.2f} their speed at calibration; predictions x that: error max "
+    say.append(f"the probe layouts measured x{res['drift']:.2f} their speed at calibration; predictions x that: error max "
           f"{drifted:.3f}\nthe schedule replayed from each layout's measured actions (the model's structure, its costs "
           f"measured): error max {structure:.3f}\ncalibrated from the probe layouts' own rounds in the grid (the "
           f"machine's drift since calibration taken out): error max over the other layouts {at_grid:.3f}")
     an = [(r["pred_analytic"] - r["meas"]) / r["meas"] for r in rows]
     an_host = [(r["pred_analytic_host"] - r["meas"]) / r["meas"] for r in rows]
-    print(f"analytic source (this machine: {res['machine'][0]:.0f} GFLOP/s matmul, {res['machine'][1]:.1f} GB/s, "
-          f"{res['machine'][2]:.2f} us per op, the gloo link): error max {max(map(abs, an)):.3f} (per layout "
-          f"{min(an):+.1%} to {max(an):+.1%}); with the runtime's host costs measured on the tiny probe "
-          f"{max(map(abs, an_host)):.3f} ({min(an_host):+.1%} to {max(an_host):+.1%}); the profiled planner's "
-          f"{error:.3f} (its profile with the same host costs {raw_error:.3f})\n"
-          f"analytic against the measured layer profile (the same host costs): "
-          f"{min(r['pred_analytic_host'] / r['pred_raw'] for r in rows):.2f}x to "
-          f"{max(r['pred_analytic_host'] / r['pred_raw'] for r in rows):.2f}x its prediction\n"
-          f"analytic_prediction_error_max={max(map(abs, an)):.3f} "
-          f"analytic_host_prediction_error_max={max(map(abs, an_host)):.3f}")
-    print(f"pick_vs_best={pick['meas'] / best:.3f} prediction_error_max={error:.3f} (profile only {raw_error:.3f}) "
+    say.append(f"analytic source (this machine: {res['machine'][0]:.0f} GFLOP/s matmul, {res['machine'][1]:.1f} GB/s, "
+               f"{res['machine'][2]:.2f} us per op, the gloo link): error max {max(map(abs, an)):.3f} (per layout "
+               f"{min(an):+.1%} to {max(an):+.1%}); with the runtime's host costs measured on the tiny probe "
+               f"{max(map(abs, an_host)):.3f} ({min(an_host):+.1%} to {max(an_host):+.1%}); the profiled planner's "
+               f"{error:.3f} (its profile with the same host costs {raw_error:.3f})\n"
+               f"analytic against the measured layer profile (the same host costs): "
+               f"{min(r['pred_analytic_host'] / r['pred_raw'] for r in rows):.2f}x to "
+               f"{max(r['pred_analytic_host'] / r['pred_raw'] for r in rows):.2f}x its prediction")
+    say.append(f"pick_vs_best={pick['meas'] / best:.3f} prediction_error_max={error:.3f} (profile only {raw_error:.3f}) "
           f"schedule_prediction_error_max={sched_error:.3f} round_to_round_spread_max={spread:.2f} "
           f"floor_spread_max={floor:.2f}")
-    return pick["meas"] / best, error, sched_error, raw_error, spread, floor, structure, at_grid
+    return (pick["meas"] / best, error, sched_error, raw_error, spread, floor, structure, at_grid,
+            max(map(abs, an)), max(map(abs, an_host)))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", default="gpt:2,unbalanced:2,gpt:4,unbalanced:4", help="model:ranks, ...")
-    p.add_argument("--model", default="gpt", help=argparse.SUPPRESS)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--heavy", type=int, default=16, help="unbalanced: vocabulary = 256 x this")
@@ -307,37 +289,39 @@ def main() -> None:
     p.add_argument("--no-calibrate", action="store_true", help="plan from the layer profile alone (no probe runs)")
     p.add_argument("--no-step-costs", action="store_true",
                    help="the cost model without the measured fixed and per-micro-batch step costs")
-    p.add_argument("--no-rebalance", action="store_true", help="skip the rebalancing run (rebalance_speedup)")
     p.add_argument("--dump", help="also write every measured step and timeline to DUMP.<model><ranks>.json")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.worker:
-        return worker(args)
+
+
+def run(args: argparse.Namespace) -> Outcome:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     t0 = time.perf_counter()
-    print(f"load before: {os.getloadavg()[0]:.2f}")
+    say = [f"load before: {os.getloadavg()[0]:.2f}"]
     results = []
     for item in args.configs.split(","):
         model, ranks = item.split(":")
-        argv = [a for a in sys.argv[1:]] + ["--model", model]
-        results.append(_report(args, model, int(ranks), run_ranks(__file__, int(ranks), argv)))
-    print(f"\n(total bench time {time.perf_counter() - t0:.0f} s, load average after {os.getloadavg()[0]:.2f})")
-    # the same layout measured in two rounds differed by this factor: the floor of any error measured here
-    print(f"round_to_round_spread_max={max(r[4] for r in results):.2f}")
-    # the two quietest rounds of one layout differed by this factor: how well its floor is pinned down
-    print(f"floor_spread_max={max(r[5] for r in results):.2f}")
-    print(f"schedule_prediction_error_max={max(r[2] for r in results):.3f}")
-    # the schedule replayed from its own measured actions: what the model's structure alone gets wrong
-    print(f"structure_error_max={max(r[6] for r in results):.3f}")
-    # the cost model with its calibration measured in the grid's own rounds: the error without the machine's drift
-    print(f"prediction_error_max_grid_calibrated={max(r[7] for r in results):.3f}")
-    print(f"prediction_error_max_profile_only={max(r[3] for r in results):.3f}")
-    print(f"planner_pick_vs_best={max(r[0] for r in results):.3f}")
-    print(f"prediction_error_max={max(r[1] for r in results):.3f}")
-    if not args.no_rebalance:  # dynamic rebalancing from a bad split (bench/rebalance.py, its own 2-rank run)
-        print(f"rebalance_speedup={measure_rebalance_speedup():.3f}")
+        results.append(_report(args, model, int(ranks), run_ranks("planner", int(ranks), with_args(args, model=model)),
+                               say))
+    say.append(f"\n(total bench time {time.perf_counter() - t0:.0f} s, load average after {os.getloadavg()[0]:.2f})")
+    return Outcome("\n".join(say), {
+        # the same layout measured in two rounds differed by this factor: the floor of any error measured here
+        "round_to_round_spread_max": max(r[4] for r in results),
+        # the two quietest rounds of one layout differed by this factor: how well its floor is pinned down
+        "floor_spread_max": max(r[5] for r in results),
+        "schedule_prediction_error_max": max(r[2] for r in results),
+        # the schedule replayed from its own measured actions: what the model's structure alone gets wrong
+        "structure_error_max": max(r[6] for r in results),
+        # the cost model with its calibration measured in the grid's own rounds: the error without the machine's drift
+        "prediction_error_max_grid_calibrated": max(r[7] for r in results),
+        "prediction_error_max_profile_only": max(r[3] for r in results),
+        "planner_pick_vs_best": max(r[0] for r in results),
+        "prediction_error_max": max(r[1] for r in results),
+        # the cluster planner's analytic costs for this machine (alone; with the runtime's measured host costs)
+        "analytic_prediction_error_max": max(r[8] for r in results),
+        "analytic_host_prediction_error_max": max(r[9] for r in results)})
 
 
-if __name__ == "__main__":
-    main()
+BENCHMARK = Benchmark(
+    "planner", "the planner against measurement: a grid of layouts trained for real, each predicted from a profile "
+    "taken in the run; the planner's pick against the best measured", run, arguments, worker,
+    quick=("--configs", "gpt:2", "--rounds", "1", "--steps", "3", "--probe-repeats", "1", "--passes", "1",
+           "--repeats", "1"))

@@ -11,27 +11,30 @@ Step time is the median time between the ends of consecutive training steps (the
 Columns: ``bubble theory`` is the schedule's textbook idle fraction (equal F and B; ZB: F = I = W);
 ``bubble sim`` replays the schedule's real action order with F=1, B=2 (I=W=1) and free communication;
 ``compute`` is the measured fraction of the step the ranks spent inside stage forward / backward calls, and
-``F``/``B``/``I``/``W`` the measured mean milliseconds of one such call (recorded by lightning_pipe.trace). Last line: ``best_schedule=<name>
-speedup=<x>``.
+``F``/``B``/``I``/``W`` the measured mean milliseconds of one such call (recorded by lightning_pipe.trace). Figures: ``speedup_<row>`` per
+schedule, and ``speedup`` of the best one (its name is printed as ``best_schedule=``).
 
-    python bench/schedules.py [--steps 8] [--rounds 3] [--microbatches 8] [--batch 32] [--layers 8]
+    python -m bench schedules [--steps 8] [--rounds 3] [--microbatches 8] [--batch 32] [--layers 8] [--only a,b]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import sys
-import time
 from collections import defaultdict
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench._ranks import run_ranks  # noqa: E402
+from bench.common import (
+    Benchmark,
+    Outcome,
+    balanced_split,
+    gather,
+    gpt,
+    run_ranks,
+    step_clock,
+    token_batches,
+    trainer,
+    write_result,
+)
 
 # (row name, schedule, stages per rank, extra strategy kwargs)
 ROWS = [("gpipe", "gpipe", 1), ("1f1b", "1f1b", 1), ("interleaved_1f1b", "interleaved_1f1b", 2),
@@ -43,33 +46,11 @@ ROWS = [("gpipe", "gpipe", 1), ("1f1b", "1f1b", 1), ("interleaved_1f1b", "interl
 
 
 def _model(args: argparse.Namespace):
-    import torch
-
-    from recipes.gpt.model import GPT
-
-    torch.manual_seed(0)
-    return GPT(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=4, n_embd=args.width,
-               dropout=0.0, warmup_steps=5, max_steps=1000)
+    return gpt(n_layer=args.layers, n_embd=args.width, block_size=args.seq)
 
 
 def _data(args: argparse.Namespace):
-    import torch
-    from torch.utils.data import DataLoader, TensorDataset
-
-    n = args.batch * (args.steps + args.warmup)
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 256, (n, args.seq + 1), generator=g)
-    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=args.batch, shuffle=False,
-                      drop_last=True)
-
-
-def balanced_split(n_blocks: int, n_stages: int) -> list[int]:
-    """Layer counts per stage: blocks spread evenly, embedding on the first stage, norm + head on the last."""
-    base, extra = divmod(n_blocks, n_stages)
-    counts = [base + (1 if s < extra else 0) for s in range(n_stages)]
-    counts[0] += 1
-    counts[-1] += 2
-    return counts
+    return token_batches(args.batch * (args.steps + args.warmup), args.seq, args.batch)
 
 
 def _run_pipeline(args: argparse.Namespace, schedule: str, v: int) -> dict:
@@ -77,7 +58,6 @@ def _run_pipeline(args: argparse.Namespace, schedule: str, v: int) -> dict:
     import torch.distributed as dist
     from lightning.pytorch.callbacks import Callback
 
-    from bench._timing import StepClock
     from lightning_pipe import PipelineStrategy
     from lightning_pipe.config import PipelineConfig
     from lightning_pipe.schedules import compute_order, plan_schedule
@@ -95,19 +75,15 @@ def _run_pipeline(args: argparse.Namespace, schedule: str, v: int) -> dict:
         if finished == args.warmup:
             record.recorder.armed = True  # record the timed steps only
 
-    clock = StepClock(on_step=arm)
-    world = int(os.environ["WORLD_SIZE"])
+    clock = step_clock(on_step=arm)
+    world = dist.get_world_size()
     options = {}
     if schedule == "custom":
         order = compute_order(plan_schedule(PipelineConfig(schedule="1f1b", microbatches=args.microbatches), world))
         options = {"actions": [[str(a) for a in order[r] if a is not None] for r in range(world)]}
     strategy = PipelineStrategy(schedule=schedule, microbatches=args.microbatches, stages_per_rank=v,
                                 partition=balanced_split(args.layers, world * v), schedule_options=options)
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=args.steps + args.warmup,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[clock, record], limit_val_batches=0,
-                        use_distributed_sampler=False)
-    trainer.fit(_model(args), _data(args))
+    trainer(strategy, args.steps + args.warmup, [clock, record]).fit(_model(args), _data(args))
     diffs = clock.durations(args.warmup)
     timed = sum(diffs)
     spent: dict[str, list[float]] = defaultdict(list)
@@ -117,46 +93,34 @@ def _run_pipeline(args: argparse.Namespace, schedule: str, v: int) -> dict:
                 spent[sl.kind].append((sl.end_ns - sl.start_ns) / 1e9)
     mine = {"compute": sum(sum(x) for x in spent.values()) / timed if timed else 0.0,
             "ms": {k: 1e3 * statistics.mean(x) for k, x in spent.items() if x}}
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, mine)
-    return {"step": statistics.median(diffs), "ranks": gathered}
+    return {"step": statistics.median(diffs), "ranks": gather(mine)}
 
 
 def worker(args: argparse.Namespace) -> None:
-    import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
     if not dist.is_initialized():
         dist.init_process_group("gloo")
-    rows = [r for r in ROWS if args.only is None or r[0] in args.only.split(",")]
+    rows = [r for r in ROWS if args.only is None or r[0].split()[0] in args.only.split(",")]
     results: dict[str, list] = defaultdict(list)
     for _ in range(args.rounds):
         for name, schedule, v in rows:
             results[name].append(_run_pipeline(args, schedule, v))
             dist.barrier()
-    if int(os.environ["RANK"]) == 0:
-        Path(args.out).write_text(json.dumps(results))
+    write_result(args, results)
 
 
 def single_process(args: argparse.Namespace) -> float:
     """The same LightningModule on one process, one thread, whole batches (no pipeline, no micro-batches)."""
-    import lightning.pytorch as L
     import torch
 
-    from bench._timing import StepClock
-
     torch.set_num_threads(1)
-    clock = StepClock()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=args.steps + args.warmup, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[clock], limit_val_batches=0)
-    trainer.fit(_model(args), _data(args))
+    clock = step_clock()
+    trainer("auto", args.steps + args.warmup, [clock], devices=1).fit(_model(args), _data(args))
     return statistics.median(clock.durations(args.warmup))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
@@ -166,29 +130,24 @@ def main() -> None:
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--only", default=None, help="comma-separated row names (default: all)")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.worker:
-        return worker(args)
 
+
+def run(args: argparse.Namespace) -> Outcome:
     import logging
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     from lightning_pipe.config import PipelineConfig
     from lightning_pipe.schedules import compute_order, plan_schedule, simulate
 
-    t0 = time.perf_counter()
     single = [single_process(args)]
-    results = run_ranks(__file__, 2, sys.argv[1:])
+    results = run_ranks("schedules", 2, args)
     single.append(single_process(args))
     t_single = min(single)
-
-    print(f"GPT: {args.layers} blocks, width {args.width}, seq {args.seq}, batch {args.batch}, "
-          f"{args.microbatches} micro-batches, 2 CPU ranks x 1 thread; one process: {t_single * 1e3:.0f} ms/step\n")
-    print("| schedule | stages/rank | step (ms) | speedup vs 1 process | bubble theory | bubble sim | compute "
-          "r0 / r1 | F / B / I / W ms (r0) |")
-    print("|---|---|---|---|---|---|---|---|")
+    lines = [f"GPT: {args.layers} blocks, width {args.width}, seq {args.seq}, batch {args.batch}, "
+             f"{args.microbatches} micro-batches, 2 CPU ranks x 1 thread; one process: {t_single * 1e3:.0f} ms/step",
+             "", "| schedule | stages/rank | step (ms) | speedup vs 1 process | bubble theory | bubble sim | compute "
+             "r0 / r1 | F / B / I / W ms (r0) |", "|---|---|---|---|---|---|---|---|"]
+    figures: dict[str, float] = {}
     best = None
     for name, schedule, v in ROWS:
         if name not in results:
@@ -196,25 +155,27 @@ def main() -> None:
         runs = results[name]
         step = min(r["step"] for r in runs)
         best_run = min(runs, key=lambda r: r["step"])
-        if schedule == "custom":
-            plan = plan_schedule(PipelineConfig(schedule="1f1b", microbatches=args.microbatches), 2)
-        else:
-            plan = plan_schedule(PipelineConfig(schedule=schedule, microbatches=args.microbatches,
-                                                stages_per_rank=v), 2)
+        config = (PipelineConfig(schedule="1f1b", microbatches=args.microbatches) if schedule == "custom" else
+                  PipelineConfig(schedule=schedule, microbatches=args.microbatches, stages_per_rank=v))
+        plan = plan_schedule(config, 2)
         theory = plan.theoretical_bubble()
         sim = simulate(compute_order(plan), plan.num_stages).bubble
         compute = " / ".join(f"{r['compute']:.0%}" for r in best_run["ranks"])
         ms = best_run["ranks"][0]["ms"]
         parts = " / ".join(f"{ms[k]:.1f}" if k in ms else "-" for k in "FBIW")
         speedup = t_single / step
-        print(f"| {name} | {v} | {step * 1e3:.0f} | {speedup:.2f}x | {theory:.1%} | {sim:.1%} | {compute} | "
-              f"{parts} |")
+        lines.append(f"| {name} | {v} | {step * 1e3:.0f} | {speedup:.2f}x | {theory:.1%} | {sim:.1%} | {compute} | "
+                     f"{parts} |")
+        figures[f"speedup_{name.split()[0]}"] = speedup
         if best is None or speedup > best[1]:
             best = (name, speedup)
-    print(f"\n(total bench time {time.perf_counter() - t0:.0f} s)")
     assert best is not None
-    print(f"best_schedule={best[0].split()[0]} speedup={best[1]:.2f}")
+    lines.append(f"best_schedule={best[0].split()[0]}")
+    figures["speedup"] = best[1]
+    return Outcome("\n".join(lines), figures)
 
 
-if __name__ == "__main__":
-    main()
+BENCHMARK = Benchmark(
+    "schedules", "every schedule on the same GPT balanced over 2 ranks: step time, speedup over one process, "
+    "theoretical and simulated bubble, measured F / B / I / W", run, arguments, worker,
+    quick=("--steps", "4", "--warmup", "2", "--rounds", "1"))

@@ -12,9 +12,10 @@ agreed stop reached ``on_exception``; ``exit``: the last atexit hook; the rest i
 ``--without-faults N`` first runs N trials with ``lightning_pipe.lightning.faults`` switched off (Lightning's own
 SIGTERM handler, which runs a broadcast inside the handler), capped at ``--cap`` seconds, for comparison.
 
-Last line: ``sigterm_all_exited=<k>/<n> max_s=<slowest time to exit>`` (exited = every rank within 30 s).
+Figures: ``sigterm_all_exited`` (the share of trials in which every rank ended within 30 s, exit code 0, both
+ranks at the same step), ``max_s`` (the slowest time to exit) and ``median_s``.
 
-    python bench/sigterm.py [--trials 20] [--without-faults 3] [--cap 60]
+    python -m bench sigterm [--trials 20] [--without-faults 3] [--cap 60]
 """
 
 from __future__ import annotations
@@ -23,15 +24,12 @@ import argparse
 import random
 import signal
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from tests.distributed import fault_script as fs  # noqa: E402
+from bench.common import Benchmark, Outcome
+from tests.distributed import fault_script as fs
 
 LIMIT_S = 30.0
 
@@ -66,48 +64,54 @@ def trial(out: Path, rng: random.Random, cap: float, without_faults: bool, busy:
                 step1=step1, saved=saved, marks=marks)
 
 
-def show(i: int, r: dict) -> None:
+def show(i: int, r: dict) -> str:
     marks = " ".join(f"{k}={v:.2f}s" for k, v in r["marks"].items())
-    print(f"trial {i:2d}: signal {r['offset']:.2f}s after step {r['target']} ended (it took {r['step_s']:.2f}s) -> "
-          f"all ranks ended in {r['seconds']:.2f}s, rank 0 exit {r['code']}, stopped after step "
-          f"{r['step0']}/{r['step1']} (rank 0/1), last.ckpt at that step: {r['saved']}  [{marks}]", flush=True)
+    line = (f"trial {i:2d}: signal {r['offset']:.2f}s after step {r['target']} ended (it took {r['step_s']:.2f}s) -> "
+            f"all ranks ended in {r['seconds']:.2f}s, rank 0 exit {r['code']}, stopped after step "
+            f"{r['step0']}/{r['step1']} (rank 0/1), last.ckpt at that step: {r['saved']}  [{marks}]")
+    print(line, flush=True)
+    return line
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trials", type=int, default=20)
-    parser.add_argument("--without-faults", type=int, default=0, metavar="N")
-    parser.add_argument("--cap", type=float, default=60.0, help="seconds before a trial counts as hung")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sleep", action="store_true",
-                        help="layers sleep instead of computing (signal handlers then run at once, hiding the hang)")
-    args = parser.parse_args()
+def arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trials", type=int, default=20)
+    p.add_argument("--without-faults", type=int, default=0, metavar="N")
+    p.add_argument("--cap", type=float, default=60.0, help="seconds before a trial counts as hung")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sleep", action="store_true",
+                   help="layers sleep instead of computing (signal handlers then run at once, hiding the hang)")
+
+
+def run(args: argparse.Namespace) -> Outcome:
     rng = random.Random(args.seed)
+    lines = []
     with tempfile.TemporaryDirectory() as tmp:
         if args.without_faults:
-            print(f"--- without lightning_pipe.lightning.faults (Lightning's handler), cap {args.cap:.0f}s")
+            lines.append(f"--- without lightning_pipe.lightning.faults (Lightning's handler), cap {args.cap:.0f}s")
             hung = 0
             for i in range(args.without_faults):
-                r = trial(Path(tmp) / f"before{i}", rng, args.cap, without_faults=True, busy=not args.sleep)
-                show(i, r)
+                r = trial(Path(tmp) / f"without{i}", rng, args.cap, without_faults=True, busy=not args.sleep)
+                lines.append(show(i, r))
                 hung += r["seconds"] > LIMIT_S
-            print(f"without faults: {hung}/{args.without_faults} trials still running after {LIMIT_S:.0f}s")
-        print("--- with lightning_pipe.lightning.faults")
+            lines.append(f"without faults: {hung}/{args.without_faults} trials still running after {LIMIT_S:.0f}s")
+        lines.append("--- with lightning_pipe.lightning.faults")
         results = []
         for i in range(args.trials):
             r = trial(Path(tmp) / f"trial{i}", rng, args.cap, without_faults=False, busy=not args.sleep)
-            show(i, r)
+            lines.append(show(i, r))
             results.append(r)
     times = [r["seconds"] for r in results]
     if not results:
-        return
+        return Outcome("\n".join(lines), {})
     ok = sum(t <= LIMIT_S and r["code"] == 0 and r["step0"] == r["step1"] for t, r in zip(times, results))
     finite = [t for t in times if t != float("inf")]
-    print(f"median {statistics.median(times):.2f}s; same stop step on both ranks in "
-          f"{sum(r['step0'] == r['step1'] for r in results)}/{len(results)}; last.ckpt at the stop step in "
-          f"{sum(r['saved'] for r in results)}/{len(results)}")
-    print(f"sigterm_all_exited={ok}/{len(results)} max_s={max(finite) if finite else float('inf'):.2f}")
+    lines.append(f"every rank out within {LIMIT_S:.0f} s in {ok}/{len(results)}; same stop step on both ranks in "
+                 f"{sum(r['step0'] == r['step1'] for r in results)}/{len(results)}; last.ckpt at the stop step in "
+                 f"{sum(r['saved'] for r in results)}/{len(results)}")
+    return Outcome("\n".join(lines), {"sigterm_all_exited": ok / len(results), "median_s": statistics.median(times),
+                                      "max_s": max(finite) if finite else float("inf")})
 
 
-if __name__ == "__main__":
-    main()
+BENCHMARK = Benchmark(
+    "sigterm", "SIGTERM to a 2-rank training script's main process at a random point of a step: does every rank "
+    "end, how fast, at the same step, with last.ckpt", run, arguments, quick=("--trials", "1"))

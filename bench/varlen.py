@@ -11,28 +11,28 @@ loaded machine's drift falls on every case alike):
 
 The run first sees every length once (what a first epoch pays: one meta forward per stage and new length), then
 times the cases. Printed per case: median step time per processed token relative to (a), torch's shape inferences,
-the planner's boundary-message exchanges and meta forwards, and the first sight's cost.
+the planner's boundary-message exchanges and meta forwards, and the first sight's cost. Figures: ``ratio_b``,
+``ratio_c``, ``ratio_d``, ``reinferences_after_first``.
 
-    python bench/varlen.py [--rounds 12]
+Where shapes cannot be planned (torch 2.11, FSDP or tensor-parallel stages, PipeDream / PipeMare / Chimera: torch
+re-infers its buffers for every new shape signature, [Note: re-inference on a new shape]), a second run measures what
+a new shape costs: the same model under ``--reinference-schedule`` (default ``pipedream``), the sequence length
+changing every ``--block`` batches (64, 64, 64, 96, 96, 96, ...); cost = median step of the first batch of a block -
+median of the others (each averaged over the two lengths). Figures ``reinference_ms`` and ``reinference_share`` (of a
+step); ``--reinference-steps 0`` skips it.
 
-Last line: ``ratio_b=<x> ratio_c=<x> ratio_d=<x> reinferences_after_first=<n>``.
+    python -m bench varlen [--rounds 12] [--reinference-steps 36] [--block 3]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench._ranks import run_ranks  # noqa: E402
+from bench.common import Benchmark, Outcome, run_ranks, trainer, write_result
 
 CASES = ("a", "b", "c", "d")
 ROWS, MICROBATCHES, LENGTH = 8, 4, 96
@@ -75,7 +75,6 @@ def _batches(rounds: int) -> list[tuple[str, Any, Any, int]]:
 
 
 def _fit(rounds: int) -> dict[str, object]:
-    import lightning.pytorch as L
     import torch
     import torch.nn.functional as F
     from lightning.pytorch.callbacks import Callback
@@ -105,7 +104,7 @@ def _fit(rounds: int) -> dict[str, object]:
         def on_train_batch_start(self, *a: object) -> None:
             self.start = time.perf_counter()
 
-        def on_train_batch_end(self, trainer: L.Trainer, *a: object) -> None:
+        def on_train_batch_end(self, trainer: Any, *a: object) -> None:
             self.times.append(time.perf_counter() - self.start)
             engine = trainer.strategy.engine
             self.inferences.append(engine.shape_inferences)
@@ -114,11 +113,8 @@ def _fit(rounds: int) -> dict[str, object]:
     torch.manual_seed(0)
     model = VarlenGPT(vocab_size=256, block_size=LENGTHS[-1], n_layer=4, n_head=4, n_embd=128)
     clock = Clock()
-    trainer = L.Trainer(strategy=PipelineStrategy(schedule="1f1b", microbatches=MICROBATCHES), accelerator="cpu",
-                        devices=2, max_steps=len(batches), logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                        callbacks=[clock])
-    trainer.fit(model, torch.utils.data.DataLoader([(x, y) for _, x, y, _ in batches], batch_size=None))
+    trainer(PipelineStrategy(schedule="1f1b", microbatches=MICROBATCHES), len(batches), [clock]).fit(
+        model, torch.utils.data.DataLoader([(x, y) for _, x, y, _ in batches], batch_size=None))
     planner: Any = clock.planner
     return {"cases": [c for c, *_ in batches], "tokens": [n for *_, n in batches], "times": clock.times,
             "inferences": clock.inferences,
@@ -126,44 +122,98 @@ def _fit(rounds: int) -> dict[str, object]:
             "meta_forwards": planner.meta_forwards if planner is not None else None}
 
 
+def _reinference(args: argparse.Namespace) -> dict[str, Any]:
+    """Step times of the alternating-length run under a schedule whose shapes torch re-infers."""
+    import torch
+    from lightning.pytorch.callbacks import Callback
+
+    from bench.common import gpt
+    from lightning_pipe import PipelineStrategy
+
+    class Clock(Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.start = 0.0
+            self.inferences = 0
+
+        def on_train_batch_start(self, *a: object) -> None:
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Any, *a: object) -> None:
+            self.times.append(time.perf_counter() - self.start)
+            self.inferences = trainer.strategy.engine.shape_inferences
+
+    lengths = [args.lengths[(i // args.block) % 2] for i in range(args.reinference_steps)]
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for length in lengths:
+        tokens = torch.randint(0, 256, (ROWS, length + 1), generator=g)
+        batches.append((tokens[:, :-1], tokens[:, 1:]))
+    clock = Clock()
+    strategy = PipelineStrategy(schedule=args.reinference_schedule, microbatches=MICROBATCHES)
+    trainer(strategy, len(batches), [clock]).fit(gpt(n_layer=4, n_embd=128, block_size=max(args.lengths)),
+                                                 torch.utils.data.DataLoader(batches, batch_size=None))
+    return {"lengths": lengths, "times": clock.times, "inferences": clock.inferences}
+
+
 def worker(args: argparse.Namespace) -> None:
-    import torch.distributed as dist
-
     result = _fit(args.rounds)
-    if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps(result))
+    if args.reinference_steps:
+        result["reinference"] = _reinference(args)
+    write_result(args, result)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=12)
-    parser.add_argument("--worker", action="store_true")
-    parser.add_argument("--out")
-    args = parser.parse_args()
-    if args.worker:
-        return worker(args)
-    run = run_ranks(__file__, 2, ["--rounds", str(args.rounds)])
+def reinference_cost(args: argparse.Namespace, run: dict[str, Any]) -> tuple[list[str], dict[str, float]]:
+    lines, new, known = [], [], []
+    for length in args.lengths:
+        steps = [i for i in range(args.block, len(run["times"])) if run["lengths"][i] == length]
+        firsts = [run["times"][i] for i in steps if i % args.block == 0]
+        others = [run["times"][i] for i in steps if i % args.block != 0]
+        new.append(statistics.median(firsts))
+        known.append(statistics.median(others))
+        lines.append(f"{args.reinference_schedule}, length {length}: median step {known[-1] * 1e3:.1f} ms with known "
+                     f"shapes, {new[-1] * 1e3:.1f} ms on a new shape ({len(firsts)} / {len(others)} steps)")
+    lines.append(f"shape inferences on rank 0: {run['inferences']} over {len(run['times'])} steps")
+    cost, step = statistics.mean(new) - statistics.mean(known), statistics.mean(known)
+    return lines, {"reinference_ms": cost * 1e3, "reinference_share": cost / step}
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rounds", type=int, default=12)
+    p.add_argument("--reinference-steps", type=int, default=36, help="0: skip the re-inference run")
+    p.add_argument("--reinference-schedule", default="pipedream", help="a schedule whose shapes cannot be planned")
+    p.add_argument("--block", type=int, default=3, help="batches per length in the re-inference run")
+    p.add_argument("--lengths", type=int, nargs=2, default=[64, 96])
+
+
+def run(args: argparse.Namespace) -> Outcome:
+    res = run_ranks("varlen", 2, args)
     per_token: dict[str, float] = {}
     reinferences: dict[str, int] = {}
-    inferences = [0, *run["inferences"]]
-    times, cases = run["times"], run["cases"]
+    inferences = [0, *res["inferences"]]
+    times, cases = res["times"], res["cases"]
     for case in CASES:
         steps = [i for i, c in enumerate(cases) if c == case and i >= WARMUP]
-        per_token[case] = statistics.median(times[i] / run["tokens"][i] for i in steps)
+        per_token[case] = statistics.median(times[i] / res["tokens"][i] for i in steps)
         reinferences[case] = sum(inferences[i + 1] - inferences[i] for i in steps)
-    for case in CASES:
-        print(f"({case}) {per_token[case] * 1e6:7.2f} us/token  ratio {per_token[case] / per_token['a']:.3f}  "
-              f"shape inferences after the first sight: {reinferences[case]}")
-    seen = statistics.median(times[i] / run["tokens"][i] for i in range(WARMUP, len(cases)) if cases[i] == "b")
-    first = statistics.median(times[i] / run["tokens"][i] for i in range(2, 1 + len(LENGTHS)))
-    print(f"first sight of a length (b, meta forwards): {first / seen:.2f}x a step of a known one; torch's shape "
-          f"inferences in the whole run: {run['inferences'][-1]} (the first batch's)")
-    print(f"planner: {run['exchanges']} boundary exchanges, {run['meta_forwards']} meta forwards "
-          f"over {len(cases)} batches (rank 0)")
-    ratios = {c: per_token[c] / per_token["a"] for c in "bcd"}
-    print(f"ratio_b={ratios['b']:.3f} ratio_c={ratios['c']:.3f} ratio_d={ratios['d']:.3f} "
-          f"reinferences_after_first={sum(reinferences.values())}")
+    lines = [f"({case}) {per_token[case] * 1e6:7.2f} us/token  ratio {per_token[case] / per_token['a']:.3f}  "
+             f"shape inferences after the first sight: {reinferences[case]}" for case in CASES]
+    seen = statistics.median(times[i] / res["tokens"][i] for i in range(WARMUP, len(cases)) if cases[i] == "b")
+    first = statistics.median(times[i] / res["tokens"][i] for i in range(2, 1 + len(LENGTHS)))
+    lines.append(f"first sight of a length (b, meta forwards): {first / seen:.2f}x a step of a known one; torch's "
+                 f"shape inferences in the whole run: {res['inferences'][-1]} (the first batch's)")
+    lines.append(f"planner: {res['exchanges']} boundary exchanges, {res['meta_forwards']} meta forwards "
+                 f"over {len(cases)} batches (rank 0)")
+    figures: dict[str, float] = {f"ratio_{c}": per_token[c] / per_token["a"] for c in "bcd"}
+    figures["reinferences_after_first"] = sum(reinferences.values())
+    if "reinference" in res:
+        more, costs = reinference_cost(args, res["reinference"])
+        lines += more
+        figures.update(costs)
+    return Outcome("\n".join(lines), figures)
 
 
-if __name__ == "__main__":
-    main()
+BENCHMARK = Benchmark(
+    "varlen", "variable lengths: a new length every batch or every micro-batch and packed rows against a fixed "
+    "length (per token), and what a new shape costs where shapes are re-inferred", run, arguments, worker,
+    quick=("--rounds", "4", "--reinference-steps", "12"))

@@ -7,8 +7,11 @@ without these, the next test in the same pytest process would inherit them and p
 
 from __future__ import annotations
 
+import gc
 import os
-from collections.abc import Iterator
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -52,3 +55,28 @@ def teardown_process_group() -> Iterator[None]:
     yield
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
+    """``small_tmpfs("64k")``: a tmpfs of that size under ``tmp_path``, unmounted after the test (a real full disk);
+    the test is skipped, saying why, where mounting is not permitted (it needs root)."""
+    mounted: list[Path] = []
+
+    def mount(size: str) -> Path:
+        where = tmp_path / f"tmpfs{len(mounted)}"
+        where.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a {size} tmpfs here ({done.stderr.strip() or 'mount failed'}); "
+                        "test_checkpoint_integrity.py injects the failure of a full disk instead")
+        mounted.append(where)
+        return where
+
+    yield mount
+    gc.collect()  # a failed torch.save may leave its file open until collected: the disk would stay busy
+    for where in mounted:
+        done = subprocess.run(["umount", str(where)], capture_output=True, text=True)
+        if done.returncode != 0:  # still busy: detach it now, freed when the last file closes
+            subprocess.run(["umount", "--lazy", str(where)], check=False)

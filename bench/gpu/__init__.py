@@ -1,7 +1,8 @@
-"""The one-GPU check (issue #20, item 4): CUDA parity, speed against the right anchors, host-device syncs per step
-and a profiler trace of one step, each case in a process of its own, in one command of about 6 minutes on an H200.
+"""The one-GPU check: CUDA parity, speed against the right anchors, host-device syncs per step and a profiler trace
+of one step, each case in a process of its own, in one command of about 6 minutes on an H200.
 
-On the lent machine (one H200, torch 2.11, no Hydra: none is needed here), from the repository root:
+On a machine with one CUDA GPU (run with one H200, torch 2.11, no Hydra: none is needed here), from the repository
+root:
 
     set -o pipefail; PYTHONUNBUFFERED=1 python3 -m bench.gpu 2>&1 | tee $OUT/gpu.log
 

@@ -31,7 +31,7 @@ for _schedule in ("interleaved_1f1b", "zbv"):
         CASES[f"parity-{_schedule}-{_short}"] = (f"parity:{_schedule}:{_precision}", "gpt2_124m_parity",
                                                  f"{_schedule} 1x2 vs one device, {_precision}", 100.0)
 # offload's real host round trip (on a CPU device it moves nothing) must be exact too; interleaved, not zbv: the
-# lent machine's torch 2.11 refuses split backward (the CPU suite proves offload under it)
+# torch 2.11 refuses split backward (the CPU suite proves offload under it)
 CASES["parity-interleaved_1f1b-fp32-offload"] = ("parity:interleaved_1f1b:32-true:all", "gpt2_124m_parity",
                                                  "interleaved_1f1b 1x2 vs one device, 32-true, offload='all'", 100.0)
 for _kind, _what in SPEED.items():

@@ -1,7 +1,8 @@
 """Every private torch / Lightning name lightning_pipe touches, split by owner, with one failure policy.
 
 * :mod:`lightning_pipe._compat.torch` — torch's private pipelining / checkpoint names (plain-torch core may import it);
-  its siblings ``torch_release``, ``shape_inference``, ``trace_api`` and ``stage_shapes`` hold the larger concerns.
+  its siblings ``torch_release``, ``shape_inference``, ``trace_api``, ``stage_shapes`` and ``dcp`` hold the larger
+  concerns.
 * :mod:`lightning_pipe._compat.lightning` — Lightning's private names (only the Lightning adapter imports it).
 * :mod:`lightning_pipe._compat.transformers` — transformers' private names (``lightning_pipe.hf``; an optional extra,
   so checked by use, not at import).

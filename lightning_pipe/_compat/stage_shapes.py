@@ -12,7 +12,7 @@ What holds a shape, per release (read from each release's ``stage.py``):
   the stage-wide ``_stage_meta`` (not per micro-batch): :class:`ChunkShapes` answers it from the micro-batch's own
   descriptor;
 * torch 2.11 keeps shapes in ``inputs_meta`` / ``_outputs_meta`` and checks outputs against them: not rewritten
-  (:data:`SUPPORTED` is False; a new shape re-infers there, as before).
+  (:data:`SUPPORTED` is False; a new shape re-infers there).
 
 Anything else a stage keeps (``act_send_info``, ``grad_send_info``, ``_stage_meta``) holds stage indices, counts
 and dtypes, which a shape change leaves alone; runtime validation against ``_stage_meta`` runs only under
@@ -100,25 +100,20 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-class SplitOverride:
-    """Within ``with``: the schedule takes these micro-batches instead of cutting the batch (``_split_inputs``), and
-    (``keep_chunks``) returns the last stage's outputs as a list instead of concatenating them (``_merge_outputs``:
-    micro-batches of different lengths do not concatenate)."""
+def replace_split(schedule: Any, split: Callable[..., tuple[list[Any], list[dict[str, Any]]]],
+                  merge: Callable[[list[Any]], Any] | None = None) -> None:
+    """Make ``schedule`` cut a batch with ``split(args, kwargs=None) -> (args per micro-batch, kwargs per
+    micro-batch)`` (torch's ``_split_inputs``) and, with ``merge``, join the last stage's outputs with
+    ``merge(chunks)`` (``_merge_outputs``); instance attributes, removed by :func:`restore_split`."""
+    schedule._split_inputs = split
+    if merge is not None:
+        schedule._merge_outputs = merge
 
-    def __init__(self, schedule: Any, microbatches: list[tuple[torch.Tensor, ...]] | None, count: int,
-                 keep_chunks: bool) -> None:
-        self.schedule, self.microbatches, self.count, self.keep_chunks = schedule, microbatches, count, keep_chunks
 
-    def __enter__(self) -> None:
-        mbs, m = self.microbatches, self.count
-        self.schedule._split_inputs = lambda args, kwargs=None: (list(mbs) if mbs is not None else [()] * m,
-                                                                  [{}] * m)
-        if self.keep_chunks:
-            self.schedule._merge_outputs = lambda chunks: list(chunks)
-
-    def __exit__(self, *exc: object) -> None:
-        for name in ("_split_inputs", "_merge_outputs"):
-            self.schedule.__dict__.pop(name, None)
+def restore_split(schedule: Any) -> None:
+    """Undo :func:`replace_split`: the schedule's own cut and join again."""
+    for name in ("_split_inputs", "_merge_outputs"):
+        schedule.__dict__.pop(name, None)
 
 
 class ChunkShapes:

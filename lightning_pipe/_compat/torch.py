@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch.distributed.pipelining import schedules as _torch_schedules
 
+from lightning_pipe._compat.dcp import DCP_METADATA_PRIVATE  # noqa: F401  (re-exported)
 from lightning_pipe._compat.shape_inference import (  # noqa: F401  (re-exported)
     FORWARD_CONTEXT,
     METADATA_INFERENCE,
@@ -292,6 +293,29 @@ default_store = _resolve(_c10d, "_get_default_store", _c10d.__name__)
 PRIVATE_TORCH_API["_get_default_store"] = default_store
 
 
+# --------------------------------------------------------------------------- gradient norms in hooks (lightning/grad_norms.py)
+# torch.nn.utils.clip_grad_norm_ takes its total norm from the module global ``_get_total_norm`` at each call (the
+# public ``torch.nn.utils.get_total_norm`` is the same function): replacing that global for the length of a hook
+# makes every clip by norm inside it global over the pipeline, however the user imported clip_grad_norm_.
+_clip_grad = _module("torch.nn.utils.clip_grad")
+_resolve(_clip_grad, "_get_total_norm", _clip_grad.__name__)
+PRIVATE_TORCH_API["torch.nn.utils.clip_grad._get_total_norm"] = _clip_grad._get_total_norm
+
+
+@contextlib.contextmanager
+def total_norm_replaced(fn: Callable[..., torch.Tensor]) -> Iterator[None]:
+    """Within: ``clip_grad_norm_`` and ``get_total_norm`` compute their total norm with ``fn`` (same signature)."""
+    original = _clip_grad._get_total_norm
+    utils = torch.nn.utils
+    _clip_grad._get_total_norm = fn
+    utils.get_total_norm = fn
+    try:
+        yield
+    finally:
+        _clip_grad._get_total_norm = original
+        utils.get_total_norm = original
+
+
 # --------------------------------------------------------------------------- in-place change detection (dp_overlap.py)
 def tensor_version(tensor: torch.Tensor) -> int:
     """Autograd's counter of in-place changes to ``tensor`` (``Tensor._version``): tells whether Lightning's
@@ -339,7 +363,7 @@ def _step_takes_return_outputs(schedule_class: Any) -> bool:
     if takes is None:
         try:
             takes = "return_outputs" in inspect.signature(schedule_class.step).parameters
-        except (TypeError, ValueError, AttributeError):  # a step inspect cannot read: called as before
+        except (TypeError, ValueError, AttributeError):  # a step inspect cannot read: called without it
             takes = False
         _TAKES_RETURN_OUTPUTS[schedule_class] = takes
     return takes

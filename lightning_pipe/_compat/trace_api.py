@@ -82,7 +82,7 @@ def swapped_p2p(wrap_batch: Callable[[Callable[..., Any]], Callable[..., Any]],
 @contextlib.contextmanager
 def swapped_compute_loss(schedule: Any, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
     """Within the context ``schedule``'s ``_compute_loss`` is ``wrap(original)``, set on the instance only; on exit
-    the instance is as before (the attribute removed again when the instance had none of its own)."""
+    the instance is as it was (the attribute removed again when the instance had none of its own)."""
     had = _LOSS in vars(schedule)
     old = vars(schedule).get(_LOSS)
     setattr(schedule, _LOSS, wrap(getattr(schedule, _LOSS)))

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from lightning_pipe.checkpoint.format import CHECKSUMS_FILENAME, CheckpointError
+from lightning_pipe.checkpoint.trust import inside, outside_error
 
 ALGORITHM = "crc32"
 _CHUNK = 1 << 20  # bytes per read into one reused buffer (stays in cache; measured faster than 8 MiB reads)
@@ -67,7 +68,7 @@ def read_checksums(root: Path) -> dict[str, FileChecksum] | None:
     try:
         doc = json.loads(path.read_text())
         files, algorithm = doc["files"], doc["algorithm"]
-        intact = doc["self"] == _self_check(files)
+        intact = isinstance(files, dict) and doc["self"] == _self_check(files)
     except Exception as err:
         raise CheckpointError(f"Checkpoint directory {str(root)!r}: `{CHECKSUMS_FILENAME}` is unreadable "
                               f"({type(err).__name__}: {err}); the checkpoint is corrupted.") from err
@@ -79,6 +80,9 @@ def read_checksums(root: Path) -> dict[str, FileChecksum] | None:
         raise CheckpointError(f"Checkpoint directory {str(root)!r} is corrupted: `{CHECKSUMS_FILENAME}` does not match "
                               "its own checksum (its bytes changed after the save). Use another checkpoint, or copy "
                               "this one again from its source.")
+    stray = next((name for name in files if not inside(root, name)), None)
+    if stray is not None:  # (verifying would read it)
+        raise outside_error(root, CHECKSUMS_FILENAME, stray)
     return files
 
 

@@ -64,6 +64,19 @@ def stage_state_key(name: str, key: str) -> str:
     return f"{STAGE_STATE_PREFIX}{name}.{key}"
 
 
+def saved_layout(pipeline: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The layout a checkpoint's ``meta["pipeline"]`` says it was written with (informative, as data from the file:
+    ``None`` when it is not a dict; its ``stages`` left out unless they are lists of layer indices)."""
+    layout = pipeline.get("layout")
+    if not isinstance(layout, dict):
+        return None
+    stages = layout.get("stages")
+    if stages is not None and not (isinstance(stages, list) and all(
+            isinstance(r, list) and all(type(i) is int for i in r) for r in stages)):
+        layout = {k: v for k, v in layout.items() if k != "stages"}
+    return layout
+
+
 def hyper_parameters(group: Mapping[str, Any]) -> dict[str, Any]:
     """A param group's hyper-parameters: everything but its ``params``."""
     return {k: v for k, v in group.items() if k != "params"}

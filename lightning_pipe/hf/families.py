@@ -45,7 +45,7 @@ _DENSE: dict[str, Family] = {
     "qwen2": _llama_like(PER_LAYER),
     "qwen3": _llama_like(PER_LAYER),
 }
-# Mixtures of experts (issue 25): the decoder layers hold the routers; the load-balancing loss: lightning_pipe/hf/moe.py
+# Mixtures of experts: the decoder layers hold the routers; the load-balancing loss: lightning_pipe/hf/moe.py
 _MOE: dict[str, Family] = {
     "mixtral": _llama_like(EVERY_LAYER),
     "qwen2_moe": _llama_like(PER_LAYER),

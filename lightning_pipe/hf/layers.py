@@ -23,7 +23,9 @@ head               ``hidden``                                                   
 
 ``attention_mask`` is the 2-D ``[B, T]`` padding mask (1 = token, 0 = padding) as tokenizers / collators give it;
 ``pos`` are optional ``[B, T]`` position ids (default ``arange(T)``, as the model uses). ``seq`` (``[B, T]``
-document index per token, transformers' ``seq_idx``) marks *packed* rows, see [Note: packed rows]
+document index per token, transformers' ``seq_idx``) marks *packed* rows, see [Note: packed rows].
+
+[Note: packed rows]
 transformers' own packed-sequence support: called without a 2-D attention mask and without a cache, the model
 derives documents from ``position_ids`` that restart (``masking_utils.find_packed_sequence_indices``) and every
 attention implementation keeps attention inside them (sdpa / eager: a block-diagonal causal mask, tested; flash
@@ -46,22 +48,14 @@ rank reads only the tensors of its own layers.
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
-try:
-    from transformers import masking_utils
-except ImportError as err:  # pragma: no cover - exercised only without the optional dependency
-    raise ImportError(
-        "lightning_pipe.hf needs the `transformers` package (>=5,<6): `pip install 'transformers>=5,<6' safetensors`."
-    ) from err
-
 from lightning_pipe.hf.families import attention_type, family
+from lightning_pipe.hf.masks import make_mask
 from lightning_pipe.hf.moe import RouterBalance, find_routers, release_carry, router_logits_source
 
 __all__ = [
@@ -73,36 +67,6 @@ __all__ = [
     "causal_lm_layers",
     "layers_from_config",
 ]
-
-
-_MASK_FUNCTIONS: dict[str, Callable[..., Any]] = {
-    "full_attention": masking_utils.create_causal_mask,
-    "sliding_attention": masking_utils.create_sliding_window_causal_mask,
-}
-
-
-@functools.cache
-def _mask_parameters(fn: Callable[..., Any]) -> frozenset[str]:
-    return frozenset(inspect.signature(fn).parameters)
-
-
-def _make_mask(kind: str, config: Any, hidden: Tensor, attention_mask: Tensor | None,
-               position_ids: Tensor) -> Any:
-    """The mask the model's forward would hand its decoder layers (4-D, or ``None`` for SDPA's ``is_causal``).
-
-    Keyword names moved within transformers 5.x (``cache`` was ``past_key_values``; ``input_embeds``;
-    ``cache_position``): pass what this version's signature has.
-    """
-    fn = _MASK_FUNCTIONS[kind]
-    params = _mask_parameters(fn)
-    kwargs: dict[str, Any] = {"config": config, "attention_mask": attention_mask, "position_ids": position_ids}
-    kwargs["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = hidden
-    for name in ("cache", "past_key_values"):
-        if name in params:
-            kwargs[name] = None
-    if "cache_position" in params:
-        kwargs["cache_position"] = torch.arange(hidden.shape[1], device=hidden.device)
-    return fn(**kwargs)
 
 
 def _unpack(args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -260,7 +224,7 @@ class CausalLMDecoderLayer(HFLayer):
         # On meta tensors (the shape planner: [Note: shapes without re-inference]) the mask's values cannot be read
         # (transformers inspects them), and no output shape depends on them: plan with the causal path.
         mask = (None if hidden.is_meta
-                else _make_mask(self.attention_type, self.config, hidden, attention_mask, position_ids))
+                else make_mask(self.attention_type, self.config, hidden, attention_mask, position_ids))
         kwargs: dict[str, Any] = {"attention_mask": mask, "position_ids": position_ids, "use_cache": False}
         if self.rotary_emb is not None:
             kwargs["position_embeddings"] = self.rotary_emb(hidden, position_ids)

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from lightning_pipe._compat import transformers as _compat
 from lightning_pipe.hf.expert_weights import fuse, fused_sources, router_alias
 from lightning_pipe.hf.layers import HFLayer, _state_tensors, layers_from_config
+from lightning_pipe.layers.stages import allocate_layers, on_meta
 
 __all__ = [
     "SafetensorsCheckpoint",
@@ -35,24 +36,11 @@ def _init_weights_function(layer: nn.Module) -> Callable[[nn.Module], None] | No
 
 def materialize_layers_(layers: nn.ModuleList | Sequence[nn.Module], indices: Iterable[int],
                         device: torch.device | str = "cpu") -> None:
-    """Allocate (``to_empty``) the listed layers if they are on the meta device, keeping ties between them.
-
-    ``to_empty`` gives every module a new Parameter, so a tie between two listed layers (embedding and head on one
-    rank) is formed again. Values are garbage until :func:`init_layer_` / :func:`load_layer_weights_`.
+    """Allocate (``to_empty``) the listed layers if they are on the meta device, keeping ties between them
+    (:func:`~lightning_pipe.layers.stages.allocate_layers`: a tie between two listed layers, embedding and head on
+    one rank, is formed again). Values are garbage until :func:`init_layer_` / :func:`load_layer_weights_`.
     """
-    indices = [i for i in indices if any(t.is_meta for t in (*layers[i].parameters(), *layers[i].buffers()))]
-    uses: dict[int, list[tuple[nn.Module, str]]] = {}
-    for i in indices:
-        for sub in layers[i].modules():
-            for name, p in sub._parameters.items():
-                if p is not None:
-                    uses.setdefault(id(p), []).append((sub, name))
-    for i in indices:
-        layers[i].to_empty(device=device)
-    for owners in uses.values():
-        first_mod, first_name = owners[0]
-        for mod, name in owners[1:]:
-            mod._parameters[name] = first_mod._parameters[first_name]
+    allocate_layers([layers[i] for i in indices if on_meta(layers[i])], device)
 
 
 def _rng_devices(layer: nn.Module) -> list[int]:

@@ -3,7 +3,7 @@
 [Note: compiled layers]
 Regional compilation, as torchtitan compiles per transformer block: every layer of this rank's stages is compiled on
 its own, after it was materialised (and moved), never the stage as a whole. So a stage boundary stays an eager
-boundary, the layer I/O contract ([Note: the layer I/O contract]) is checked between layers as before, and remote
+boundary, the layer I/O contract ([Note: the layer I/O contract]) is still checked between layers, and remote
 layers stay placeholders (they are never called).
 
 - **Where the compiled code lives.** ``torch.compile(layer, **options)`` returns an ``OptimizedModule`` that calls

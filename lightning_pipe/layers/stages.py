@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_pipe._compat import torch as _compat
 from lightning_pipe.config import LayerChoice, config_error
-from lightning_pipe.layers.aux import records_once
+from lightning_pipe.layers.aux import attach_layer_penalty, records_once
 from lightning_pipe.layers.compile import CompiledLayers
 from lightning_pipe.layers.offload import HostOffload, OffloadStats
 from lightning_pipe.layers.vocab import TokenIdError, explain_index_error
@@ -138,6 +138,11 @@ def _run_special(call: Callable[..., Any], layer: nn.Module, position: int, inde
     return call(*args)
 
 
+class RemoteLayerError(AttributeError):
+    """An attribute of a layer read on a rank that does not hold the layer (an ``AttributeError``, so ``getattr``
+    with a default and ``hasattr`` keep working)."""
+
+
 class RemoteLayer(nn.Module):
     """Stands in for a layer that lives on another pipeline rank."""
 
@@ -145,9 +150,28 @@ class RemoteLayer(nn.Module):
         super().__init__()
         self.index, self.stage, self.rank = index, stage, rank
 
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            where = self.__dict__
+            if name.startswith("__") or "index" not in where:  # protocol probes, or before __init__ ran
+                raise
+        raise RemoteLayerError(
+            f"Layer {where['index']} has no attribute {name!r} here: it lives on {self._where()}, and this rank keeps "
+            "only a parameter-less stand-in for it (under PipelineStrategy each rank holds its own stages' layers). "
+            "To read a quantity of this layer on every rank (to log it, say), compute it where it lives, e.g. "
+            f"`self.layer_value({where['index']}, lambda layer: layer.{name}.norm())` (a collective: call it on "
+            "every rank); code inside the layers runs where they live.")
+
+    def _where(self) -> str:
+        # (a layer moved by the rebalancer knows its rank, not its stage number)
+        return (f"pipeline stage {self.stage} (pipeline rank {self.rank})" if self.stage >= 0
+                else f"pipeline rank {self.rank}")
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
-            f"Layer {self.index} lives on pipeline stage {self.stage} (pipeline rank {self.rank}), not on this rank. "
+            f"Layer {self.index} lives on {self._where()}, not on this rank. "
             "Under PipelineStrategy the layers run inside the pipeline schedule: get the loss from "
             "`self.compute_loss(batch)` and outputs from `self.compute_output(batch)` instead of calling `self(x)`."
         )
@@ -174,6 +198,8 @@ class StageModule(nn.Module):
         """Host bytes this stage's offloaded layers hold (bench/memory.py reads them)."""
         self.compiled = CompiledLayers(compile_options)
         """What runs for each layer under ``compile=`` ([Note: compiled layers]); kept outside the module tree."""
+        self.penalty: Callable[[int, nn.Module], torch.Tensor | None] | None = None
+        """The module's ``layer_penalty`` ([Note: a penalty over every stage's parameters])."""
 
     def meta_forward_context(self) -> contextlib.AbstractContextManager[None]:
         """Around the meta forwards that plan shapes: the layers run uncompiled ([Note: compiled layers])."""
@@ -181,8 +207,9 @@ class StageModule(nn.Module):
 
     def forward(self, *args: Any) -> Any:
         layers = list(self.layers)
-        return run_layers(layers, args[0] if len(args) == 1 else args, self.layer_indices, self.recompute_every,
-                          self.offload, self.offload_stats, self.compiled.calls(layers))
+        out = run_layers(layers, args[0] if len(args) == 1 else args, self.layer_indices, self.recompute_every,
+                         self.offload, self.offload_stats, self.compiled.calls(layers))
+        return attach_layer_penalty(out, layers, self.layer_indices, self.penalty)
 
 
 LayerList = nn.Sequential | nn.ModuleList
@@ -264,12 +291,14 @@ def localize_layers(module: nn.Module, attr: str, ranges: Sequence[range], local
         if owner[i] not in local:
             # Writing _modules directly keeps the original indices ("7") as names; del/insert would renumber.
             layers._modules[key] = RemoteLayer(i, owner[i], stage_to_rank(owner[i]))
-    return [StageModule([layers[i] for i in ranges[s]], ranges[s], recompute_every, offload, compile_options)
-            for s in local_stages]
+    stage_modules = [StageModule([layers[i] for i in ranges[s]], ranges[s], recompute_every, offload,
+                                 compile_options) for s in local_stages]
+    for stage_module in stage_modules:  # [Note: a penalty over every stage's parameters]
+        stage_module.penalty = getattr(module, "layer_penalty", None)
+    return stage_modules
 
 
-def materialize(module: nn.Module, attr: str, stage_modules: Sequence[StageModule], tied: Sequence[TiedParameter],
-                device: torch.device) -> bool:
+def materialize(module: nn.Module, stage_modules: Sequence[StageModule], device: torch.device) -> bool:
     """Allocate and initialise this rank's layers if they were built on the meta device; False if they were not.
 
     Each local layer is initialised by ``module.reset_layer(index, layer)`` when the module defines it (make it
@@ -277,7 +306,7 @@ def materialize(module: nn.Module, attr: str, stage_modules: Sequence[StageModul
     every pipeline layout start from the same values), else by each submodule's ``reset_parameters()``.
     """
     return materialize_layers(module, [(index, layer) for sm in stage_modules
-                                       for index, layer in zip(sm.layer_indices, sm.layers)], device, tied)
+                                       for index, layer in zip(sm.layer_indices, sm.layers)], device)
 
 
 def on_meta(module: nn.Module) -> bool:
@@ -285,20 +314,43 @@ def on_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
 
 
-def materialize_layers(module: nn.Module, layers: Sequence[tuple[int, nn.Module]], device: torch.device,
-                       tied: Sequence[TiedParameter] = ()) -> bool:
+def materialize_layers(module: nn.Module, layers: Sequence[tuple[int, nn.Module]], device: torch.device) -> bool:
     """The one meta-materialise path: if any of ``layers`` (``(index, layer)`` pairs of ``module``'s layer list)
-    is on the meta device, allocate them all on ``device`` (``to_empty``), tie the local uses of ``tied`` again
-    (``to_empty`` gives every module its own new Parameter) and initialise each with :func:`init_layer`; True.
-    False, and nothing changes, when none is on meta."""
+    is on the meta device, allocate them all on ``device`` (:func:`allocate_layers`) and initialise each with
+    :func:`init_layer`; True. False, and nothing changes, when none is on meta."""
     if not any(on_meta(layer) for _, layer in layers):
         return False
-    for _, layer in layers:
-        layer.to_empty(device=device)
-    _retie(module, tied)
+    allocate_layers([layer for _, layer in layers], device)
     for index, layer in layers:
         init_layer(module, index, layer)
     return True
+
+
+def place_layer(module: nn.Module, index: int, layer: nn.Module, device: torch.device) -> bool:
+    """One layer on ``device``: allocated and initialised if built on meta (True, :func:`materialize_layers`), else
+    moved (False)."""
+    if materialize_layers(module, [(index, layer)], device):
+        return True
+    layer.to(device)
+    return False
+
+
+def allocate_layers(layers: Sequence[nn.Module], device: torch.device | str) -> None:
+    """Allocate ``layers`` on ``device`` (``to_empty``: values are garbage until initialised or loaded), keeping the
+    parameters they share: ``to_empty`` gives every module its own new Parameter, so each parameter used in several
+    places among them (a tied embedding and head on one rank, a weight shared inside a layer) is one again after."""
+    uses: dict[int, list[tuple[nn.Module, str]]] = {}
+    for layer in layers:
+        for sub in layer.modules():
+            for name, p in sub._parameters.items():
+                if p is not None:
+                    uses.setdefault(id(p), []).append((sub, name))
+    for layer in layers:
+        layer.to_empty(device=device)
+    for owners in uses.values():
+        first, first_name = owners[0]
+        for sub, name in owners[1:]:
+            sub._parameters[name] = first._parameters[first_name]
 
 
 def init_layer(module: nn.Module, index: int, layer: nn.Module) -> None:
@@ -312,28 +364,6 @@ def init_layer(module: nn.Module, index: int, layer: nn.Module) -> None:
         reset = getattr(sub, "reset_parameters", None)
         if callable(reset):
             reset()
-
-
-def _local_submodule(module: nn.Module, path: str) -> nn.Module | None:
-    """``module.get_submodule(path)``, or None where the path runs through another rank's layer (a RemoteLayer)."""
-    for part in path.split(".") if path else ():
-        child = module._modules.get(part)
-        if child is None or isinstance(child, RemoteLayer):
-            return None
-        module = child
-    return module
-
-
-def _retie(module: nn.Module, tied: Sequence[TiedParameter]) -> None:
-    for tie in tied:
-        owners = []
-        for name in tie.names:
-            prefix, _, leaf = name.rpartition(".")
-            owner = _local_submodule(module, prefix)  # a use nested in another rank's layer is not here
-            if owner is not None and leaf in owner._parameters:
-                owners.append((owner, leaf))
-        for owner, leaf in owners[1:]:
-            owner._parameters[leaf] = owners[0][0]._parameters[owners[0][1]]
 
 
 def warn_batch_norm(layers: LayerList, attr: str, microbatches: int) -> None:

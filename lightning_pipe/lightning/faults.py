@@ -23,7 +23,10 @@ after the current batch. Because every rank is at the same point, checkpoint sav
 the ranks have not agreed within :data:`SIGTERM_DEADLINE_S` (a rank stuck outside any step), the process ends anyway.
 SLURM's requeue signal (SIGUSR1 with ``SLURMEnvironment(auto_requeue=True)``) has the same problem — Lightning saves
 a checkpoint inside its handler — and the same cure: recorded in the handler, agreed in the same all-reduce, and
-Lightning's requeue (checkpoint, ``scontrol requeue``) run by every rank at that step boundary.
+Lightning's requeue (checkpoint, ``scontrol requeue``) run by every rank at that step boundary: in training at the
+end of the batch whose optimizer step closes the accumulation window (``on_train_batch_end``, where
+``ModelCheckpoint(every_n_train_steps=...)`` saves), so the checkpoint holds that step's parameters, optimizer and
+scheduler state and the loop resumes at the next batch; in evaluation and prediction after the current batch.
 
 [Note: the same last batch]
 Every rank iterates its own data loader; the stages of a pipeline (and its tensor ranks, and the replicas, which
@@ -39,7 +42,6 @@ from __future__ import annotations
 
 import signal
 import sys
-import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -51,8 +53,9 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_pipe._compat import lightning as _compat
-from lightning_pipe._compat import torch as _compat_torch
 from lightning_pipe.config import PipelineConfigError, config_error
+from lightning_pipe.lightning.liveness import start_watch, step_status
+from lightning_pipe.lightning.same_call import StuckInStep, step_of
 from lightning_pipe.runtime.watchdog import FailureWatch, any_rank, consequence_note
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -64,9 +67,10 @@ must still exceed the longest *legitimate* one-sided wait: a downstream stage wa
 compile or run their first step, or while local rank 0 runs ``prepare_data``. 10 minutes is torch's own NCCL
 default (Lightning and gloo use 30); raise it with ``PipelineStrategy(timeout=...)`` for longer one-sided work."""
 
-SIGTERM_DEADLINE_S = 30.0
+SIGTERM_DEADLINE_S = 25.0
 """Seconds after SIGTERM by which the ranks must have agreed to stop; later, this process ends without a
-checkpoint (SLURM and Kubernetes follow SIGTERM with SIGKILL after 30 s by default)."""
+checkpoint. torchrun, SLURM and Kubernetes follow SIGTERM with SIGKILL after 30 s by default: this ends first, with
+its message. When a peer or the store has already fallen silent, the process ends at once ([Note: heartbeats])."""
 
 
 def resolve_timeout(timeout: timedelta | float | int | None) -> timedelta:
@@ -109,6 +113,17 @@ class PipelineSignalConnector(_compat.SignalConnector):
         return state
 
 
+class _RequeueAtBatchEnd(Callback):
+    """Runs an agreed SLURM requeue after the optimizer step ([Note: SIGTERM at a step boundary]): the training
+    step itself runs before it, so a checkpoint saved there would hold the parameters of the step before."""
+
+    def __init__(self, faults: PipelineFaults) -> None:
+        self.faults = faults
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.faults.requeue_if_due()
+
+
 class _FailureReporter(Callback):
     """Reports a failure before the checkpoint callbacks' ``on_exception`` (Lightning runs checkpoint callbacks
     last): their save is collective and would otherwise wait on peers that do not know yet."""
@@ -131,28 +146,32 @@ class PipelineFaults:
         self.stopping = False  # every rank agreed to stop on SIGTERM
         self.requeue_pending = False  # SLURM's requeue signal (SIGUSR1), recorded by the handler
         self._requeued = False
+        self._requeue_due = False  # agreed in training: runs at the end of the batch (_RequeueAtBatchEnd)
         self.failed = False
         self._reporter = _FailureReporter(self)
+        self.heartbeat = getattr(watch, "heartbeat", None)  # [Note: heartbeats]; None: no liveness watch
+        self._requeue_hook = _RequeueAtBatchEnd(self)
         self._undo_skip: Any = None
 
     @classmethod
-    def start(cls, strategy: Any) -> PipelineFaults | None:
+    def start(cls, strategy: Any, heartbeat_timeout: float | None = None) -> PipelineFaults | None:
         """Start watching (after the process group exists; a collective: every rank calls it). None on one rank."""
         if strategy.world_size < 2 or strategy.lightning_module is None:
             return None
         trainer: Any = strategy.lightning_module.trainer
-        # Keys private to this run: a process that runs fit, then validate, reuses the store.
-        token = strategy.broadcast(uuid.uuid4().hex[:12])
-        store = dist.PrefixStore(f"lightning_pipe/faults/{token}/", _compat_torch.default_store())
-        watch = FailureWatch(store, strategy.global_rank, world_size=strategy.world_size,
-                             before_exit=lambda: _end_launched_ranks(strategy))
+        holder: list[PipelineFaults] = []
+        watch = start_watch(strategy, heartbeat_timeout, before_exit=lambda: _end_launched_ranks(strategy),
+                            on_signal=lambda signum: holder[0].signal_seen(signum) if holder else None)
+        watch.checks.append(StuckInStep(strategy.global_rank, lambda: step_of(strategy)))  # [Note: every rank saves]
         faults = cls(strategy, trainer, watch)
+        holder.append(faults)
         connector = _compat.signal_connector(trainer)
         if isinstance(connector, PipelineSignalConnector):
             connector.faults = faults
         else:
             _compat.set_signal_connector(trainer, PipelineSignalConnector(trainer, faults))
         trainer.callbacks.insert(0, faults._reporter)
+        trainer.callbacks.insert(0, faults._requeue_hook)
         # Lightning's own per-step SIGTERM broadcast: redundant under this agreement ([Note: SIGTERM at a step
         # boundary]); one collective less per step.
         faults._undo_skip = _compat.skip_sigterm_broadcast(trainer)
@@ -176,7 +195,18 @@ class PipelineFaults:
             except Exception:
                 pass
 
+    def before_step(self, phase: str, batch_idx: int | None) -> None:
+        """What this rank is doing, for its peers' messages if it falls silent ([Note: heartbeats])."""
+        if self.heartbeat is not None:
+            self.heartbeat.status = step_status(phase, batch_idx, self.trainer)
+
     # ------------------------------------------------------------------ SIGTERM
+    def signal_seen(self, signum: int) -> None:
+        """On the watch's guard thread, as soon as a signal arrives, even while the main thread waits in a native
+        call and its handler cannot run ([Note: signals while blocked] in runtime/watchdog.py)."""
+        if signum == signal.SIGTERM:
+            self.sigterm_received(signum)
+
     def sigterm_received(self, signum: Any) -> None:
         """Called from the signal handler: record, forward to launched ranks, arm the deadline."""
         if self.sigterm_pending:
@@ -185,6 +215,11 @@ class PipelineFaults:
         launcher = self.strategy.launcher
         if launcher is not None and hasattr(launcher, "kill"):
             launcher.kill(signum)  # the ranks this process started (Lightning's popen launcher) stop with us
+        if self.heartbeat is not None and self.heartbeat.contact_lost():  # no step boundary can come: a peer or the store is silent
+            self.watch.set_deadline(0.0, f"lightning_pipe: rank {self.strategy.global_rank} received SIGTERM while "
+                                    "a peer or the rendezvous store is silent (no step can end); exiting now, "
+                                    "without a checkpoint, with code 143.", 143)
+            return
         self.watch.set_deadline(
             SIGTERM_DEADLINE_S,
             f"lightning_pipe: rank {self.strategy.global_rank} received SIGTERM {SIGTERM_DEADLINE_S:.0f} s ago and "
@@ -205,6 +240,8 @@ class PipelineFaults:
         epoch ends ([Note: the same last batch]), in one all-reduce (in training: the one of the step's loss)."""
         engine = getattr(self.strategy, "engine", None)
         agreed = engine.take_agreed_flags() if phase == "train" and engine is not None else None
+        if self.heartbeat is not None:
+            self.heartbeat.status = step_status(phase, batch_idx, self.trainer, done=True)
         if not self.stopping:
             last = _compat.is_last_batch(self.trainer, phase)
             group = self._step_group(phase, engine)
@@ -215,7 +252,9 @@ class PipelineFaults:
                 raise uneven_batches_error(phase, batch_idx, last, self.strategy.global_rank, group)
             if requeue:
                 self._requeued = True  # once per run: ranks may get the signal a step apart
-                _compat.signal_connector(self.trainer).run_requeue()
+                self._requeue_due = True
+                if phase != "train":
+                    self.requeue_if_due()
             if not sigterm:
                 return
             self.stopping = True
@@ -228,6 +267,14 @@ class PipelineFaults:
         if batch_idx is None or (batch_idx + 1) % accumulate == 0:
             # Lightning raises SIGTERMException after this batch's optimizer step (training_epoch_loop).
             _compat.signal_connector(self.trainer).received_sigterm = True
+
+    def requeue_if_due(self) -> None:
+        """Lightning's requeue (checkpoint, ``scontrol requeue`` on rank 0) once the ranks agreed on it; in training
+        only after the optimizer step that closes the accumulation window (every rank at the same batch)."""
+        if not self._requeue_due or (self.trainer.training and _compat.should_accumulate(self.trainer)):
+            return
+        self._requeue_due = False
+        _compat.signal_connector(self.trainer).run_requeue()
 
     @staticmethod
     def _step_group(phase: str, engine: Any) -> Any:
@@ -248,8 +295,9 @@ class PipelineFaults:
     def stop(self) -> None:
         """Strategy.teardown. After a normal end (or an agreed stop) every rank stops polling before any may exit:
         the store lives in rank 0's process, and a peer still polling it would log a failed connection."""
-        if self._reporter in self.trainer.callbacks:
-            self.trainer.callbacks.remove(self._reporter)
+        for hook in (self._reporter, self._requeue_hook):
+            if hook in self.trainer.callbacks:
+                self.trainer.callbacks.remove(hook)
         if self._undo_skip is not None:
             self._undo_skip()
         if not self.failed:

@@ -1,4 +1,5 @@
-"""Spawned ranks (``strategy="pipeline_spawn"``, notebooks): hand the *whole* model back to the main process.
+"""Who starts the ranks (:func:`pipeline_launcher`); spawned ranks (``strategy="pipeline_spawn"``, notebooks) hand the
+*whole* model back to the main process.
 
 Lightning's multiprocessing launcher sends rank 0's ``state_dict()`` back and loads it non-strictly. Under the
 pipeline rank 0 holds only the first stage, so the main process would silently keep the initial weights of every
@@ -10,9 +11,20 @@ from __future__ import annotations
 from typing import Any
 
 import torch.distributed as dist
+from lightning.fabric.plugins import ClusterEnvironment
 from typing_extensions import override
 
-from lightning_pipe._compat.lightning import MultiProcessingLauncher
+from lightning_pipe._compat.lightning import MultiProcessingLauncher, SubprocessScriptLauncher
+
+
+def pipeline_launcher(strategy: Any, environment: ClusterEnvironment, start_method: str) -> Any:
+    """Nobody where torchrun, SLURM or a test harness started the ranks; Lightning's script launcher for
+    ``"popen"`` (re-runs the script per rank, like ``ddp``); ours for spawned or forked ranks."""
+    if environment.creates_processes_externally:
+        return None
+    if start_method == "popen":
+        return SubprocessScriptLauncher(environment, strategy.num_processes, strategy.num_nodes)
+    return PipelineMultiProcessingLauncher(strategy, start_method=start_method)
 
 
 class PipelineMultiProcessingLauncher(MultiProcessingLauncher):

@@ -4,11 +4,9 @@ to the adapter's helpers (setup, preflight, checkpointing, faults, precision).""
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -16,35 +14,32 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor
 from typing_extensions import override
 
-from lightning_pipe._compat import lightning as _compat
-from lightning_pipe.checkpoint import remove as remove_checkpoint_files
-from lightning_pipe.config import PartitionSpec
-from lightning_pipe.lightning import metrics, world
-from lightning_pipe.lightning.checkpointing import RankGroup, ShardedCheckpointer
+from lightning_pipe.config import PartitionSpec, PipelineConfigError
+from lightning_pipe.lightning import same_call, world
+from lightning_pipe.lightning.async_checkpoint import AsyncSaver, check_links, resolve_async_checkpoint
+from lightning_pipe.lightning.checkpoint_hooks import CheckpointHooks
+from lightning_pipe.lightning.collectives import DataCollectives
+from lightning_pipe.lightning.elastic import elastic_world
 from lightning_pipe.lightning.faults import DEFAULT_TIMEOUT, PipelineFaults, resolve_timeout
-from lightning_pipe.lightning.launchers import PipelineMultiProcessingLauncher
-from lightning_pipe.lightning.module import check_returned_loss
+from lightning_pipe.lightning.launchers import pipeline_launcher
+from lightning_pipe.lightning.liveness import DEFAULT_HEARTBEAT_TIMEOUT, resolve_heartbeat_timeout
 from lightning_pipe.lightning.optimizers import empty_parameter_lists_allowed
 from lightning_pipe.lightning.precision import PipelinePrecision, to_pipeline_precision
-from lightning_pipe.lightning.preflight import check_compiled_plan, check_last_batch, resolve_settings
+from lightning_pipe.lightning.preflight import check_last_batch, plan_for_world, resolve_settings
 from lightning_pipe.lightning.rebalancing import StrategyRebalancer
-from lightning_pipe.lightning.setup import check_rank_optimizers, release_to_cpu, setup_pipeline
+from lightning_pipe.lightning.setup import check_rank_optimizers, release_to_cpu, setup_pipeline, teardown_pipeline
+from lightning_pipe.lightning.steps import run_step, synced_closure
 from lightning_pipe.parallel.group_cache import forget_groups
 from lightning_pipe.parallel.topology import Topology
-from lightning_pipe.planner.plan import apply_plan
-from lightning_pipe.rebalance import check_rebalance
-from lightning_pipe.runtime.build import check_expert_settings
 from lightning_pipe.runtime.engine import PipelineEngine
-from lightning_pipe.schedules import SchedulePlan, check_torch_runs, plan_schedule
+from lightning_pipe.schedules import SchedulePlan
 
 
-class PipelineStrategy(ParallelStrategy):
+class PipelineStrategy(DataCollectives, CheckpointHooks):
     """Pipeline parallelism (optionally times data parallelism) for a layer-list LightningModule.
 
     ``world size = data_parallel_size x pipeline size x fsdp_size x tensor_parallel_size``. The module's layer list is split into
@@ -64,10 +59,27 @@ class PipelineStrategy(ParallelStrategy):
         timeout: how long a rank waits on another in one transfer before failing (a ``timedelta`` or seconds;
             default 10 minutes). A rank that fails stops its peers within seconds regardless
             (docs/failures.md).
+        heartbeat_timeout: seconds after which a rank (or the rendezvous store) that has not been heard from is
+            taken for lost and every other rank stops, naming it (default 30; 0 or None: off; docs/multi-node.md).
+        async_checkpoint: write checkpoints on a background thread after copying them to host memory (docs/
+            checkpoints.md); the next save, a load and the end of the run wait for the write.
         start_method: ``"popen"`` re-runs the script per rank (like ``ddp``); ``"spawn"`` for notebooks.
+        save_consolidated: write every checkpoint as one ordinary ``.ckpt`` file (``torch.load`` and any
+            ``load_from_checkpoint`` read it; rank 0 holds the whole model while writing) instead of a sharded
+            directory ([Note: consolidated checkpoints] in lightning/checkpointing.py).
     """
 
     strategy_name = "pipeline"
+    # Set by setup (and cleared by teardown); None before.
+    engine: PipelineEngine | None = None
+    plan: SchedulePlan | None = None
+    topology: Topology | None = None
+    rebalancer: StrategyRebalancer | None = None
+    auto_plan: dict[str, Any] | None = None
+    _faults: PipelineFaults | None = None
+    _undo_fast_log: Callable[[], None] | None = None
+    _undo_metric_sync: Callable[[], None] | None = None
+    _undo_features: Callable[[], None] | None = None  # lightning/features.py, between setup and teardown
 
     def __init__(
         self,
@@ -95,7 +107,10 @@ class PipelineStrategy(ParallelStrategy):
         # the processes
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = DEFAULT_TIMEOUT,
+        heartbeat_timeout: float | None = DEFAULT_HEARTBEAT_TIMEOUT,
+        async_checkpoint: bool = False,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        save_consolidated: bool = False,
         # Lightning's plugins
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -115,20 +130,14 @@ class PipelineStrategy(ParallelStrategy):
                                     rebalance_threshold=rebalance_threshold, offload=offload,
                                     compile=compile)
         self.pipeline_config = resolved.config
-        self.rebalancer: StrategyRebalancer | None = None
         self._plan_source, self._plan_name = resolved.plan, resolved.plan_name
         self._auto, self._memory_budget = resolved.auto, resolved.memory_budget
-        self.auto_plan: dict[str, Any] | None = None
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = resolve_timeout(timeout)
-        self._faults: PipelineFaults | None = None
-        self._undo_fast_log: Callable[[], None] | None = None
-        self._undo_metric_sync: Callable[[], None] | None = None
-        self._start_method = start_method
-        self.engine: PipelineEngine | None = None
-        self.plan: SchedulePlan | None = None
-        self.topology: Topology | None = None
+        self._heartbeat_timeout = resolve_heartbeat_timeout(heartbeat_timeout)
+        self._saver = AsyncSaver() if resolve_async_checkpoint(async_checkpoint) else None
+        self._start_method, self._save_consolidated = start_method, save_consolidated
 
     @property
     def planned(self) -> dict[str, Any] | None:
@@ -182,15 +191,14 @@ class PipelineStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if self.cluster_environment.creates_processes_externally:
-            self._launcher = None  # torchrun / SLURM / our tests started the ranks
-        elif self._start_method == "popen":
-            self._launcher = _compat.SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
-                                                              self.num_nodes)
-        else:
-            self._launcher = PipelineMultiProcessingLauncher(self, start_method=self._start_method)
+        self._launcher = pipeline_launcher(self, self.cluster_environment, self._start_method)
 
     def set_world_ranks(self) -> None:
+        # torchrun's elastic agent may give another number of nodes than num_nodes: [Note: elastic worlds]
+        elastic = elastic_world(self.cluster_environment, self.num_nodes, self.num_processes, self.pipeline_config)
+        if elastic is not None:
+            planned_replicas = self.pipeline_config.data_parallel_size
+            self._num_nodes, self.pipeline_config = elastic.nodes, elastic.config
         if self.cluster_environment is not None and self.cluster_environment.creates_processes_externally:
             # torchrun / SLURM started the processes: Lightning's own rule that devices x num_nodes is their world
             # (its launcher checks it; none runs here), before any device list is indexed by a local rank
@@ -199,15 +207,18 @@ class PipelineStrategy(ParallelStrategy):
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        if elastic is not None:
+            rank_zero_info(elastic.describe(planned_replicas))
+        try:
+            self._plan_world()
+        except PipelineConfigError as err:
+            if elastic is None:
+                raise
+            raise PipelineConfigError(f"{elastic.headline()}, and no layout of this run fits it: {err}") from err
+
+    def _plan_world(self) -> None:
         self.topology = None
-        if self._plan_source is not None:
-            apply_plan(self._plan_source, world_size=self.world_size, name=self._plan_name)  # for one world size
-        # World-shape rules are checked here, before any process waits on another; the plan is resolved once.
-        self.plan = plan_schedule(self.pipeline_config, self._topology().pipeline_size)
-        check_torch_runs(self.plan)  # what this torch would compute wrongly ([Note: torch versions])
-        check_compiled_plan(self.pipeline_config, self.plan)  # [Note: compiled layers]: no split backward
-        check_rebalance(self.pipeline_config, self.plan)  # before any rank waits on another
-        check_expert_settings(self.plan, self._topology(), self.pipeline_config.expert_parallel_size)
+        self.plan = plan_for_world(self.pipeline_config, self._topology(), self._plan_source, self._plan_name)
 
     @override
     def setup_environment(self) -> None:
@@ -216,8 +227,9 @@ class PipelineStrategy(ParallelStrategy):
         self.set_world_ranks()
         self._process_group_backend = world.init_process_group(self.cluster_environment, self.root_device,
                                                                self._process_group_backend, self._timeout)
+        same_call.start_together(self)  # every rank starts this Trainer call ([Note: every rank saves])
         # Failures on one rank stop the others; SIGTERM stops all ranks at a step boundary (lightning/faults.py).
-        self._faults = PipelineFaults.start(self)
+        self._faults = PipelineFaults.start(self, self._heartbeat_timeout)
 
     # ------------------------------------------------------------------ precision
     @property
@@ -236,12 +248,9 @@ class PipelineStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ setup (lightning/setup.py)
     @override
     def setup(self, trainer: Trainer) -> None:
+        if self._saver is not None:
+            check_links(trainer.callbacks)  # type: ignore[attr-defined]
         setup_pipeline(self, trainer)
-        if self._undo_fast_log is None:  # [Note: self.log's move to the device it is on] (_compat/lightning.py)
-            self._undo_fast_log = _compat.fast_metric_moves()
-        module = self.lightning_module  # [Note: what sync_dist reduces over] (lightning/metrics.py)
-        if self._undo_metric_sync is None and self.engine is not None and module is not None:
-            self._undo_metric_sync = metrics.sync_metrics_over_data(module, self.engine)
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -269,51 +278,24 @@ class PipelineStrategy(ParallelStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        assert self.lightning_module is not None and self.plan is not None
-        check_last_batch(self.lightning_module.trainer, self.plan.microbatches)
+        assert self.lightning_module is not None and self.plan is not None and self.engine is not None
+        shapes = self.engine.shapes  # [Note: ragged batches] in runtime/ragged.py: planned shapes run them
+        check_last_batch(self.lightning_module.trainer, self.plan.microbatches,
+                         shapes.why_not if shapes.planner is None else None)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         engine = self.engine
         if engine is not None and engine.per_microbatch_updates:
             return closure()  # the optimizer already stepped per micro-batch ([Note: PipeDream in Lightning's loop])
-
-        def closure_then_sync() -> Any:
-            # After every accumulated backward, before on_before_optimizer_step and clipping see the gradients:
-            # average over replicas, sum tied copies (lightning_pipe.parallel.grads).
-            result = closure()
-            if engine is not None:
-                engine.sync_gradients()
-                engine.before_optimizer_step()  # weight versions (PipeDream-2BW) keep W(b) before the update
-            return result
-
-        result = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        result = super().optimizer_step(optimizer, synced_closure(closure, engine), model, **kwargs)
         if self.rebalancer is not None:
             self.rebalancer.after_optimizer_step()  # a step boundary: layers may move (lightning_pipe.rebalance)
         return result
 
     def _run(self, phase: str, parent: Any, *args: Any, **kwargs: Any) -> Any:
         assert self.engine is not None and self.lightning_module is not None
-        trainer = self.lightning_module.trainer
-        self.engine.accumulate_grad_batches = trainer.accumulate_grad_batches
-        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
-        if phase == "train":  # hints for the overlapped gradient sync (exact whatever they say: engine.py)
-            self.engine.dp_handoff.optimizer_step_follows = not _compat.should_accumulate(trainer)
-            self.engine.dp_handoff.zero_grad_follows = (batch_idx is None
-                                                        or batch_idx % trainer.accumulate_grad_batches == 0)
-            self.engine.step_flags = self._faults.train_flags if self._faults is not None else None
-        try:
-            with self.engine.running(phase, batch_idx):
-                result = parent(*args, **kwargs)
-                if phase == "train":
-                    check_returned_loss(result, self.engine.step_loss, type(self.lightning_module).__name__)
-        except BaseException as err:
-            if self._faults is not None:
-                self._faults.report(err)  # now: peers are blocked on this rank ([Note: failure propagation])
-            raise
-        if self._faults is not None:
-            self._faults.after_step(phase, batch_idx)  # every rank: stop together on SIGTERM
-        return result
+        return run_step(self.engine, self.lightning_module, self._faults, phase, parent, *args, **kwargs)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -331,90 +313,12 @@ class PipelineStrategy(ParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._run("predict", super().predict_step, *args, **kwargs)
 
-    # ------------------------------------------------------------------ checkpoints (lightning/checkpointing.py)
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # each rank can only load its own layers, which exist once setup() has split the model
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return False  # load_checkpoint restores them by parameter name; no load_optimizer_state_dict
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.lightning_module is not None
-        return self.lightning_module.state_dict()  # this rank's layers under their original names
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        return self._checkpointer().optimizer_state(optimizer)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        pass  # done in load_checkpoint, where each rank reads only its own layers
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if self._failed:
-            # A run that failed (here or on a peer: reported before any on_exception checkpoint) cannot write a
-            # sharded checkpoint: every rank writes its part together, and the ranks are stopping. Said, not
-            # attempted: the attempt would wait on a peer that is gone and end in the transport's error.
-            warnings.warn(f"lightning_pipe: no checkpoint written at {str(filepath)!r} on rank {self.global_rank}: "
-                          "the run failed, and a sharded checkpoint needs every rank to write its part (an "
-                          "OnExceptionCheckpoint saves on an agreed SIGTERM stop, not after an error). The last "
-                          "complete checkpoint stays.", stacklevel=2)
-            return
-        self._checkpointer().save(checkpoint, filepath, storage_options)
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
-            remove_checkpoint_files(Path(filepath))
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpointer = self._checkpointer()
-        checkpoint = checkpointer.load(checkpoint_path)
-        plan = self.plan
-        if plan is not None and plan.spec.resume_caveat is not None and not checkpointer.stage_state_complete:
-            caveat = plan.spec.resume_caveat(self.pipeline_config)
-            if caveat is not None:
-                rank_zero_warn(f"lightning_pipe: resuming under schedule={plan.spec.name!r}: {caveat}.")
-        if self.rebalancer is not None:  # back to the split it was saved with ([Note: resuming a rebalanced run])
-            self.rebalancer.resume(checkpoint, checkpointer.saved_layout)
-        return checkpoint
-
-    def _checkpointer(self) -> ShardedCheckpointer:
-        assert self.lightning_module is not None
-        ranks = RankGroup(self.global_rank, self.world_size, self.broadcast, self.barrier)
-        return ShardedCheckpointer(ranks, self.lightning_module, self.optimizers, self.pipeline_config,
-                                   self._topology(), getattr(self.engine, "stages", ()))
-
     # ------------------------------------------------------------------ collectives
-    @property
-    def _failed(self) -> bool:
-        """This run failed, here or on a peer (lightning/faults.py): no collective can complete any more."""
-        return self._faults is not None and self._faults.failed
-
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if self._failed:
             return  # the ranks are stopping after a failure: no peer will meet it (e.g. Trainer.save_checkpoint's)
         world.barrier(self.root_device)
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return world.broadcast(obj, src)
-
-    @override
-    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | str | None = "mean") -> Any:
-        """Over the ranks that read different data unless ``group`` is given: the pipeline's ranks of one replica
-        hold the same logged values ([Note: what sync_dist reduces over] in lightning/metrics.py)."""
-        if group is None and self.engine is not None:
-            return metrics.reduce_over_data(tensor, reduce_op, self.engine)
-        return world.reduce(tensor, group, reduce_op)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
@@ -424,28 +328,17 @@ class PipelineStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        if self._saver is not None and self._failed:
+            self._saver.abandon()  # its peers may be gone: the previous checkpoint stays
         forget_groups()  # a message may be in flight: [Note: process groups are reused] in parallel/group_cache.py
         if self._faults is not None:
             self._faults.on_exception(exception)
 
     @override
     def teardown(self) -> None:
-        faults, self._faults = self._faults, None
-        undo_fast_log, self._undo_fast_log = self._undo_fast_log, None
-        if undo_fast_log is not None:
-            undo_fast_log()
-        undo_metric_sync, self._undo_metric_sync = self._undo_metric_sync, None
-        if undo_metric_sync is not None:
-            undo_metric_sync()
-        if faults is not None:
-            faults.stop()
-        if self.rebalancer is not None:
-            self.rebalancer.detach()  # kept (its history) until the next setup
-        if self.lightning_module is not None:
-            self.lightning_module._pipeline_engine = None  # type: ignore[assignment]
-        if isinstance(self._precision_plugin, PipelinePrecision):
-            self._precision_plugin.engine = None
-        self.engine = None
+        if self._faults is not None and not self._faults.failed:
+            self.wait_for_checkpoint()  # the last save of the run is in place before the run ends
+        teardown_pipeline(self)
         module = self._lightning_module
         if module is not None:
             release_to_cpu(module)

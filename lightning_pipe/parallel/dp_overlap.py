@@ -121,7 +121,7 @@ class DataParallelOverlap:
         self._bucket_of: dict[int, _Bucket] = {}
         self._queue_of: dict[int, int | None] = {}
         self._active = False
-        self._carry: _Carry | None = None
+        self._carry: Carry | None = None
         self._microbatches = 0
         self._counts: dict[int, int] = {}
         self._holders_left: dict[int, int] = {}
@@ -154,7 +154,7 @@ class DataParallelOverlap:
         are launched now, in one queue of their own, and checked untouched in :func:`settle`.
         """
         self._plan()
-        self._carry = None if carry is None else _Carry.launch(carry, self.group, self.world, self.bucket_bytes)
+        self._carry = None if carry is None else Carry.launch(carry, self.group, self.world, self.bucket_bytes)
         self._microbatches = microbatches
         self._counts = dict.fromkeys(self._stage_params, 0)
         self._holders_left = dict(self._holders)
@@ -179,7 +179,7 @@ class DataParallelOverlap:
         """The schedule failed: forget this step (what was launched completes on its own or fails with the run)."""
         self._active, self._carry = False, None
 
-    def wait(self) -> tuple[list[Tensor | None], _Carry | None]:
+    def wait(self) -> tuple[list[Tensor | None], Carry | None]:
         """Wait for every bucket: the averaged fresh gradients, aligned with ``params`` (``None``: no gradient),
         and the averaged carry, if one was launched."""
         carry, self._carry = self._carry, None
@@ -287,7 +287,7 @@ class DataParallelOverlap:
         return result
 
 
-class _Carry:
+class Carry:
     """Earlier batches' gradients, averaged while this batch's schedule runs; valid only if nothing touched them."""
 
     def __init__(self, saved: Sequence[Tensor | None], versions: list[int]) -> None:
@@ -297,7 +297,7 @@ class _Carry:
         self._works: list[tuple[Any, Tensor, list[tuple[int, int, int]]]] = []
 
     @classmethod
-    def launch(cls, saved: Sequence[Tensor | None], group: dist.ProcessGroup, world: int, cap: int) -> _Carry:
+    def launch(cls, saved: Sequence[Tensor | None], group: dist.ProcessGroup, world: int, cap: int) -> Carry:
         carry = cls(saved, [_compat.tensor_version(g) if g is not None else -1 for g in saved])
         present = [i for i, g in enumerate(saved) if g is not None]
         start = 0

@@ -28,7 +28,7 @@ every rank holds the same gradient list (a replica's collectives pair by positio
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -255,6 +255,26 @@ class RoutedExperts(nn.Module):
 
 def routed_experts(stage_modules: Sequence[nn.Module]) -> list[tuple[str, RoutedExperts]]:
     return [(name, m) for sm in stage_modules for name, m in sm.named_modules() if isinstance(m, RoutedExperts)]
+
+
+def check_has_experts(layers: Iterable[nn.Module], size: int, where: str) -> None:
+    """``expert_parallel_size > 1`` on a model with no :class:`RoutedExperts` is refused. Every rank still holds
+    every layer here (on meta when built in ``configure_model``): one verdict everywhere."""
+    if size > 1 and not any(isinstance(m, RoutedExperts) for layer in layers for m in layer.modules()):
+        raise config_error(
+            "expert_parallel_size shards the experts of the model's RoutedExperts layers (lightning_pipe's MoE "
+            "layer, docs/moe.md) over the replicas; this model has none, so every rank would keep every expert "
+            "(transformers' own MoE layers are not sharded).",
+            f"expert_parallel_size={size} and no RoutedExperts in {where}", "expert_parallel_size", "to 1")
+
+
+def apply_experts(stage_modules: Sequence[nn.Module], topology: Topology, size: int, dp_group: Any) -> ExpertGroups:
+    """Expert parallelism over the data-parallel ranks of each stage: the groups, and each :class:`RoutedExperts`
+    cut to this rank's experts, before allocation (a rank allocates only its own: [Note: expert parallelism]).
+    After allocation, :func:`mark_experts`. Collective (every rank creates every group)."""
+    groups = ExpertGroups(topology, size, dp_group)
+    shard_experts(stage_modules, groups)
+    return groups
 
 
 def shard_experts(stage_modules: Sequence[nn.Module], groups: ExpertGroups) -> None:

@@ -34,12 +34,14 @@ from dataclasses import dataclass
 from weakref import WeakKeyDictionary
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from lightning_pipe.config import config_error
-from lightning_pipe.layers.stages import StageModule, TiedParameter, materialize_layers
+from lightning_pipe.layers.stages import StageModule, TiedParameter, place_layer
+from lightning_pipe.parallel.topology import Topology, data_parallel_mesh
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,14 @@ class ShardingOptions:
     param_dtype: torch.dtype | None = None
     """Dtype FSDP gathers parameters in and runs the forward with (``None``: theirs)."""
     reduce_dtype: torch.dtype | None = None
+
+
+def check_fsdp(schedule: str, stage_class: type | None, tied: Sequence[TiedParameter],
+               layer_rank: Mapping[int, int]) -> None:
+    """FSDP's rules on a plan and a cut (:func:`check_schedule`, :func:`check_ties`): plain data, before any rank
+    waits on another."""
+    check_schedule(schedule, stage_class)
+    check_ties(tied, layer_rank)
 
 
 def check_schedule(schedule: str, stage_class: type | None) -> None:
@@ -90,7 +100,7 @@ def shard_stages(module: nn.Module, stage_modules: Sequence[StageModule], mesh: 
                  split: Callable[[int, nn.Module], None] | None = None) -> list[StageModule]:
     """Place and shard this rank's stages one layer at a time, so no more than one whole layer is resident besides
     the shards: allocate a layer built on the meta device (and initialise it like ``stages.materialize``: the
-    module's ``reset_layer``) or move it to ``device``; ``broadcast`` its tensors (the data-parallel ranks start
+    module's ``reset_layer``) or move it to ``device`` (``stages.place_layer``); ``broadcast`` its tensors (the data-parallel ranks start
     identical; ``None`` when the module was placed before); ``split(index, layer)`` it over the tensor dimension
     (tensor parallelism: [Note: FSDP under the pipeline schedule]); ``fully_shard`` it. Then each stage root. The
     stage modules become ``FSDPModule`` s, their parameters sharded DTensors under the same names. Collective.
@@ -105,8 +115,7 @@ def shard_stages(module: nn.Module, stage_modules: Sequence[StageModule], mesh: 
             out.append(earlier)
             continue
         for index, layer in zip(stage.layer_indices, stage.layers):
-            if not materialize_layers(module, [(index, layer)], device):
-                layer.to(device)
+            place_layer(module, index, layer, device)
             if broadcast is not None:
                 broadcast(list(layer.parameters()) + list(layer.buffers()))
             if split is not None:
@@ -117,6 +126,20 @@ def shard_stages(module: nn.Module, stage_modules: Sequence[StageModule], mesh: 
         _SHARDED[stage.layers[0]] = stage
         out.append(stage)
     return out
+
+
+def apply_fsdp(module: nn.Module, stage_modules: Sequence[StageModule], mesh: DeviceMesh, topology: Topology,
+               dp_group: dist.ProcessGroup | None, options: ShardingOptions, device: torch.device, fresh: bool,
+               split: Callable[[int, nn.Module], None] | None = None) -> list[StageModule]:
+    """FSDP over the data-parallel dimensions of the run's ``mesh``: :func:`shard_stages`, each layer made
+    identical over ``dp_group`` first where the module is placed for the first time (``fresh``). Collective."""
+
+    def broadcast(tensors: list[Tensor]) -> None:
+        for t in tensors if dp_group is not None else ():
+            dist.broadcast(t.data, group=dp_group, group_src=0)
+
+    return shard_stages(module, stage_modules, data_parallel_mesh(mesh, topology), options, device,
+                        broadcast if fresh else None, split)
 
 
 def reshard(stage_modules: Iterable[nn.Module]) -> None:

@@ -110,7 +110,7 @@ class GradientSync:
     # a summed fresh part onto a ``.grad`` not known to be summed sums the old part first, and a local fresh part onto
     # a summed ``.grad`` is summed at once (both only when ``zero_grad`` did not clear ``.grad``: accumulation with
     # ``set_to_none=False``, or a user override). Not with data-parallel overlap (the averaged gradients are views of
-    # its buckets, handed over later), FSDP or tensor-parallel copies: those sum in :meth:`sync`, as before.
+    # its buckets, handed over later), FSDP or tensor-parallel copies: those sum in :meth:`sync`.
     def sum_ties_early(self, fresh: Mapping[int, Tensor | None]) -> None:
         """Launch the tie sums of this batch's fresh gradients (``fresh``: by ``id(param)``), asynchronously."""
         for param, tie_group in self.ties:
@@ -126,7 +126,7 @@ class GradientSync:
     # [Note: tie sums in the agreement]
     # Launched early, the tie sum still is a collective of its own: for a small tie its fixed cost (a round trip and
     # the wake-up of the ranks blocked in it) outweighs the transfer, and the agreement queued behind it waits for it
-    # (measured in docs/performance.md, stop 20), a second meeting point per step. Where every tie group is the
+    # (docs/performance.md, "What the strategy adds per step"), a second meeting point per step. Where every tie group is the
     # whole world (one pipeline, each tied weight held by every rank: the pipeline-2 GPT) the sums can ride the
     # agreement's SUM all-reduce instead, as float64: a sum of two float32 (or bfloat16) values computed in float64
     # and rounded back is the correctly rounded sum — double rounding is innocuous for addition when the wide format
@@ -208,8 +208,19 @@ class GradientSync:
         of a sharded or split gradient, each element once ([Note: counting sharded gradients]);
         ``over_pipeline=False``: over this rank's stages only, their shards and tensor ranks included (PipeDream's
         per-stage clipping, where the stages update at different times)."""
-        excluded = self.norm_excluded()
+        total = self.global_norm(parameters, norm_type, over_pipeline)
         grads = [local_part(p.grad) for p in parameters if p.grad is not None]
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return total
+
+    def global_norm(self, parameters: Sequence[nn.Parameter], norm_type: float = 2.0,
+                    over_pipeline: bool = True) -> Tensor:
+        """The ``norm_type``-norm of the gradients of ``parameters`` over every stage (a collective over the
+        pipeline, shards and tensor ranks; every rank calls it, with its own parameters), each element once, a tied
+        weight once ([Note: counting sharded gradients])."""
+        excluded = self.norm_excluded()
         # Each element once: [Note: counting sharded gradients]
         topology = self.groups.topology
         coords = {SHARD: topology.shard_rank, TENSOR: topology.tp_rank}
@@ -252,9 +263,6 @@ class GradientSync:
                 if group is not None:
                     dist.all_reduce(local, group=group)
             total = local ** (1.0 / norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
         return total
 
     @staticmethod

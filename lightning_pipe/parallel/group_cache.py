@@ -7,7 +7,8 @@ a group only when it is destroyed, and the strategy cannot destroy its groups at
 the end of ``fit``, and a user's ``trainer.save_checkpoint`` or ``trainer.test`` after it still runs collectives.
 Created afresh per setup, they pile up in any process that runs several fits (a sweep, a notebook, a test that
 launches several cases): each gloo group holds three threads and its own sockets and costs CPU even idle, each
-NCCL group a communicator with device buffers (measured: docs/performance.md, "Stop 21").
+NCCL group a communicator with device buffers (100 idle gloo groups: 1.1 s of CPU per 10 s per rank,
+docs/measurements.md).
 So a group is kept per (purpose, ranks) for the default group's lifetime and handed to every later request: the
 number of groups is bounded by the layouts a process runs, not by its fits. The purpose keeps groups apart that
 must be distinct over the same ranks (Chimera's up pipeline beside the down one).
@@ -63,14 +64,15 @@ def _alive(group: Any, ranks: Sequence[int] | None = None) -> bool:
     return ranks is None or members == list(ranks)
 
 
-def shared_group(ranks: Sequence[int], purpose: str) -> Any:
+def shared_group(ranks: Sequence[int], purpose: str, backend: str | None = None) -> Any:
     """The process group over ``ranks`` (global ranks, in order) kept for ``purpose``; created on the first
-    request. Collective: every rank of the world calls it with the same arguments, in the same order."""
+    request (with ``backend``, default the world's). Collective: every rank of the world calls it with the same
+    arguments, in the same order."""
     _same_world()
     key = (purpose, tuple(ranks))
     group = _groups.get(key)
     if group is None or not _alive(group, key[1]):
-        group = _groups[key] = dist.new_group(list(ranks))
+        group = _groups[key] = dist.new_group(list(ranks), backend=backend)
     return group
 
 

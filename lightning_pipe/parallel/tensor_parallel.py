@@ -81,6 +81,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 from weakref import WeakSet
 
@@ -145,6 +146,40 @@ class FusedColwiseParallel(ColwiseParallel):
         # The output is strided like the weight (each rank: its part of every block); ColwiseParallel would
         # redistribute it to a contiguous Shard(-1), i.e. move data between ranks and cut across the blocks.
         return outputs.to_local() if use_local_output else outputs
+
+
+Placer = Callable[[Callable[[int, nn.Module], None]], list[StageModule]]
+"""``place(split)``: allocate or move this rank's layers (FSDP: and shard them), calling ``split(index, layer)`` on each
+once it is placed; returns the stage modules to run."""
+
+
+def apply_tensor_parallel(module: nn.Module, tied: Sequence[TiedParameter], tp_mesh: DeviceMesh,
+                          tensor_group: dist.ProcessGroup, tp_rank: int, device: torch.device, fresh: bool,
+                          for_fsdp: bool, place: Placer, report: Callable[[BaseException], None]) -> list[StageModule]:
+    """Split this rank's layers with the module's hook while ``place`` puts them on ``device`` ([Note: tensor
+    parallel stages]), then, for a module split for the first time (``fresh``), agree over the world that every rank
+    split its layers and kept its ties (:func:`agree_after_split`); the tensor ranks' random states made equal.
+
+    The hooks are the module's code: a failure on one rank is ``report`` ed at once (a peer whose hook failed later,
+    or not at all, is still in the next layers' broadcasts and its hook's own collectives, which this rank will not
+    join; only the store reaches it there: [Note: failure propagation]) and raised on every rank by the agreement.
+    Collective."""
+    split = partial(split_layer, module, tp_mesh=tp_mesh, tensor_group=tensor_group if fresh else None,
+                    for_fsdp=for_fsdp)
+    ties_before = tie_copies(module, tied) if fresh else []
+    placed: list[StageModule] = []
+    failure: Exception | None = None
+    try:
+        placed = place(split)
+    except Exception as err:
+        if not fresh:
+            raise
+        failure = err
+        report(err)
+    if fresh:
+        agree_after_split(module, tied, ties_before, tp_rank, failure)
+    sync_random_state(tensor_group, device)  # dropout draws alike on the tensor ranks (every fit: cheap)
+    return placed
 
 
 def parallelize_stages(stage_modules: Sequence[StageModule], split: Callable[[int, nn.Module], None]) -> None:

@@ -199,7 +199,7 @@ def split_step(rec: StepRecord) -> tuple[dict[tuple[int, str, int | None], float
 # So that time follows the transfers, not the actions, and layouts differ in transfers per action: 1F1B posts one,
 # ZB-V fewer (its middle boundary stays on one rank), interleaved 1F1B 1.5 on 2 ranks (every boundary crosses).
 # A model charging a cost per action fitted on 1F1B / ZB-V probes under-predicts interleaved layouts
-# (docs/planner.md, "Stop 23"). :func:`fit_action_costs` regresses each rank's host time on its actions and its
+# by 9-24 % (docs/measurements.md). :func:`fit_action_costs` regresses each rank's host time on its actions and its
 # transfers (both coefficients >= 0), and the cost model charges ``transfer_overhead`` per transfer an action posts.
 def transfers_posted(rec: StepRecord) -> int:
     """The P2P operations (sends and receives) one rank's recorded step posted: the ops of its "post" slices, whose

@@ -82,7 +82,7 @@ def load_plan(plan: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str, Any
     else:
         try:
             data = json.loads(Path(plan).read_text())
-        except (OSError, json.JSONDecodeError) as err:
+        except (OSError, ValueError) as err:  # (ValueError: not JSON, or not even text)
             raise config_error("A plan is a JSON file written by `python -m lightning_pipe.planner search`.",
                                f"plan={str(plan)!r} ({err})", "plan") from None
     missing = [k for k in ("schedule", "microbatches", "stages_per_rank", "pipeline_size", "data_parallel_size",

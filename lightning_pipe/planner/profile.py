@@ -24,7 +24,7 @@ from torch import nn
 
 from lightning_pipe._compat import torch as _compat
 from lightning_pipe.layers.batches import loss_parts
-from lightning_pipe.layers.stages import layer_args, materialize_layers
+from lightning_pipe.layers.stages import layer_args, place_layer
 from lightning_pipe.trace.memory import ActivationMeter
 
 
@@ -233,14 +233,6 @@ def _fastest(a: LayerCost, b: LayerCost) -> LayerCost:
                                optimizer_step=min(a.optimizer_step, b.optimizer_step))
 
 
-def _materialize(module: nn.Module, index: int, layer: nn.Module, device: torch.device) -> bool:
-    """Put a (copied) layer on ``device``; one built on meta is allocated and initialised as the strategy does."""
-    if materialize_layers(module, [(index, layer)], device):
-        return True
-    layer.to(device)
-    return False
-
-
 def profile_model(module: nn.Module, batch: Any, micro_batch_sizes: Sequence[int], layers_attr: str = "layers",
                   device: torch.device | str = "cpu", repeats: int = 3, passes: int = 2) -> ModelProfile:
     """Profile every layer of a layer-list module (the pipeline's module contract: ``split_batch``, ``loss_fn``)
@@ -264,7 +256,7 @@ def profile_model(module: nn.Module, batch: Any, micro_batch_sizes: Sequence[int
                 # A copy, so the model is untouched: parameter objects (and the ties between layers that share one)
                 # stay, buffers keep their values, meta layers stay on meta. One layer is resident at a time.
                 layer = copy.deepcopy(original)
-                _materialize(module, index, layer, device)
+                place_layer(module, index, layer, device)  # built on meta: allocated and initialised as the strategy does
                 last = index == len(layers) - 1
                 for n in sizes:
                     # a mean, or a (sum, count) pair: the backward starts from the value either way

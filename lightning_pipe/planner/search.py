@@ -157,69 +157,92 @@ def _neighbours(counts: tuple[int, ...]) -> Iterable[tuple[int, ...]]:
 
 def best_split(model: CostModel, compiled: CompiledOrder, n_layers: int, dp: int, budget: int | None,
                exhaustive_limit: int = 2000, beam_width: int = 8) -> tuple[tuple[int, ...], Prediction, int, int]:
-    """The fastest split within the budget: (counts, prediction, splits replayed, smallest peak seen)."""
-    stages, ranks = compiled.num_stages, len(compiled.ranks)
-    per_rank = action_counts(compiled)
-    best: tuple[tuple[int, ...], Prediction] | None = None
-    replayed, min_peak = 0, math.inf
+    """The fastest split within the budget: (counts, prediction, splits replayed, smallest peak seen). Every split
+    when there are at most ``exhaustive_limit`` of them (cheapest lower bound first), else a beam search from seeds."""
+    search = _SplitSearch(model, compiled, dp, budget)
+    if math.comb(n_layers - 1, compiled.num_stages - 1) <= exhaustive_limit:
+        _search_all(search, n_layers)
+    else:
+        _search_beam(search, n_layers, beam_width)
+    min_peak = int(search.min_peak) if search.min_peak < math.inf else 0
+    if search.best is None:
+        return (), None, search.replayed, min_peak  # type: ignore[return-value]
+    return search.best[0], search.best[1], search.replayed, min_peak
 
-    def fits(counts: tuple[int, ...]) -> bool:
-        nonlocal min_peak
-        if budget is None:
+
+class _SplitSearch:
+    """The splits :func:`best_split` tried: the best one that fits, how many were replayed, the smallest peak."""
+
+    def __init__(self, model: CostModel, compiled: CompiledOrder, dp: int, budget: int | None) -> None:
+        self.model, self.compiled, self.dp, self.budget = model, compiled, dp, budget
+        self.best: tuple[tuple[int, ...], Prediction] | None = None
+        self.replayed, self.min_peak = 0, math.inf
+
+    def fits(self, counts: tuple[int, ...]) -> bool:
+        """Its static memory and peak activations within the budget (no replay needed)."""
+        if self.budget is None:
             return True
-        bounds = bounds_of(counts)
-        peak = max(a + b for a, b in zip(model.static_memory(bounds, compiled.stage_rank, ranks),
-                                         peak_activations(compiled, model.held(bounds))))
-        min_peak = min(min_peak, peak)
-        return peak <= budget
+        bounds, compiled = bounds_of(counts), self.compiled
+        peak = max(a + b for a, b in zip(self.model.static_memory(bounds, compiled.stage_rank, len(compiled.ranks)),
+                                         peak_activations(compiled, self.model.held(bounds))))
+        self.min_peak = min(self.min_peak, peak)
+        return peak <= self.budget
 
-    def consider(counts: tuple[int, ...]) -> Prediction | None:
-        nonlocal best, replayed
-        pred = predict(model, compiled, counts, dp)
-        replayed += 1
-        if budget is not None and max(pred.peak_memory) > budget:
+    def consider(self, counts: tuple[int, ...]) -> Prediction | None:
+        """Replay it; kept if it fits and beats the best so far. ``None`` where it does not fit."""
+        pred = predict(self.model, self.compiled, counts, self.dp)
+        self.replayed += 1
+        if self.budget is not None and max(pred.peak_memory) > self.budget:
             return None
-        if best is None or pred.step_time < best[1].step_time:
-            best = (counts, pred)
+        if self.best is None or pred.step_time < self.best[1].step_time:
+            self.best = (counts, pred)
         return pred
 
-    if math.comb(n_layers - 1, stages - 1) <= exhaustive_limit:
-        heap = []
-        for counts in compositions(n_layers, stages):
-            bounds = bounds_of(counts)
-            cost = model.stage_costs(bounds, compiled.stage_rank)
-            busy = max(sum(k * cost[key] for key, k in n.items()) for n in per_rank)
-            heap.append((busy + model.allreduce(bounds, compiled.stage_rank, ranks, dp)
-                         + model.optimizer(bounds, compiled.stage_rank, ranks), counts))
-        heapq.heapify(heap)
-        while heap:
-            bound, counts = heapq.heappop(heap)
-            if best is not None and bound >= best[1].step_time:
-                break  # no remaining split can beat the best replayed one
-            if fits(counts):
-                consider(counts)
-    else:
-        seen: dict[tuple[int, ...], float] = {}
-        beam = []
-        for counts in _seeds(model, compiled.stage_rank, n_layers, stages):
-            pred = consider(counts) if fits(counts) else None
-            seen[counts] = pred.step_time if pred else math.inf
-            beam.append(counts)
-        while True:
-            before = best[1].step_time if best else math.inf
-            frontier = []
-            for counts in beam:
-                for nb in _neighbours(counts):
-                    if nb not in seen:
-                        pred = consider(nb) if fits(nb) else None
-                        seen[nb] = pred.step_time if pred else math.inf
-                        frontier.append(nb)
-            beam = sorted(set(beam) | set(frontier), key=lambda c: seen[c])[:beam_width]
-            if not frontier or (best and best[1].step_time >= before):
-                break
-    if best is None:
-        return (), None, replayed, int(min_peak) if min_peak < math.inf else 0  # type: ignore[return-value]
-    return best[0], best[1], replayed, int(min_peak) if min_peak < math.inf else 0
+    def step_time(self, counts: tuple[int, ...]) -> float:
+        """Its predicted step time (replayed if it fits), infinite where it does not fit."""
+        pred = self.consider(counts) if self.fits(counts) else None
+        return pred.step_time if pred else math.inf
+
+
+def _search_all(search: _SplitSearch, n_layers: int) -> None:
+    """Every split, cheapest lower bound first (the busiest rank's compute plus the collectives), until no remaining
+    bound can beat the best replayed split."""
+    model, compiled = search.model, search.compiled
+    stages, ranks, per_rank = compiled.num_stages, len(compiled.ranks), action_counts(compiled)
+    heap = []
+    for counts in compositions(n_layers, stages):
+        bounds = bounds_of(counts)
+        cost = model.stage_costs(bounds, compiled.stage_rank)
+        busy = max(sum(k * cost[key] for key, k in n.items()) for n in per_rank)
+        heap.append((busy + model.allreduce(bounds, compiled.stage_rank, ranks, search.dp)
+                     + model.optimizer(bounds, compiled.stage_rank, ranks), counts))
+    heapq.heapify(heap)
+    while heap:
+        bound, counts = heapq.heappop(heap)
+        if search.best is not None and bound >= search.best[1].step_time:
+            break  # no remaining split can beat the best replayed one
+        if search.fits(counts):
+            search.consider(counts)
+
+
+def _search_beam(search: _SplitSearch, n_layers: int, beam_width: int) -> None:
+    """From the seed splits, move a layer or two across each boundary while the best split improves."""
+    seen: dict[tuple[int, ...], float] = {}
+    beam = []
+    for counts in _seeds(search.model, search.compiled.stage_rank, n_layers, search.compiled.num_stages):
+        seen[counts] = search.step_time(counts)
+        beam.append(counts)
+    while True:
+        before = search.best[1].step_time if search.best else math.inf
+        frontier = []
+        for counts in beam:
+            for nb in _neighbours(counts):
+                if nb not in seen:
+                    seen[nb] = search.step_time(nb)
+                    frontier.append(nb)
+        beam = sorted(set(beam) | set(frontier), key=lambda c: seen[c])[:beam_width]
+        if not frontier or (search.best and search.best[1].step_time >= before):
+            break
 
 
 def slowness_per_pipeline_rank(speeds: Sequence[float] | None, pp: int, dp: int) -> list[float]:

@@ -10,7 +10,7 @@ Two cheap measurements, taken only while the timer is ``armed`` (the last few op
 - per layer, its forward time (forward pre/post hooks on this rank's layers).
 
 A layer's cost is its stage's compute time split over the stage's layers in proportion to their forward times
-(backward assumed proportional to forward, layer by layer). Shape inference (``engine._inferring``) and evaluation
+(backward assumed proportional to forward, layer by layer). Shape inference (``engine.inferring``) and evaluation
 passes are not counted. The host clock times CPU runs; CUDA events time GPU runs (read once, when collected).
 """
 
@@ -73,7 +73,7 @@ class LayerTimer:
         self.kinds: dict[int, str] = {}
 
     def _counting(self) -> bool:
-        return self._active and not self.engine._inferring
+        return self._active and not self.engine.inferring
 
     def attach(self) -> LayerTimer:
         for sm in self.engine.stage_modules:

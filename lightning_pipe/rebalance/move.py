@@ -112,6 +112,8 @@ def _recv(src: int, device: torch.device) -> dict[str, Any]:
     dist.recv(size, src)
     payload = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
     dist.recv(payload, src)
+    # A whole module from a rank of this job, not a file: inside the job's trust boundary, like torch.distributed's
+    # object collectives ([Note: a checkpoint is data]; docs/checkpoints.md, "Checkpoints from others").
     return torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), map_location="cpu", weights_only=False)
 
 
@@ -193,7 +195,6 @@ def rebuild_engine(old: PipelineEngine, module: nn.Module, config: PipelineConfi
     memory meter) is carried over and pointed at the new one. Collective (new process groups)."""
     new_layout = PipelineLayout(tuple(ranges_of(counts)), layout.tied, layout.plan)
     engine, new_layout = build_engine(module, config, layout.plan, old.groups.topology, old.device, new_layout)
-    engine.accumulate_grad_batches = old.accumulate_grad_batches
     engine.loss_scaler = old.loss_scaler
     for context in old.step_contexts:
         owner = getattr(context, "__self__", None)

@@ -16,10 +16,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_pipe._compat import torch as _compat
-from lightning_pipe._compat.stage_shapes import SplitOverride
 from lightning_pipe.layers.batches import input_args, leaves, loss_parts, pad_rows, signature, trim_rows
 from lightning_pipe.parallel.fsdp import reshard
-from lightning_pipe.runtime.microbatches import Microbatches, explicit_microbatches, microbatch_loss
+from lightning_pipe.runtime.microbatches import Microbatches, SplitOverride, explicit_microbatches, microbatch_loss
 from lightning_pipe.runtime.shapes import first_inputs, shapes_of
 from lightning_pipe.runtime.wire import named_p2p_failures
 
@@ -64,7 +63,7 @@ def forward_only(engine: Any, args: tuple[Tensor, ...], mbs: Microbatches | None
         return None
     if mbs is not None:
         return out
-    broken = batch_first_rule(out, padded, m, engine._owner)
+    broken = batch_first_rule(out, padded, m, engine.owner)
     return broken if broken is not None else trim_rows(out, rows)
 
 
@@ -79,8 +78,8 @@ def batch_first_rule(out: Any, padded: int, m: int, owner: str) -> BrokenRule | 
     Torch's schedule joins the micro-batches' outputs along dim 0, and a short last batch is padded then trimmed
     there, so evaluation is exact only for outputs with the batch in dim 0. Training computes the loss per
     micro-batch and never joins outputs: a flattened ``[batch * seq, vocab]`` or sequence-first ``[seq, batch, ...]``
-    output trains at parity, then predicted wrong shapes silently and failed validation inside ``loss_fn`` on the last
-    stage alone (an outside tester). Refused here, naming the shape, on every rank."""
+    output would train at parity, then predict wrong shapes silently and fail validation inside ``loss_fn`` on the
+    last stage alone. Refused here, naming the shape, on every rank."""
     shapes = [tuple(value.shape) for value in leaves(out) if isinstance(value, Tensor)]
     bad = next((shape for shape in shapes if not shape or shape[0] != padded), None)
     if bad is None:
@@ -111,7 +110,7 @@ def release_outputs(stages: list[Any]) -> None:
 
 def eval_loss(engine: Any, module: Any, batch: Any) -> Tensor:
     """The batch's loss in validation / test, the same value on every rank."""
-    owner = engine._owner
+    owner = engine.owner
     inputs, target = module.split_batch(batch)
     if target is None:
         raise ValueError(f"compute_loss needs a target, but {owner}.split_batch returned None for it (a batch "
@@ -132,13 +131,29 @@ def eval_loss(engine: Any, module: Any, batch: Any) -> Tensor:
 def eval_output(engine: Any, module: Any, batch: Any) -> Any:
     """``compute_output``: the last stage's outputs, on every rank."""
     inputs, target = module.split_batch(batch)
-    args = input_args(inputs, engine._owner)
+    args = input_args(inputs, engine.owner)
     out = forward_only(engine, args, explicit_microbatches(module, inputs, args, target, engine.plan.microbatches,
-                                                           engine._owner))
+                                                           engine.owner))
     out = broadcast_object(engine, out)
     if isinstance(out, BrokenRule):
         raise ValueError(str(out))
     return out
+
+
+def eval_loss_and_output(engine: Any, module: Any, batch: Any) -> tuple[Tensor, Any]:
+    """``compute_loss(batch, return_outputs=True)`` in validation / test: the last stage's outputs on every rank
+    (one forward), and the loss each rank computes from them (the same value everywhere)."""
+    owner = engine._owner
+    inputs, target = module.split_batch(batch)
+    args = input_args(inputs, owner)
+    mbs = explicit_microbatches(module, inputs, args, target, engine.plan.microbatches, owner)
+    out = broadcast_object(engine, forward_only(engine, args, mbs))
+    if isinstance(out, BrokenRule):
+        raise ValueError(str(out))
+    with torch.inference_mode(False), torch.no_grad():
+        loss = (microbatch_loss(module.loss_fn, out, mbs, owner) if mbs is not None else
+                loss_parts(module.loss_fn(out, target), owner).reduced())
+    return loss.detach().float(), out
 
 
 def broadcast_loss(engine: Any, loss: Tensor, broken: BrokenRule | None = None) -> Tensor:

@@ -52,7 +52,7 @@ class LossKind:
         return self.pair
 
     def check(self, records: Sequence[LossParts], owner: str) -> None:
-        """Later steps, on this rank's host data only: the same kind and number of micro-batch losses as before."""
+        """Later steps, on this rank's host data only: the same kind and number of micro-batch losses as the first step's."""
         if self.pair is None:
             return
         kinds = ["pair" if r.count is not None else "mean" for r in records]

@@ -4,7 +4,7 @@
 [Note: micro-batches of their own length]
 A batch sorted by length and cut into micro-batches wastes little padding if each micro-batch is trimmed to its own
 longest sequence. Torch's schedules cut a batch into equal pieces themselves, so the engine hands them the trimmed
-micro-batches instead (``_compat.stage_shapes.SplitOverride``) and plans each one's shapes
+micro-batches instead (:class:`SplitOverride`) and plans each one's shapes
 ([Note: shapes without re-inference] in shapes.py). The target crosses as the micro-batch's index (torch cuts
 ``arange(m)``); the last stage's loss looks up that micro-batch's own target, in the structure the hook returned.
 The batch loss is what one device computes over the same micro-batches: for a ``(sum, count)`` loss the global sum
@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_pipe._compat import stage_shapes as _stage_shapes
 from lightning_pipe.layers.batches import LossParts, input_args, leaves, loss_parts
 
 
@@ -34,15 +35,34 @@ class Microbatches:
     targets: list[Any]
 
 
-def _cut(value: Any, m: int) -> list[Any]:
+class SplitOverride:
+    """Within ``with``: the schedule takes these micro-batches instead of cutting the batch, and (``keep_chunks``)
+    returns the last stage's outputs as a list instead of concatenating them (micro-batches of different lengths do
+    not concatenate). ``microbatches`` is ``None`` on a rank without the first stage (``count`` empty ones)."""
+
+    def __init__(self, schedule: Any, microbatches: list[tuple[Tensor, ...]] | None, count: int,
+                 keep_chunks: bool) -> None:
+        self.schedule, self.microbatches, self.count, self.keep_chunks = schedule, microbatches, count, keep_chunks
+
+    def __enter__(self) -> None:
+        mbs, m = self.microbatches, self.count
+        _stage_shapes.replace_split(
+            self.schedule, lambda args, kwargs=None: (list(mbs) if mbs is not None else [()] * m, [{}] * m),
+            (lambda chunks: list(chunks)) if self.keep_chunks else None)
+
+    def __exit__(self, *exc: object) -> None:
+        _stage_shapes.restore_split(self.schedule)
+
+
+def cut_rows(value: Any, m: int) -> list[Any]:
     """``value``'s rows in ``m`` pieces as torch cuts them (``tensor_split``), structure kept."""
     if isinstance(value, Tensor):
         return list(torch.tensor_split(value, m))
     if isinstance(value, dict):
-        parts = {k: _cut(v, m) for k, v in value.items()}
+        parts = {k: cut_rows(v, m) for k, v in value.items()}
         return [type(value)((k, parts[k][i]) for k in value) for i in range(m)]
     if isinstance(value, (tuple, list)):
-        cols = [_cut(v, m) for v in value]
+        cols = [cut_rows(v, m) for v in value]
         rows = [[c[i] for c in cols] for i in range(m)]
         return [type(value)(*r) if hasattr(value, "_fields") else type(value)(r) for r in rows]
     return [value] * m
@@ -56,7 +76,7 @@ def explicit_microbatches(module: Any, inputs: Any, args: tuple[Tensor, ...], ta
     if trim is None or args[0].shape[0] < m:
         return None
     pieces = [torch.tensor_split(a, m) for a in args]
-    targets = _cut(target, m)
+    targets = cut_rows(target, m)
     out_args, out_targets, changed = [], [], False
     for i in range(m):
         cut = tuple(p[i] for p in pieces)

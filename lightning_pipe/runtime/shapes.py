@@ -3,8 +3,8 @@
 [Note: shapes without re-inference]
 Torch sizes each stage's receive buffers by running the stage for real on the first step (about one micro-batch's
 forward and backward per stage, one stage after the other: ~100 ms on the recipe's GPT step) and keeps them static.
-A batch of another length used to make the engine throw that away and infer again; with dynamic padding — every
-batch a new length — that was paid on every step, and micro-batches of one batch could not differ at all.
+Re-inferring for every batch of another length would pay that again; with dynamic padding — every batch a new
+length — on every step, and micro-batches of one batch could not differ at all.
 
 What a new shape really needs is only the shapes: the structure torch inferred (which tensors cross each boundary,
 their dtypes and ``requires_grad``, who sends to whom, which gradients are absent) does not change with a length.
@@ -27,7 +27,7 @@ length, and cannot give micro-batches of one batch different lengths; sending ea
 (Megatron's ``variable_seq_lengths``) needs a blocking receive inside torch's batched P2P, where both neighbours
 posting receives first would deadlock. A stage whose forward cannot run on meta tensors (data-dependent shapes, a
 value read with ``.item()``, a plain tensor attribute that is not a buffer) makes the plan fail on every rank
-alike (one all-reduce on a miss); the engine then falls back to torch's inference per shape, as before, and
+alike (one all-reduce on a miss); the engine then falls back to torch's inference per shape, and
 micro-batches of different lengths are refused there. Torch 2.11 keeps shapes elsewhere: fallback as well.
 A layer whose usual forward has no meta kernel but an equivalent one that does can say so: any submodule with a
 ``meta_forward_context()`` method has it entered around the meta forwards of its stage (``HFCausalLM``'s MoE decoder

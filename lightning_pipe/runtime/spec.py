@@ -66,6 +66,9 @@ class ScheduleSpec:
     split_backward: bool = False
     """Runs torch's split input/weight backward (I/W actions): refused on a torch that computes it wrongly
     ([Note: torch versions] in ``_compat/torch_release.py``). Custom action lists are checked by their actions."""
+    needs: str = ""
+    """What a schedule with its own ``resolve`` needs (the rules above are not applied to it), as the schedule table
+    of docs/schedules.md says it."""
 
 
 def placed_rank(placement: str, stage: int, pipeline_size: int) -> int:

@@ -28,8 +28,9 @@ A failing process that *ends* closes its sockets, and its peers' transfers fail 
 A per-rank hook that fails between collectives (a ``parallelize_layer`` failing on one tensor rank) is reported at
 once with :func:`report_now`, before its rank waits in any agreement its peers may never reach.
 
-The same thread enforces a deadline (used after SIGTERM: if the ranks do not stop together in time, stop anyway).
-Plain torch: the Lightning adapter (``lightning_pipe.lightning.faults``) decides when to start, report and stop.
+A second thread, which never touches the store, enforces a deadline (used after SIGTERM: if the ranks do not stop
+together in time, stop anyway) and, with a :class:`~lightning_pipe.runtime.heartbeat.Heartbeat`, stops this process
+when a peer or the store falls silent ([Note: heartbeats]). Plain torch: the Lightning adapter (``lightning_pipe.lightning.faults``) decides when to start, report and stop.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_pipe.runtime.heartbeat import Heartbeat
+from lightning_pipe.runtime.signals import SignalPipe
+
 FAILURE_KEY = "first_failure"
 SEEN_KEY = "failure_seen"
 """Counts the ranks whose watch has read the first failure."""
@@ -52,6 +56,8 @@ _PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken p
 """How gloo and NCCL word "a peer went away" (lower case)."""
 _ACTIVE: FailureWatch | None = None
 """The watch running in this process (one trainer run at a time), for :func:`report_now`."""
+RECONNECT_EVERY_S = 3.0
+"""Seconds between two attempts to replace a failed store connection."""
 MAX_MESSAGE = 2000
 """Characters of an error message kept in the store (tracebacks stay in the failing rank's own output)."""
 
@@ -109,10 +115,19 @@ class FailureWatch:
         interval: seconds between two polls of the store.
         grace: seconds a peer's failure is left for this rank to fail on its own before this process is stopped.
         before_exit: called just before this process ends (e.g. to end child processes it launched).
+        heartbeat: this rank's beats and its view of its peers ([Note: heartbeats]); None: no liveness watch.
+        on_lost: adds lines to the message printed when a peer or the store falls silent (e.g. the newest
+            checkpoint to restart from).
+        on_signal: called on the guard thread with each signal number the process receives while the watch runs
+            ([Note: signals while blocked]).
+        reconnect: makes a new connection to the store after one failed (a client of the watch's own); None: a
+            failed store is taken for gone (its process ended) and no longer polled.
     """
 
     def __init__(self, store: Any, rank: int, *, world_size: int = 1, interval: float = 0.5, grace: float = 5.0,
-                 before_exit: Callable[[], None] | None = None) -> None:
+                 before_exit: Callable[[], None] | None = None, heartbeat: Heartbeat | None = None,
+                 reconnect: Callable[[], Any] | None = None, on_lost: Callable[[], str] | None = None,
+                 on_signal: Callable[[int], None] | None = None) -> None:
         self.store = store
         self.rank = rank
         self.world_size = world_size
@@ -123,18 +138,33 @@ class FailureWatch:
         self.before_exit = before_exit
         self.failed_here = False
         self.store_gone = False  # its process ended (rank 0's): every later call would fail (and log) again
+        self.heartbeat = heartbeat
+        self._reconnect = reconnect
+        self.on_lost = on_lost
+        self.on_signal = on_signal
+        self._signals: SignalPipe | None = None
+        self._broken_at: float | None = None  # the store connection failed then; replaced at most every few s
         self._seen_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._guard_thread: threading.Thread | None = None
         self._deadline: tuple[float, str, int] | None = None
         self._exit = os._exit  # replaced in unit tests
+        self.checks: list[Callable[[], str | None]] = []
+        """Polled with the store: one that returns a message reports it as this rank's failure and ends the process
+        (e.g. a rank stuck in a step no peer will join: [Note: every rank saves] in lightning/same_call.py)."""
 
     # ------------------------------------------------------------------ control
     def start(self) -> FailureWatch:
         global _ACTIVE
         _ACTIVE = self
         self._thread = threading.Thread(target=self._run, name=f"lightning_pipe-watch-rank{self.rank}", daemon=True)
+        if self.on_signal is not None:
+            self._signals = SignalPipe.open()
+        self._guard_thread = threading.Thread(target=self._guard, name=f"lightning_pipe-guard-rank{self.rank}",
+                                              daemon=True)
         self._thread.start()
+        self._guard_thread.start()
         return self
 
     def stop(self) -> None:
@@ -143,9 +173,18 @@ class FailureWatch:
         if _ACTIVE is self:
             _ACTIVE = None
         self._stop.set()
-        thread, self._thread = self._thread, None
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=max(2.0, 4 * self.interval))
+        for thread in (self._thread, self._guard_thread):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout=max(2.0, 4 * self.interval))
+        self._thread = self._guard_thread = None
+        signals, self._signals = self._signals, None
+        if signals is not None:
+            signals.close()
+        if self.heartbeat is not None and self._usable():
+            try:  # ended normally: peers stop watching this rank
+                self.heartbeat.finish(self.store)
+            except Exception:
+                pass
 
     @property
     def running(self) -> bool:
@@ -156,15 +195,18 @@ class FailureWatch:
         store holds afterwards (this one, or an earlier one of another rank), or None when the store is gone."""
         self.failed_here = True  # from now on this rank is never stopped by its own thread
         text = error if isinstance(error, str) else describe_failure(self.rank, error)
-        if self.store_gone:
+        if not self._usable():
             return self.seen
         try:
             first = self.store.compare_set(FAILURE_KEY, "", text).decode(errors="replace")
             self._read(first)  # this rank knows the first failure now: counted at once, not at the next poll
             return first
-        except Exception:  # the store's process ended: what this rank's thread read before is all there is
-            self.store_gone = True
+        except Exception:  # the store is out of reach: what this rank's thread read before is all there is
+            self._lost_store()
             return self.seen
+
+    def _usable(self) -> bool:
+        return not self.store_gone and self._broken_at is None
 
     def _read(self, first: str) -> bool:
         """Keep the first failure and count this rank as having read it (once, whichever thread comes first)."""
@@ -186,12 +228,12 @@ class FailureWatch:
         """After this rank failed: wait (at most ``timeout``, default two polls and a second) until every rank's
         thread has read the first failure, so that it outlives the store if this process hosts it. True if all did."""
         end = time.monotonic() + (2 * self.interval + 1.0 if timeout is None else timeout)
-        while not self.store_gone:
+        while self._usable():
             try:
                 if int(self.store.add(SEEN_KEY, 0)) >= self.world_size:
                     return True
-            except Exception:  # the store is gone: nobody can read it any more
-                self.store_gone = True
+            except Exception:  # the store is out of reach: nobody can read it any more
+                self._lost_store()
                 break
             if time.monotonic() >= end or not self.running:
                 return False
@@ -200,13 +242,13 @@ class FailureWatch:
 
     def first_failure(self) -> str | None:
         """The first failure any rank reported, or None."""
-        if self.store_gone:
+        if not self._usable():
             return None
         try:
             if self.store.check([FAILURE_KEY]):
                 return self.store.get(FAILURE_KEY).decode(errors="replace")
         except Exception:
-            self.store_gone = True
+            self._lost_store()
         return None
 
     def set_deadline(self, seconds: float, message: str, code: int) -> None:
@@ -218,30 +260,109 @@ class FailureWatch:
 
     # ------------------------------------------------------------------ thread
     def _run(self) -> None:
+        """The store's side: this rank's beats, and the first failure (read at once, acted on after ``grace``)."""
         peer_failed_at: float | None = None
         while not self._stop.wait(self.interval):
-            now = time.monotonic()
-            deadline = self._deadline
-            if deadline is not None and now >= deadline[0]:
-                self.terminate(deadline[1], deadline[2])
+            if self.store_gone or not self._connected():
+                continue
+            try:
+                if self.heartbeat is not None:
+                    self.heartbeat.beat(self.store)
+                if self.seen is None and self.store.check([FAILURE_KEY]):
+                    # read at once (the store's process may end soon after), then counted as read
+                    self._read(self.store.get(FAILURE_KEY).decode(errors="replace"))
+            except Exception:
+                self._lost_store()  # its process ended, or its host is out of reach (see the notes)
+                continue
+            stuck = next((m for m in (check() for check in self.checks) if m is not None), None)
+            if stuck is not None:
+                self.report(stuck)
+                self.wait_seen()  # peers read it before this process ends (a launcher may end them when it does)
+                self.terminate(stuck, 1)
                 return
-            if self.store_gone:
+            if self.seen is None or self.failed_here:
                 continue
             if peer_failed_at is None:
-                try:
-                    if self.seen is None and self.store.check([FAILURE_KEY]):
-                        # read at once (the store's process may end soon after), then counted as read
-                        self._read(self.store.get(FAILURE_KEY).decode(errors="replace"))
-                    if self.seen is not None:
-                        peer_failed_at = now
-                except Exception:
-                    self.store_gone = True  # its process ended (see the note): nothing more to learn from it
-            elif self.failed_here:
-                continue
-            elif now - peer_failed_at >= self.grace:
+                peer_failed_at = time.monotonic()
+            elif time.monotonic() - peer_failed_at >= self.grace:
                 # `grace` let this rank fail on its own first (the same configuration error on every rank).
                 self._stop_for_peer()
                 return
+
+    def _guard(self) -> None:
+        """The clock's side, which never calls the store (a call on a cut link can outlast its timeout): the
+        deadline, and silent peers or a silent store ([Note: heartbeats])."""
+        while not self._wait_or_signal(min(self.interval, 1.0)):
+            deadline = self._deadline
+            if deadline is not None and time.monotonic() >= deadline[0]:
+                self.terminate(deadline[1], deadline[2])
+                return
+            beat = self.heartbeat
+            if beat is None or self.failed_here:
+                continue
+            silence = beat.silence()
+            if silence is not None:
+                self._stop_for_silence(beat.describe_silence(silence), "those ranks' host is lost or cut off from "
+                                       "this one", report=True)
+                return
+            quiet = beat.store_silence()
+            if quiet is not None:
+                self._stop_for_silence(beat.describe_store_silence(quiet), "that host is lost, or this host is cut "
+                                       "off from it", report=False)
+                return
+
+    def _wait_or_signal(self, seconds: float) -> bool:
+        """Wait ``seconds`` (less when a signal arrives, which is passed on); True once the watch is stopped."""
+        signals = self._signals
+        if signals is None:
+            return self._stop.wait(seconds)
+        for signum in signals.wait(seconds):
+            if self.on_signal is not None:
+                try:
+                    self.on_signal(signum)
+                except Exception:
+                    pass
+        return self._stop.is_set()
+
+    def _connected(self) -> bool:
+        """Whether the store connection is usable; a failed one is replaced, at most every
+        :data:`RECONNECT_EVERY_S`."""
+        if self._broken_at is None:
+            return True
+        if self._reconnect is None or time.monotonic() - self._broken_at < RECONNECT_EVERY_S:
+            return False
+        try:
+            self.store = self._reconnect()
+            self._broken_at = None
+            return True
+        except Exception:
+            self._broken_at = time.monotonic()
+            return False
+
+    def _lost_store(self) -> None:
+        if self._reconnect is None:
+            self.store_gone = True  # nothing more to learn from it, and every later call would fail (and log)
+        elif self._broken_at is None:
+            self._broken_at = time.monotonic()
+
+    def _stop_for_silence(self, what: str, meaning: str, *, report: bool) -> None:
+        """A peer or the store fell silent: tell the others when the store still answers here (they may watch
+        other peers), then end this process."""
+        if report:
+            teller = threading.Thread(target=self.report, args=(f"rank {self.rank}: lost contact with {what}",),
+                                      daemon=True)
+            teller.start()
+            teller.join(timeout=2.0)
+        extra = ""
+        if self.on_lost is not None:
+            try:
+                extra = self.on_lost()
+            except Exception:
+                pass
+        self.terminate(
+            f"lightning_pipe: rank {self.rank} stops: {what}: {meaning}.\n"
+            f"lightning_pipe: every rank of a pipeline waits on the others, so rank {self.rank} cannot go on; it "
+            f"exits with code 1 now instead of waiting for the process-group timeout.{extra}", 1)
 
     def _stop_for_peer(self) -> None:
         failure = self.first_failure() or self.seen or "(its error could not be read from the store)"

@@ -249,7 +249,7 @@ def _spec(name: str, what: str) -> ScheduleSpec:
     return ScheduleSpec(name, _compat.PipelineScheduleRuntime, what, multi_stage=True, placement="v",
                         default_stages_per_rank=2, allowed_stages_per_rank=(2,), min_microbatches="none",
                         resolve=resolve, build=build, theory_bubble=_bubble(name), split_backward=True,
-                        options=("last_stage_weight",),
+                        options=("last_stage_weight",), needs="any m",
                         # the runtime, the action kinds and the V placement of zbv / custom (verified with TP)
                         tensor_parallel=True)
 

@@ -95,6 +95,10 @@ def _parse_row(rank: int, row: Any) -> list[Any]:
     return out
 
 
+Located = list[tuple[int, int, Any, Any]]
+"""Every compute part of the lists: (rank, step, the action, the part: itself, or one half of an OVERLAP_F_B)."""
+
+
 def validate_actions(actions: list[list[Any]], pipeline_size: int, microbatches: int | None = None,
                      placement: str | None = None, stages_per_rank: int | None = None
                      ) -> tuple[tuple[int, ...], int]:
@@ -109,8 +113,16 @@ def validate_actions(actions: list[list[Any]], pipeline_size: int, microbatches:
         raise config_error("The custom schedule's action lists are empty.", "no actions", KEY)
     num_stages = 1 + max(part.stage_index for *_, part in located)
     m = microbatches if microbatches is not None else 1 + max(part.microbatch_index for *_, part in located)
+    stage_ranks = _check_placement(located, pipeline_size, num_stages, m, placement, stages_per_rank)
+    _check_order(located, num_stages, m, stage_ranks)
+    _check_runs(actions, pipeline_size, num_stages, m)
+    return stage_ranks, m
 
-    # Placement: as given (first rank to name a stage holds it), optionally checked against loop / v.
+
+def _check_placement(located: Located, pipeline_size: int, num_stages: int, m: int, placement: str | None,
+                     stages_per_rank: int | None) -> tuple[int, ...]:
+    """Placement: as given (the first rank to name a stage holds it), optionally checked against loop / v; every
+    stage on one rank, every rank with a stage. Returns the rank of each stage."""
     expected: Callable[[int], int] | None = None
     if placement not in (None, "given"):
         if placement in ("loop", "v"):
@@ -147,8 +159,11 @@ def validate_actions(actions: list[list[Any]], pipeline_size: int, microbatches:
             raise config_error("With stages_per_rank set, every rank's actions name exactly that many stages.",
                                f"stages_per_rank={stages_per_rank}, stages per rank in the lists {counts}",
                                "stages_per_rank", also=(KEY,))
+    return stage_ranks
 
-    # Each (stage, micro-batch): one F, then one B or one I followed by one W, in that order on its rank.
+
+def _check_order(located: Located, num_stages: int, m: int, stage_ranks: tuple[int, ...]) -> None:
+    """Each (stage, micro-batch): one F, then one B or one I followed by one W, in that order on its rank."""
     seen: dict[tuple[int, str, int], tuple[int, int, Any]] = {}
     for rank, step, action, part in located:
         s, kind, mb = part.stage_index, part.computation_type.value, part.microbatch_index
@@ -168,9 +183,8 @@ def validate_actions(actions: list[list[Any]], pipeline_size: int, microbatches:
     for s in range(num_stages):
         for mb in range(m):
             if (s, "F", mb) not in seen:
-                rank = stage_ranks[s]
                 raise config_error(f"Every stage runs a forward for every micro-batch ({m}).",
-                                   f"rank {rank} has no action '{s}F{mb}'", KEY, also=("microbatches",))
+                                   f"rank {stage_ranks[s]} has no action '{s}F{mb}'", KEY, also=("microbatches",))
             if (s, "B", mb) not in seen and (s, "I", mb) not in seen:
                 rank, step, action = seen[(s, "F", mb)]
                 raise config_error("Every forward needs its backward: B, or I then W.",
@@ -180,6 +194,9 @@ def validate_actions(actions: list[list[Any]], pipeline_size: int, microbatches:
                 raise config_error("An input-backward (I) needs its weight-backward (W) in the same batch.",
                                    f"rank {rank}, step {step}: action '{action}' has no '{s}W{mb}'", KEY)
 
+
+def _check_runs(actions: list[list[Any]], pipeline_size: int, num_stages: int, m: int) -> None:
+    """The lists replayed (no deadlock), then torch's own validation as a second opinion."""
     order = {rank: list(row) for rank, row in enumerate(actions)}
     try:
         simulate(order, num_stages)
@@ -191,7 +208,6 @@ def validate_actions(actions: list[list[Any]], pipeline_size: int, microbatches:
     except (AssertionError, ValueError) as err:
         raise config_error("torch.distributed.pipelining refuses the action lists.",
                            str(err).splitlines()[0], KEY) from None
-    return stage_ranks, m
 
 
 def resolve(spec: ScheduleSpec, config: PipelineConfig, pipeline_size: int) -> SchedulePlan:
@@ -214,4 +230,4 @@ CUSTOM = ScheduleSpec("custom", _compat.PipelineScheduleRuntime,
                       "per-rank action lists (inline or CSV) run by torch's schedule runtime",
                       multi_stage=True, placement="given", default_stages_per_rank=1, allowed_stages_per_rank=None,
                       min_microbatches="none", resolve=resolve, build=build, options=OPTIONS,
-                      tensor_parallel=True)
+                      tensor_parallel=True, needs="lists checked before any rank starts (placement, order, deadlock)")

@@ -23,7 +23,9 @@ from lightning_pipe.config import PipelineConfig, config_error
 from lightning_pipe.runtime.spec import SchedulePlan, ScheduleSpec
 
 
-def _bubble_flush(p: int, v: int, m: int) -> float:
+def bubble_flush(p: int, v: int, m: int) -> float:
+    """The theoretical bubble of a schedule that flushes once per batch (GPipe, 1F1B and their asynchronous
+    variants): ``(p - 1) / (m + p - 1)``."""
     return (p - 1) / (m + p - 1)
 
 
@@ -43,7 +45,7 @@ def _order_gpipe(plan: SchedulePlan) -> dict[int, list[Any]]:
             for r in range(plan.pipeline_size)}
 
 
-def _order_1f1b(plan: SchedulePlan) -> dict[int, list[Any]]:
+def order_1f1b(plan: SchedulePlan) -> dict[int, list[Any]]:
     """What ``Schedule1F1B._step_microbatches`` runs: min(m, p - r) warm-up forwards on rank r, then backward /
     forward pairs, then the remaining backwards. (Torch 2.13's ``Schedule1F1B.pipeline_order`` IR, which the
     schedule does not execute, numbers the last rank's micro-batches from 1; we do not use it.)"""
@@ -65,9 +67,9 @@ _SCHEDULES: dict[str, ScheduleSpec] = {
     spec.name: spec
     for spec in (
         ScheduleSpec("gpipe", torch_schedules.ScheduleGPipe, "all forwards, then all backwards (GPipe)",
-                     min_microbatches="none", tensor_parallel=True, theory_bubble=_bubble_flush, order=_order_gpipe),
+                     min_microbatches="none", tensor_parallel=True, theory_bubble=bubble_flush, order=_order_gpipe),
         ScheduleSpec("1f1b", torch_schedules.Schedule1F1B, "one-forward-one-backward (PipeDream-Flush)",
-                     tensor_parallel=True, theory_bubble=_bubble_flush, order=_order_1f1b),
+                     tensor_parallel=True, theory_bubble=bubble_flush, order=order_1f1b),
         ScheduleSpec("interleaved_1f1b", torch_schedules.ScheduleInterleaved1F1B,
                      "Megatron interleaved 1F1B over virtual stages", multi_stage=True,
                      default_stages_per_rank=2, allowed_stages_per_rank=None, min_stages_per_rank=2,

@@ -176,9 +176,7 @@ def replay(compiled: CompiledOrder, cost: Mapping[tuple[int, str], float],
     if comm is not None:
         for s in range(n - 1):
             link[s] = comm[s] if stage_rank[s] != stage_rank[s + 1] else 0.0
-    fwd: dict[tuple[int, int], float] = {}   # (stage, mb) -> its output available on the next stage's rank
-    grad: dict[tuple[int, int], float] = {}  # (stage, mb) -> its input gradient available on the previous rank
-    inp: dict[tuple[int, int], float] = {}   # (stage, mb) -> input-gradient part done (W waits for it)
+    arrived = _Arrivals({}, {}, {})
     queues = compiled.ranks
     pos = [0] * len(queues)
     free = [0.0] * len(queues)
@@ -188,51 +186,76 @@ def replay(compiled: CompiledOrder, cost: Mapping[tuple[int, str], float],
         progressed = False
         for rank, queue in enumerate(queues):
             while pos[rank] < len(queue):
-                t, spent, blocked = free[rank], 0.0, False
-                undo: list[tuple[dict[tuple[int, int], float], tuple[int, int], float | None]] = []
-                for stage, kind, mb in queue[pos[rank]]:
-                    key = (stage, mb)
-                    if kind == "F":
-                        ready = 0.0 if stage == 0 else fwd.get((stage - 1, mb))
-                    elif kind == "W":
-                        ready = inp.get(key)
-                    else:
-                        ready = fwd.get(key) if stage == n - 1 else grad.get((stage + 1, mb))
-                        own = fwd.get(key)
-                        ready = None if ready is None or own is None else max(ready, own - link[stage])
-                    if ready is None:
-                        blocked = True
-                        break
-                    c = cost[(stage, kind)]
-                    t = max(t, ready) + c
-                    spent += c
-                    writes = [(fwd, t + link[stage])] if kind == "F" else \
-                        [(grad, t + (link[stage - 1] if stage else 0.0)), (inp, t)] if kind in "BI" else []
-                    for table, value in writes:
-                        undo.append((table, key, table.get(key)))
-                        table[key] = value
-                if blocked:  # a part of an OVERLAP_F_B is not ready: forget its earlier parts, retry later
-                    for table, key, old in reversed(undo):
-                        if old is None:
-                            del table[key]
-                        else:
-                            table[key] = old
+                done = _run_action(queue[pos[rank]], free[rank], cost, link, n, arrived)
+                if done is None:  # an input is not there yet: this rank waits, the others go on
                     break
-                free[rank] = t
+                free[rank], spent = done
                 busy[rank] += spent
                 pos[rank] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
-            stuck = {}
-            for r, q in enumerate(queues):
-                if pos[r] < len(q):
-                    stage, kind, mb = q[pos[r]][0]
-                    wanted = (stage - 1, "F", mb) if kind == "F" else (stage, "I", mb) if kind == "W" else \
-                        (stage, "F", mb) if (stage, mb) not in fwd or stage == n - 1 else (stage + 1, "B", mb)
-                    stuck[r] = (pos[r], "+".join(f"{s}{k}{m}" for s, k, m in q[pos[r]]), wanted)
-            raise ScheduleDeadlock(stuck)
+            raise _deadlock(queues, pos, arrived, n)
     return Replay(max(free) if free else 0.0, tuple(busy))
+
+
+@dataclass(frozen=True)
+class _Arrivals:
+    """When the data of each ``(stage, micro-batch)`` exists where it is needed during a replay."""
+
+    fwd: dict[tuple[int, int], float]
+    """Its output, on the next stage's rank."""
+    grad: dict[tuple[int, int], float]
+    """Its input gradient, on the previous stage's rank."""
+    inp: dict[tuple[int, int], float]
+    """Its input-gradient part done (a split backward's W waits for it)."""
+
+
+def _run_action(parts: Sequence[Part], start: float, cost: Mapping[tuple[int, str], float],
+                link: Sequence[float], n: int, arrived: _Arrivals) -> tuple[float, float] | None:
+    """Run one action's parts (an OVERLAP_F_B has two) from ``start``: its end and compute time, what it produces
+    recorded in ``arrived``; ``None``, and nothing recorded, where a part cannot start yet."""
+    t, spent = start, 0.0
+    fwd, grad, inp = arrived.fwd, arrived.grad, arrived.inp
+    undo: list[tuple[dict[tuple[int, int], float], tuple[int, int], float | None]] = []
+    for stage, kind, mb in parts:
+        key = (stage, mb)
+        if kind == "F":
+            ready = 0.0 if stage == 0 else fwd.get((stage - 1, mb))
+        elif kind == "W":
+            ready = inp.get(key)
+        else:  # B or I: the gradient from the next stage (the loss on the last), and this stage's own forward
+            ready = fwd.get(key) if stage == n - 1 else grad.get((stage + 1, mb))
+            own = fwd.get(key)
+            ready = None if ready is None or own is None else max(ready, own - link[stage])
+        if ready is None:  # a part of an OVERLAP_F_B is not ready: forget its earlier parts, retry later
+            for table, written, old in reversed(undo):
+                if old is None:
+                    del table[written]
+                else:
+                    table[written] = old
+            return None
+        c = cost[(stage, kind)]
+        t = max(t, ready) + c
+        spent += c
+        writes = [(fwd, t + link[stage])] if kind == "F" else \
+            [(grad, t + (link[stage - 1] if stage else 0.0)), (inp, t)] if kind in "BI" else []
+        for table, value in writes:
+            undo.append((table, key, table.get(key)))
+            table[key] = value
+    return t, spent
+
+
+def _deadlock(queues: Sequence[Sequence[Sequence[Part]]], pos: Sequence[int], arrived: _Arrivals, n: int) -> ScheduleDeadlock:
+    """No rank can run its next action: each blocked rank's position, action and the part it waits for."""
+    stuck = {}
+    for r, q in enumerate(queues):
+        if pos[r] < len(q):
+            stage, kind, mb = q[pos[r]][0]
+            wanted = (stage - 1, "F", mb) if kind == "F" else (stage, "I", mb) if kind == "W" else \
+                (stage, "F", mb) if (stage, mb) not in arrived.fwd or stage == n - 1 else (stage + 1, "B", mb)
+            stuck[r] = (pos[r], "+".join(f"{s}{k}{m}" for s, k, m in q[pos[r]]), wanted)
+    return ScheduleDeadlock(stuck)
 
 
 def peak_activations(compiled: CompiledOrder, held: Sequence[float]) -> list[float]:

@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +90,6 @@ def plot_timeline(records: Sequence[StepRecord], path: str | Path, steps: int | 
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
 
     grouped = by_step(records)
     if not grouped:
@@ -97,54 +97,83 @@ def plot_timeline(records: Sequence[StepRecord], path: str | Path, steps: int | 
     chosen = list(grouped)[-steps:] if steps else list(grouped)
     recs = [r for k in chosen for r in grouped[k]]
     ranks = sorted({r.rank for r in recs})
-    # Steps side by side: each starts at its earliest rank's start; what ran between steps (optimizer, data,
-    # logging) is cut out and shown as a dashed separator.
-    spans = {k: (min(r.start_ns for r in grouped[k]), max(r.end_ns for r in grouped[k])) for k in chosen}
-    total_ms = sum(b - a for a, b in spans.values()) / 1e6
-    gap_ms = 0.03 * total_ms if len(chosen) > 1 else 0.0
-    offset_ms: dict[int, float] = {}
-    x = 0.0
-    for k in chosen:
-        offset_ms[k] = x
-        x += (spans[k][1] - spans[k][0]) / 1e6 + gap_ms
-    span_ms = x - gap_ms
-
-    def at(step: int, ns: int) -> float:
-        return offset_ms[step] + (ns - spans[step][0]) / 1e6
-
+    axis = _StepAxis.of(grouped, chosen)
     fig, ax = plt.subplots(figsize=(12, 1.3 + 0.7 * len(ranks)))
     for k in chosen[1:]:
-        ax.axvline(offset_ms[k] - gap_ms / 2, color="#666666", linestyle="--", linewidth=0.8)
+        ax.axvline(axis.offset_ms[k] - axis.gap_ms / 2, color="#666666", linestyle="--", linewidth=0.8)
     for r in recs:
-        y = ranks.index(r.rank)
-        # the step's extent: idle inside it shows as white on a thin frame
-        ax.broken_barh([(at(r.step, r.start_ns), r.wall_ns / 1e6)], (y - 0.4, 0.8), facecolors="white",
-                       edgecolors="#999999", linewidth=0.6)
-        for s in r.slices:
-            x0, w = at(r.step, s.start_ns), (s.end_ns - s.start_ns) / 1e6
-            comm = s.kind in COMM_KINDS or s.kind in DISPATCH_KINDS  # (dispatch: a thin bar over its compute)
-            height = 0.3 if comm else 0.8
-            ax.broken_barh([(x0, w)], (y - height / 2, height), facecolors=COLORS[s.kind],
-                           edgecolors="none" if comm else "black", linewidth=0 if comm else 0.3)
-            if not comm and s.kind != "L" and w > span_ms / 80:
-                ax.text(x0 + w / 2, y, str(s.mb), ha="center", va="center", fontsize=7, color="white")
+        _draw_record(ax, r, ranks.index(r.rank), axis)
     labels = []
     for rank in ranks:
         rec = next(r for r in recs if r.rank == rank)
         labels.append(f"rank {rank}\nstage{'s' if len(rec.stages) > 1 else ''} {','.join(map(str, rec.stages))}")
     ax.set_yticks(range(len(ranks)), labels)
     ax.set_ylim(len(ranks) - 0.5, -0.5)
-    ax.set_xlim(0, span_ms * 1.01)
-    ax.set_xlabel("time in step (ms)" + ("; steps side by side, time between steps cut" if gap_ms else ""))
-    present = {s.kind for r in recs for s in r.slices}
+    ax.set_xlim(0, axis.span_ms * 1.01)
+    ax.set_xlabel("time in step (ms)" + ("; steps side by side, time between steps cut" if axis.gap_ms else ""))
+    _legend(ax, {s.kind for r in recs for s in r.slices})
+    measured = sum(pipeline_bubble(grouped[k]) for k in chosen) / len(chosen)
+    ax.set_title(_title(meta or {}, len(ranks), measured, chosen), fontsize=10, pad=22)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
+@dataclass(frozen=True)
+class _StepAxis:
+    """Steps side by side on one time axis (ms): each starts at its earliest rank's start; what ran between steps
+    (optimizer, data, logging) is cut out and shown as a dashed separator, ``gap_ms`` wide."""
+
+    offset_ms: dict[int, float]
+    start_ns: dict[int, int]
+    gap_ms: float
+    span_ms: float
+
+    @classmethod
+    def of(cls, grouped: dict[int, list[StepRecord]], chosen: Sequence[int]) -> _StepAxis:
+        spans = {k: (min(r.start_ns for r in grouped[k]), max(r.end_ns for r in grouped[k])) for k in chosen}
+        total_ms = sum(b - a for a, b in spans.values()) / 1e6
+        gap_ms = 0.03 * total_ms if len(chosen) > 1 else 0.0
+        offset_ms: dict[int, float] = {}
+        x = 0.0
+        for k in chosen:
+            offset_ms[k] = x
+            x += (spans[k][1] - spans[k][0]) / 1e6 + gap_ms
+        return cls(offset_ms, {k: a for k, (a, _) in spans.items()}, gap_ms, x - gap_ms)
+
+    def at(self, step: int, ns: int) -> float:
+        return self.offset_ms[step] + (ns - self.start_ns[step]) / 1e6
+
+
+def _draw_record(ax: Any, r: StepRecord, y: int, axis: _StepAxis) -> None:
+    """One rank's step in row ``y``: its extent (idle inside it shows as white on a thin frame), then its slices."""
+    ax.broken_barh([(axis.at(r.step, r.start_ns), r.wall_ns / 1e6)], (y - 0.4, 0.8), facecolors="white",
+                   edgecolors="#999999", linewidth=0.6)
+    for s in r.slices:
+        x0, w = axis.at(r.step, s.start_ns), (s.end_ns - s.start_ns) / 1e6
+        comm = s.kind in COMM_KINDS or s.kind in DISPATCH_KINDS  # (dispatch: a thin bar over its compute)
+        height = 0.3 if comm else 0.8
+        ax.broken_barh([(x0, w)], (y - height / 2, height), facecolors=COLORS[s.kind],
+                       edgecolors="none" if comm else "black", linewidth=0 if comm else 0.3)
+        if not comm and s.kind != "L" and w > axis.span_ms / 80:
+            ax.text(x0 + w / 2, y, str(s.mb), ha="center", va="center", fontsize=7, color="white")
+
+
+def _legend(ax: Any, present: set[str]) -> None:
+    from matplotlib.patches import Patch
+
     handles = [Patch(facecolor=COLORS[k], edgecolor="black" if k in COMPUTE_KINDS else "none", label=KIND_NAMES[k])
                for k in (*COMPUTE_KINDS, *COMM_KINDS, *DISPATCH_KINDS) if k in present]
     handles.append(Patch(facecolor="white", edgecolor="#999999", label="idle"))
     ax.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=len(handles), fontsize=8,
               frameon=False)
-    meta = meta or {}
-    measured = sum(pipeline_bubble(grouped[k]) for k in chosen) / len(chosen)
-    title = f"{meta.get('schedule', 'pipeline')}: p={meta.get('p', len(ranks))}"
+
+
+def _title(meta: dict[str, Any], ranks: int, measured: float, chosen: Sequence[int]) -> str:
+    title = f"{meta.get('schedule', 'pipeline')}: p={meta.get('p', ranks)}"
     if meta.get("v", 1) not in (None, 1):
         title += f", v={meta['v']}"
     if "m" in meta:
@@ -152,14 +181,7 @@ def plot_timeline(records: Sequence[StepRecord], path: str | Path, steps: int | 
     title += f" | measured bubble {measured:.1%}"
     if meta.get("theoretical_bubble") is not None:
         title += f" (theory {meta['theoretical_bubble']:.1%})"
-    title += f" | steps {chosen[0]}" + (f"-{chosen[-1]}" if len(chosen) > 1 else "")
-    ax.set_title(title, fontsize=10, pad=22)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
-    plt.close(fig)
-    return path
+    return title + f" | steps {chosen[0]}" + (f"-{chosen[-1]}" if len(chosen) > 1 else "")
 
 
 def summary(records: Sequence[StepRecord], meta: dict[str, Any] | None = None) -> str:

@@ -16,13 +16,17 @@ Samples are windows of ``block_size + 1`` tokens: ``x = w[:-1]``, ``y = w[1:]``.
 * val: contiguous, non-overlapping windows in order, so the validation loss is the same number every time.
 
 Both loaders drop the last incomplete batch: pipeline schedules infer shapes once and need a fixed batch size.
+The training loader resumes mid-epoch (:class:`ResumableDataLoader`): a run resumed from any checkpoint sees the
+batches an uninterrupted run would.
 """
 
 from __future__ import annotations
 
 import os
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
@@ -80,6 +84,49 @@ class TokenWindows(Dataset):
         o = int(self.offsets[i])
         window = torch.from_numpy(np.asarray(self.tokens[o : o + self.block_size + 1], dtype=np.int64))
         return window[:-1], window[1:]
+
+
+class ResumableDataLoader(DataLoader):
+    """A ``DataLoader`` that continues an interrupted epoch at the batch where its checkpoint was taken.
+
+    Lightning stores a training loader's ``state_dict()`` in every checkpoint when the loader has one, and hands it
+    back through ``load_state_dict()`` before the resumed run iterates. Without it, Lightning restarts the
+    interrupted epoch from its first batch, so a run resumed mid-epoch (a SLURM requeue,
+    ``ModelCheckpoint(every_n_train_steps=...)``) trains on other batches than an uninterrupted one. The state is
+    the sampler's epoch and the batches handed out in it (Lightning's fetcher reads a sized loader without looking
+    ahead, so that is what the loop consumed). The resumed pass skips them only in that same epoch — a checkpoint
+    taken at an epoch's end resumes at the next epoch's start — by reading and dropping them (a window of the token
+    array each: microseconds). The order must not depend on anything else: Lightning's ``DistributedSampler``
+    shuffles by seed and epoch.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._epoch: int | None = None  # the sampler's epoch of the current pass
+        self._handed_out = 0  # batches of the current pass
+        self._resume: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self._epoch, "batches": self._handed_out}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._resume = dict(state_dict)
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        self._epoch, self._handed_out = None, 0
+        return self._batches(super().__iter__())
+
+    def _batches(self, batches: Iterator[Any]) -> Iterator[Any]:
+        # Runs at the first next(): after Lightning's set_epoch for this pass.
+        self._epoch = getattr(self.sampler, "epoch", None)
+        resume, self._resume = self._resume, None
+        if resume is not None and resume["epoch"] == self._epoch and resume["batches"] < len(self):
+            for _ in range(resume["batches"]):
+                next(batches)
+            self._handed_out = resume["batches"]
+        for batch in batches:
+            self._handed_out += 1
+            yield batch
 
 
 class ByteCorpusDataModule(pl.LightningDataModule):
@@ -185,7 +232,8 @@ class ByteCorpusDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         ds = TokenWindows(self.train_tokens, self.train_offsets(), self.block_size)
-        return DataLoader(ds, batch_size=self.batch_size, shuffle=True, drop_last=True, num_workers=self.num_workers)
+        return ResumableDataLoader(ds, batch_size=self.batch_size, shuffle=True, drop_last=True,
+                                   num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         ds = TokenWindows(self.val_tokens, self.val_offsets(), self.block_size)

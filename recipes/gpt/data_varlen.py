@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_pipe.layers.packing import IGNORE_INDEX, pack_documents, plan_rows
-from recipes.gpt.data import ByteCorpusDataModule
+from recipes.gpt.data import ByteCorpusDataModule, ResumableDataLoader
 
 
 def document_spans(n_tokens: int, min_len: int, max_len: int, seed: int, contiguous: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -120,8 +120,8 @@ class DynamicPaddingDataModule(_DocumentsDataModule):
     """Batches of whole documents, right-padded to each batch's longest (``data=dynamic_padding``)."""
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.documents("train"), batch_size=self.batch_size, shuffle=True, drop_last=True,
-                          collate_fn=pad_collate, num_workers=self.num_workers)
+        return ResumableDataLoader(self.documents("train"), batch_size=self.batch_size, shuffle=True,
+                                   drop_last=True, collate_fn=pad_collate, num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.documents("val"), batch_size=self.batch_size, shuffle=False, drop_last=True,
@@ -132,8 +132,8 @@ class PackedDataModule(_DocumentsDataModule):
     """Batches of packed rows of ``block_size`` tokens with their document ids (``data=packed``)."""
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(PackedRows(self.documents("train"), self.block_size), batch_size=self.batch_size,
-                          shuffle=True, drop_last=True, num_workers=self.num_workers)
+        return ResumableDataLoader(PackedRows(self.documents("train"), self.block_size), batch_size=self.batch_size,
+                                   shuffle=True, drop_last=True, num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(PackedRows(self.documents("val"), self.block_size), batch_size=self.batch_size,

@@ -21,13 +21,14 @@ from lightning_pipe.checkpoint import consolidated  # noqa: E402
 from recipes.gpt.model import GPT  # noqa: E402
 
 
-def load_gpt(ckpt_path: str | Path) -> GPT:
+def load_gpt(ckpt_path: str | Path, weights_only: bool | None = None) -> GPT:
     """Build the GPT from a checkpoint: hyper-parameters + ``state_dict`` with the plain model's ``layers.*`` names.
 
     Reads an ordinary Lightning ``.ckpt`` file or a sharded pipeline checkpoint directory, both through
-    ``lightning_pipe.checkpoint.consolidated`` (which verifies a directory's checksums first).
+    ``lightning_pipe.checkpoint.consolidated`` (which verifies a directory's checksums first), as data unless
+    ``weights_only=False`` trusts its source.
     """
-    ckpt = consolidated(ckpt_path)
+    ckpt = consolidated(ckpt_path, weights_only)
     model = GPT(**ckpt["hyper_parameters"])
     # A partial checkpoint (one pipeline stage's layers) must fail loudly rather than sample from random layers.
     missing = sorted({k.split(".")[1] for k in model.state_dict()} - {k.split(".")[1] for k in ckpt["state_dict"]})
@@ -62,10 +63,13 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--top-k", type=int, default=50)
     parser.add_argument("--num-samples", type=int, default=1)
     parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--trust", action="store_true",
+                        help="the checkpoint comes from a source you trust: unpickle any object it holds (which can "
+                             "run code from the file); without it, the checkpoint is read as data")
     args = parser.parse_args(argv)
 
     torch.manual_seed(args.seed)
-    model = load_gpt(args.ckpt)
+    model = load_gpt(args.ckpt, weights_only=False if args.trust else None)
     prompt = torch.tensor([encode(args.prompt, model.hparams.vocab_size)] * args.num_samples, dtype=torch.long)
     out = model.generate(prompt, args.tokens, temperature=args.temperature, top_k=args.top_k)
     texts = [bytes(row.tolist()).decode("utf-8", errors="replace") for row in out]

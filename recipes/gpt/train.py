@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ import hydra  # noqa: E402
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from hydra.errors import InstantiationException  # noqa: E402
+from lightning.fabric.plugins.environments import SLURMEnvironment  # noqa: E402
 from lightning.pytorch.callbacks import LearningRateMonitor  # noqa: E402
 from lightning.pytorch.utilities.rank_zero import rank_zero_info  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
@@ -97,6 +99,34 @@ def without_logger_callbacks(callbacks: list[Any], loggers: list[Any]) -> list[A
     return kept
 
 
+class FinalStateAfterRequeue(pl.Callback):
+    """Under SLURM, after a requeue: the state training ended with, saved as the newest ``hpc_ckpt_<n>.ckpt``.
+
+    Lightning's ``validate()`` (and ``fit()``) with ``ckpt_path=None`` load the newest ``hpc_ckpt_*.ckpt`` of the run
+    directory when they run under SLURM: after a requeue, the weights of the requeue's step. Saved at the end of
+    training (every rank, a collective save), the newest one is the trained state, so the final validation measures
+    it, and a job requeued during that validation resumes from it and stops at once (``max_steps`` is reached).
+    """
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        root = Path(trainer.default_root_dir)
+        found = [int(m.group(1)) for path in root.glob("hpc_ckpt_*.ckpt")
+                 if (m := re.fullmatch(r"hpc_ckpt_(\d+)\.ckpt", path.name))]
+        newest = trainer.strategy.broadcast(max(found, default=0))  # one answer for every rank's collective save
+        if newest:
+            trainer.save_checkpoint(root / f"hpc_ckpt_{newest + 1}.ckpt")
+
+
+def describe_processes(trainer: pl.Trainer) -> str:
+    """Who started the processes and how many there are: Lightning's cluster environment (``SLURMEnvironment``
+    under srun, ``TorchElasticEnvironment`` under torchrun, ``LightningEnvironment`` when Lightning launches)."""
+    environment = getattr(trainer.strategy, "cluster_environment", None)
+    if environment is None:
+        return "[train] processes: 1 (no cluster environment)"
+    extra = f" (auto_requeue={environment.auto_requeue})" if isinstance(environment, SLURMEnvironment) else ""
+    return f"[train] processes: {trainer.world_size}, cluster environment {type(environment).__name__}{extra}"
+
+
 def train(cfg: DictConfig) -> dict[str, float]:
     """Fit the GPT described by ``cfg``; return the final metrics (val loss, baseline, tokens/s)."""
     set_threads(cfg.get("torch_threads"), cfg.trainer)
@@ -106,11 +136,14 @@ def train(cfg: DictConfig) -> dict[str, float]:
     model = instantiate(cfg.model)
     loggers = build_all(cfg.get("logger"))
     callbacks = without_logger_callbacks(build_all(cfg.get("callbacks")), loggers)
+    if SLURMEnvironment.detect():
+        callbacks.append(FinalStateAfterRequeue())
     trainer: pl.Trainer = instantiate(
         cfg.trainer, strategy=build_strategy(cfg.strategy), callbacks=callbacks, logger=loggers or False
     )
     if trainer.is_global_zero:
         print(OmegaConf.to_yaml(cfg, resolve=True))
+        print(describe_processes(trainer))
 
     trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from omegaconf import DictConfig
 
 from lightning_pipe import checkpoint as ckpt_lib
 from tests.distributed.launcher import RanksFailed, launch, launch_runs
@@ -21,6 +23,7 @@ from tests.distributed.parity import assert_same, merge_replica
 from tests.distributed.scenarios import CheckpointCase
 from tests.distributed.scenarios.checkpoint import optimizer_by_name, run_reference
 from tests.models import ToyRegressor
+from tests.unit.test_checkpoint_trust import Payload, crafted_metadata, rewrite_checksums
 
 pytestmark = [pytest.mark.distributed]
 
@@ -139,6 +142,35 @@ def test_reshard_on_load_4_ranks(four_ranks: dict[str, Any], tmp_path: Path) -> 
 
 
 # ------------------------------------------------------------------------------------------------ 2-rank runs
+TRUST = {  # crafted checkpoint -> what its refusal names besides the file
+    "single_file": ["`posix.mkdir`", "weights_only=False", "--trust"],
+    "meta": ["`meta.pt`", "`posix.mkdir`", "weights_only=False"],
+    "dcp_metadata": ["`.metadata`", "`posix.mkdir`", "weights_only=False"],
+    "outside": ["`.metadata` points a load at '../outside.distcp'"],
+    "earlier": ["`omegaconf.dictconfig.DictConfig`", "earlier lightning_pipe", "weights_only=False"],
+}
+
+
+def crafted_checkpoints(source: Path, tmp_path: Path) -> tuple[dict[str, Path], Path]:
+    """Copies of a real checkpoint, each changed as someone who controls the files could (checksums rewritten),
+    and the marker their objects would create."""
+    marker = tmp_path / "ran"
+    out = {name: Path(shutil.copytree(source, tmp_path / f"{name}.ckpt")) for name in TRUST if name != "single_file"}
+    out["single_file"] = tmp_path / "single_file.ckpt"
+    torch.save({**ckpt_lib.consolidated(source), "callbacks": {"Evil": Payload(marker)}}, out["single_file"])
+    for name, extra in (("meta", {"loops": Payload(marker)}), ("earlier", {"hyper_parameters": DictConfig({})})):
+        meta = torch.load(out[name] / ckpt_lib.META_FILENAME, weights_only=True)
+        torch.save({**meta, **extra}, out[name] / ckpt_lib.META_FILENAME)
+    crafted_metadata(out["dcp_metadata"], lambda md: setattr(md, "planner_data", Payload(marker)))
+    data = max(out["outside"].glob("*.distcp"), key=lambda f: f.stat().st_size).name
+    crafted_metadata(out["outside"], lambda md: setattr(md, "storage_data", {
+        k: replace(v, relative_path="../outside.distcp") if v.relative_path == data else v
+        for k, v in md.storage_data.items()}))
+    for name in ("meta", "earlier"):
+        rewrite_checksums(out[name])
+    return {name: out[name] for name in TRUST}, marker
+
+
 @pytest.mark.timeout(600)
 def test_crash_mid_save_reshard_to_pp2_single_files_and_bad_input(four_ranks: dict[str, Any], tmp_path: Path) -> None:
     root = four_ranks["root"]
@@ -150,7 +182,7 @@ def test_crash_mid_save_reshard_to_pp2_single_files_and_bad_input(four_ranks: di
     assert ckpt_lib.describe(crash_dir / "epoch=0-step=2.ckpt") == "sharded"
     assert not (crash_dir / STEP4).exists()
     assert os.readlink(crash_dir / "last.ckpt") == "epoch=0-step=2.ckpt"
-    assert not list(crash_dir.glob(f".{STEP4}.partial-*")), "the surviving rank removes the failed save's files"
+    assert not list(crash_dir.glob(ckpt_lib.partial_path(crash_dir / STEP4, "*").name)), "the surviving rank removes the failed save's files"
     assert ckpt_lib.consolidated(crash_dir / "last.ckpt")["global_step"] == 2
 
     # 2) single files: one consolidated from a pipeline checkpoint, one written by a plain single-device run
@@ -172,6 +204,7 @@ def test_crash_mid_save_reshard_to_pp2_single_files_and_bad_input(four_ranks: di
     not_ckpt_dir.mkdir()
     text_file = tmp_path / "notes.txt"
     text_file.write_text("not a checkpoint")
+    crafted, marker = crafted_checkpoints(root / "pp4_gpipe" / STEP4, tmp_path)
 
     cases = [
         CheckpointCase(schedule="1f1b", resume_from=str(root / "pp4_gpipe" / STEP4)),  # pp4 -> pp2
@@ -184,6 +217,9 @@ def test_crash_mid_save_reshard_to_pp2_single_files_and_bad_input(four_ranks: di
         CheckpointCase(resume_from=str(not_ckpt_dir), expect_error=True),
         CheckpointCase(resume_from=str(text_file), expect_error=True),
         CheckpointCase(resume_from=str(tmp_path / "nowhere.ckpt"), expect_error=True),
+        # a checkpoint is data: each crafted one refused by every rank; the earlier format read when trusted
+        *(CheckpointCase(resume_from=str(p), expect_error=True) for p in crafted.values()),
+        CheckpointCase(schedule="gpipe", resume_from=str(crafted["earlier"]), weights_only=False),
     ]
     # 4) last, in the same processes: rank 1's disk is full in the middle of the second save (issue 23)
     full_dir = tmp_path / "full"
@@ -211,6 +247,7 @@ def test_crash_mid_save_reshard_to_pp2_single_files_and_bad_input(four_ranks: di
         7: ["not a lightning_pipe checkpoint"],
         8: ["not a checkpoint"],
         9: ["does not exist"],
+        **{10 + i: ["Refused to load", str(path), *TRUST[name]] for i, (name, path) in enumerate(crafted.items())},
     }
     for idx, phrases in messages.items():
         errors = [rank[idx] for rank in res]
@@ -219,6 +256,8 @@ def test_crash_mid_save_reshard_to_pp2_single_files_and_bad_input(four_ranks: di
         assert errors[0]["error"].startswith("CheckpointError")
         for phrase in phrases:
             assert phrase in errors[0]["error"], (phrase, errors[0]["error"])
+    assert not marker.exists(), "a crafted checkpoint's object ran"
+    assert res[0][10 + len(crafted)]["global_step"] == 8  # the earlier format, trusted: resumed at step 4
     # the full disk: every rank names it first (not DCP's CheckpointException), the failed save's files are gone,
     # the step-2 checkpoint and `last` (linked to it) stay
     for rank in res:
@@ -226,3 +265,49 @@ def test_crash_mid_save_reshard_to_pp2_single_files_and_bad_input(four_ranks: di
             f"CheckpointError: No space left on {str(full_dir)!r}: saving {STEP4!r} needed about "), rank[-1]
     assert sorted(p.name for p in full_dir.iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]
     assert ckpt_lib.describe(full_dir / "last.ckpt") == "sharded"
+
+
+@pytest.mark.timeout(600)
+def test_async_checkpoints_resume_exactly_and_survive_a_kill_mid_write(tmp_path: Path) -> None:
+    """async_checkpoint=True: stopped after 4 of 8 steps and resumed == uninterrupted; a rank killed while "last"
+    is written on the saver's thread leaves the previous "last" complete (checksums verified), and the run resumes
+    from it."""
+    crash_dir = tmp_path / "crash"
+    with pytest.raises(RanksFailed, match="exit codes"):
+        launch("ckpt_crash", 2, [CheckpointCase(dir=str(crash_dir), crash_rank=1, async_save=True)],
+               tmp_path / "out_crash", timeout=200)
+    last = crash_dir / "last.ckpt"
+    assert last.is_dir() and not last.is_symlink()
+    assert ckpt_lib.verify_checksums(last) and ckpt_lib.consolidated(last)["global_step"] == 2
+    assert ckpt_lib.describe(crash_dir / STEP4) == "sharded"  # written before "last" (save 3 of 4 completed)
+
+    d = tmp_path / "async"
+    res = launch_runs(2, [("ckpt_train", CheckpointCase(dir=str(d), resume_from=str(d / STEP4), async_save=True)),
+                          ("ckpt_resume", CheckpointCase(resume_from=str(last), async_save=True))],
+                      tmp_path / "out", timeout=400)
+    for rank in res:
+        full, resumed = rank[0]["full"], rank[0]["resumed"]
+        assert resumed["global_step"] == 8 and rank[1]["global_step"] == 8
+        assert_same(resumed["params"], full["params"], EXACT, "async resume params")
+        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][4:]), atol=EXACT,
+                                   rtol=0)
+    assert ckpt_lib.consolidated(d / "last.ckpt")["global_step"] == 8 and not list(d.glob(".*partial*"))
+
+
+@pytest.mark.timeout(300)
+def test_a_really_full_disk_stops_every_rank_naming_it(tmp_path: Path, small_tmpfs: Callable[[str], Path]) -> None:
+    """Saves into a 260 KiB tmpfs until it is full: the toy's second checkpoint, then the tiny GPT's first (its
+    tensors alone need more than is left). Whichever write the disk refuses — a rank's tensors, which torch's zip
+    writer reports without the errno, or rank 0's meta.pt — every rank raises the same error naming the directory,
+    no partial save stays, and the checkpoint written before it is intact."""
+    disk = small_tmpfs("260k")
+    toy, gpt = disk / "toy", disk / "gpt"
+    res = launch("ckpt_train", 2, [CheckpointCase(dir=str(toy), expect_error=True),
+                                   CheckpointCase(dir=str(gpt), model="gpt", n_layers=4, expect_error=True)],
+                 tmp_path / "out", timeout=250)
+    for case, where in enumerate((toy, gpt)):
+        errors = [rank[case] for rank in res]
+        assert all(not e["ok"] for e in errors) and errors[0]["error"] == errors[1]["error"], errors
+        assert errors[0]["error"].startswith(f"CheckpointError: No space left on {str(where)!r}: saving "), errors
+        assert not [p for p in where.iterdir() if ".partial-" in p.name]
+    assert ckpt_lib.describe(toy / STEP4) == "sharded" and ckpt_lib.consolidated(toy / STEP4)["global_step"] == 4

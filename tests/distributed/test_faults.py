@@ -1,7 +1,7 @@
 """No hangs (issue 14, items 4 and 5), on real processes started the way users start them (popen: the script is
 re-run for rank 1): a rank that fails and stays alive, SIGTERM to the main process mid-step, kill -9 of a rank;
 issue 23: a rank that fails and ends is named on every rank, a tensor-parallel hook failing on one rank.
-``bench/sigterm.py`` runs the SIGTERM case 20 times."""
+``python -m bench sigterm`` runs the SIGTERM case 20 times and times every exit."""
 
 from __future__ import annotations
 

@@ -83,7 +83,7 @@ def replica(results: Sequence[Sequence[dict[str, Any]]], i: int, dp_rank: int, k
 def assert_no_reinference(inferences: list[int], validate: bool) -> None:
     """Torch's shape inferences after each training batch (issue 24): none after the first batch's for a new
     length; with validation after batch 2, one more for the eval structure, none on the way back to training."""
-    if not stage_shapes.SUPPORTED:  # torch 2.11: every new shape re-infers, as before issue 24
+    if not stage_shapes.SUPPORTED:  # torch 2.11: every new shape re-infers
         assert inferences[-1] >= 2, inferences
         return
     assert inferences[0] > 0 and inferences[1] == inferences[0], inferences

@@ -12,7 +12,7 @@ then differs from a ``python -m tests.distributed.worker`` process only in what 
   the rank variables at import, ``rank_zero_only.rank`` (Lightning / torchmetrics); its stdout and stderr go to its
   log; it starts its own session (``killpg`` ends it and whatever it started), as ``start_new_session`` did;
 - a launch whose environment differs from the server's in anything but the rank variables (a test that sets an
-  environment variable for its ranks) starts plain ``python -m tests.distributed.worker`` processes, as before;
+  environment variable for its ranks) starts plain ``python -m tests.distributed.worker`` processes;
 - ``LIGHTNING_PIPE_TEST_SUBPROCESS_RANKS=1`` starts plain processes for every launch.
 
 Everything a rank does after its imports (process group, Trainer, scenarios, exit codes, signals) is unchanged.

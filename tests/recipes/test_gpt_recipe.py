@@ -77,9 +77,11 @@ def test_pipeline_two_cpu_stages(tmp_path: Path) -> None:
     checkpoint is written, and it samples on one device."""
     run = tmp_path / "run"
     steps = ["trainer.max_steps=12", "model.lr=3e-3", "model.warmup_steps=2"]
-    proc = run_train(["trainer=cpu_2", "strategy=pipeline", "schedule=gpipe", "schedule.microbatches=2", *TINY,
-                      *steps, f"hydra.run.dir={run}"], 300)
+    command = ["trainer=cpu_2", "strategy=pipeline", "schedule=gpipe", "schedule.microbatches=2", *TINY,
+               f"hydra.run.dir={run}", "ckpt_path=last", "checkpoint_every_n_steps=5"]
+    proc = run_train([*command, *steps], 300)
     assert "[train] corpus 200000 bytes | val_loss" in proc.stdout
+    assert "Restored all states" not in proc.stdout + proc.stderr  # the first start: nothing to resume yet
     rows = metrics(run)
     logged = {k for row in rows for k, v in row.items() if v}
     assert {"train_loss", "val_loss", "tokens_per_s"} <= logged
@@ -91,3 +93,7 @@ def test_pipeline_two_cpu_stages(tmp_path: Path) -> None:
     # The pipeline's checkpoint (sharded across stages) samples on one device like a single-device one.
     text = sample.main(["--ckpt", str(ckpt), "--prompt", "def ", "--tokens", "10"])
     assert text.startswith("def ")
+
+    # The same command (a longer run) resumes from last.ckpt: what a restarted job does.
+    again = run_train([*command, "trainer.max_steps=14", "model.lr=3e-3", "model.warmup_steps=2"], 300)
+    assert f"Restored all states from the checkpoint at {ckpt}" in again.stdout + again.stderr

@@ -1,4 +1,4 @@
-"""The one-GPU check (``python -m bench.gpu``, issue #20 item 4) on the CPU, so that it cannot rot: ``--smoke`` runs
+"""The one-GPU check (``python -m bench.gpu``) on the CPU, so that it cannot rot: ``--smoke`` runs
 every case (parity, the speed anchors a / a2 / a3 / c, the sync counter, the profiler trace) with tiny models, gloo
 and the CPU device, with Hydra and OmegaConf hidden as on the GPU machine."""
 
@@ -67,7 +67,7 @@ def test_gpu_check_smoke_runs_every_case_on_the_cpu(tmp_path: Path) -> None:
                                    torch.tensor(results[f"{model}-a3"]["loss_first_last"]), atol=1e-3, rtol=0)
     traces = sorted(p.name for p in out.glob("trace_*.json.gz"))
     assert traces == sorted(f"trace_{m}-{k}.json.gz" for m in ("gpt2_124m", "llama_1b") for k in ("a3", "c"))
-    assert len(list(out.iterdir())) + 1 <= 8, "the device tool brings back 8 files at most (the log is one)"
+    assert len(list(out.iterdir())) + 1 <= 8, "the check writes 8 files at most (the log is one)"
     assert "gpt2_124m: c/a2 = " in proc.stdout and "| parity-zbv-bf16 | PASS |" in proc.stdout
     # offload: the speed row ran with it, and its parity (a host round trip on a GPU) passed
     assert results["gpt2_124m-c_offload"]["offload"] == "all" and "c_offload/c = " in proc.stdout

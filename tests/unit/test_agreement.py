@@ -49,7 +49,8 @@ def test_each_rank_reads_its_pipelines_loss_the_replicas_count_and_any_flag(monk
     flags = {r: [r == world - 1, False, r == 0, True] for r in range(world)}
     out = _simulate(monkeypatch, topologies, local, last, flags)
     for topo in topologies:
-        own, total, agreed = out[topo.global_rank]
+        agreement_ = out[topo.global_rank]
+        own, total, agreed = agreement_.pipeline, agreement_.replicas_count, agreement_.flags
         holder = next(r for r in last if topologies[r].dp_rank == topo.dp_rank and topologies[r].tp_rank == topo.tp_rank)
         assert torch.equal(own, local[holder])  # bit for bit what the broadcast from the last stage gave
         assert total.item() == sum(10.0 + d for d in range(topo.dp_degree))  # the count all-reduce over replicas
@@ -60,7 +61,7 @@ def test_a_mean_loss_keeps_its_marker(monkeypatch: pytest.MonkeyPatch) -> None:
     topologies = [Topology.create(2, 1, r) for r in range(2)]
     mean = torch.tensor([2.5, -1.0], dtype=torch.float64)
     out = _simulate(monkeypatch, topologies, {0: torch.zeros(2, dtype=torch.float64), 1: mean}, {1}, {0: [], 1: []})
-    for own, _, agreed in out.values():
+    for own, agreed in ((a.pipeline, a.flags) for a in out.values()):
         assert torch.equal(own, mean) and agreed.numel() == 0
 
 
@@ -71,7 +72,7 @@ def test_an_extra_payload_is_summed_over_the_world_in_place(monkeypatch: pytest.
     extra = {r: torch.arange(5, dtype=torch.float64) * (r + 1) for r in range(2)}
     out = _simulate(monkeypatch, topologies, {0: torch.zeros(2, dtype=torch.float64), 1: mean}, {1},
                     {0: [True], 1: [False]}, extra)
-    for r, (own, _, agreed) in out.items():
+    for r, (own, agreed) in ((r, (a.pipeline, a.flags)) for r, a in out.items()):
         assert torch.equal(own, mean) and agreed.tolist() == [True]
         assert torch.equal(extra[r], torch.arange(5, dtype=torch.float64) * 3)
 

@@ -5,9 +5,10 @@
 * nothing in the package imports Hydra / OmegaConf or the recipes;
 * the package's import graph has no cycle;
 * the floor rule: each folder imports only the folders below it (:data:`FLOORS`), and the package root holds only
-  the public facade and ``config.py``;
+  the public facade (settings live in ``config/``);
 * no module imports our own modules by string (``importlib`` / ``__import__`` / a ``"lightning_pipe.x:Y"`` name), so
-  every dependency is an import the rules above see.
+  every dependency is an import the rules above see;
+* no module is over 400 lines and no function over 60 (counted from its ``def`` to its last line).
 """
 
 from __future__ import annotations
@@ -149,9 +150,9 @@ def test_every_folder_has_a_floor() -> None:
     assert {folder_of(name) for name in MODULES} == set(FLOORS)
 
 
-def test_the_package_root_holds_only_the_facade_and_config() -> None:
+def test_the_package_root_holds_only_the_facade() -> None:
     loose = sorted(p.name for p in ROOT.glob("*.py"))
-    assert loose == ["__init__.py", "config.py"], f"modules outside a folder: {loose}"
+    assert loose == ["__init__.py"], f"modules outside a folder: {loose}"
 
 
 def test_each_folder_imports_only_folders_below_it() -> None:
@@ -203,3 +204,53 @@ def test_the_string_import_rule_can_fail() -> None:
               "def f(m):\n    importlib.import_module(m)\n    __import__('lightning_pipe.runtime')\n")
     assert len(string_imports_in(source, f"{PACKAGE}.runtime.build")) == 3
     assert len(string_imports_in(source, f"{PACKAGE}._compat.torch_release")) == 2  # ours, even where strings are allowed
+
+
+# Sizes: a module past ~400 lines or a function past ~60 splits along a real seam (the house rule, BRIEF.md).
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
+
+
+def long_functions(source: str, where: str, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """Every function (method, nested function) of ``source`` longer than ``limit`` lines, counted from its ``def``
+    line to its last line, as ``where:line qualified.name (N lines)``."""
+    found: list[str] = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef):
+                    length = (child.end_lineno or child.lineno) - child.lineno + 1
+                    if length > limit:
+                        found.append(f"{where}:{child.lineno} {name} ({length} lines)")
+                visit(child, name + ".")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(source), "")
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_module_over_the_line_limit(name: str) -> None:
+    lines = len(MODULES[name].read_text().splitlines())
+    assert lines <= MAX_MODULE_LINES, (f"{MODULES[name].relative_to(ROOT.parent)} has {lines} lines, over "
+                                       f"{MAX_MODULE_LINES}: split it along a real seam")
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_function_over_the_line_limit(name: str) -> None:
+    long = long_functions(MODULES[name].read_text(), str(MODULES[name].relative_to(ROOT.parent)))
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split along a real seam): {', '.join(long)}"
+
+
+def test_the_size_rules_can_fail() -> None:
+    def body(lines: int, indent: str) -> str:
+        return "".join(f"{indent}x{i} = {i}\n" for i in range(lines))
+
+    source = (f"class A:\n    @property\n    def short(self):\n        return 1\n\n    def long(self):\n{body(60, ' ' * 8)}"
+              f"def outer():\n    def inner():\n{body(60, ' ' * 8)}    return inner\n")
+    assert long_functions(source, "m.py") == ["m.py:6 A.long (61 lines)", "m.py:67 outer (63 lines)",
+                                              "m.py:68 outer.inner (61 lines)"]
+    assert long_functions("def f():\n" + body(59, "    "), "m.py") == []  # 60 lines from the def: at the limit

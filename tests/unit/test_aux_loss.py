@@ -52,7 +52,7 @@ def test_shape_inference_does_not_record_values() -> None:
 
 
 def test_a_token_weighted_loss_without_loss_count_is_refused_naming_the_rule() -> None:
-    from lightning_pipe.runtime.aux import AuxLossStep
+    from lightning_pipe.runtime.aux_step import AuxLossStep
 
     step = AuxLossStep(None, 1, "MyLM")
     context = step.begin(lambda: step.grad_scale(per_microbatch=False, loss_scale=0.25, loss_scaler=None,
@@ -67,7 +67,7 @@ def test_a_token_weighted_loss_without_loss_count_is_refused_naming_the_rule() -
 
 
 def test_the_token_weighted_scale_divides_out_the_engines_factor_in_advance() -> None:
-    from lightning_pipe.runtime.aux import AuxLossStep
+    from lightning_pipe.runtime.aux_step import AuxLossStep
 
     step = AuxLossStep(None, 1, "MyLM")
     scale = step.grad_scale(per_microbatch=False, loss_scale=0.25, loss_scaler=lambda t: t * 8.0,
@@ -110,7 +110,7 @@ def test_a_recomputed_layer_logs_its_term_once_and_its_gradient_is_exact() -> No
 @pytest.mark.parametrize("schedule", ["pipedream", "pipedream_2bw", "pipemare"])
 def test_asynchronous_schedules_refuse_aux_terms_naming_the_schedule(schedule: str) -> None:
     from lightning_pipe.config import PipelineConfigError
-    from lightning_pipe.runtime.aux import AuxLossStep
+    from lightning_pipe.runtime.aux_step import AuxLossStep
 
     step = AuxLossStep(None, 1, "MyLM", schedule)
     context = step.begin(lambda: 1.0)

@@ -99,11 +99,11 @@ def test_commit_keeps_old_until_new_is_in_place(tmp_path: Path) -> None:
     new = ckpt_lib.partial_path(target, "t1")
     new.mkdir()
     (new / ckpt_lib.META_FILENAME).write_text("new")
-    (tmp_path / ".last.ckpt.partial-dead").mkdir()  # left by a crashed save
+    ckpt_lib.aside_path(tmp_path / "last.ckpt", "partial", "dead").mkdir()  # left by a crashed save
     ckpt_lib.commit(new, target, "t1")
     assert (target / ckpt_lib.META_FILENAME).read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
     # a crash between the two renames of a swap: the old copy is found again
-    old = tmp_path / ".last.ckpt.old-t2"
+    old = ckpt_lib.aside_path(tmp_path / "last.ckpt", "old", "t2")
     target.rename(old)
     assert ckpt_lib.recover(target) == target and (target / ckpt_lib.META_FILENAME).read_text() == "new"

@@ -6,8 +6,11 @@ ranks run, minus the collectives.
 
 from __future__ import annotations
 
+import errno
 import json
+import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -161,9 +164,9 @@ def test_checkpoint_without_checksums_still_loads(saved: tuple, tmp_path: Path) 
 
 def test_describe_is_a_pure_query(saved: tuple, tmp_path: Path) -> None:
     target = tmp_path / "last.ckpt"
-    old = copy(saved[0], tmp_path / ".last.ckpt.old-abcd1234")  # a save died between its two renames
+    old = copy(saved[0], ckpt_lib.aside_path(tmp_path / "last.ckpt", "old", "abcd1234"))  # a save died between its two renames
     before = sorted(p.name for p in tmp_path.iterdir())
-    with pytest.raises(ckpt_lib.CheckpointError, match="does not exist.*left the previous checkpoint at .*old-abcd"):
+    with pytest.raises(ckpt_lib.CheckpointError, match="does not exist.*left the previous checkpoint at .*old-[0-9a-f]*-abcd1234"):
         ckpt_lib.describe(target)
     with pytest.raises(ckpt_lib.CheckpointError, match="does not exist"):
         ckpt_lib.consolidated(target)
@@ -196,6 +199,61 @@ def test_a_full_disk_is_named_first_with_the_size_needed(tmp_path: Path) -> None
     assert files.state_bytes({"a": torch.zeros(4), "b": 3, "c": torch.zeros(2, dtype=torch.float64)}) == 32
 
 
+ZIP_WRITER_ERROR = "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+
+
+def test_a_full_disk_behind_torchs_zip_writer_is_found_by_the_space_left(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.save's zip writer reports a refused write as a RuntimeError without the errno: the writing rank checks
+    the space left, before DCP hands its failure to the others (where only the message would arrive)."""
+    from torch.distributed.checkpoint import CheckpointException
+
+    from lightning_pipe.checkpoint import files
+
+    real_save = torch.save
+
+    def failing_save(obj: object, f: object, *args: object, **kwargs: object) -> None:
+        if isinstance(obj, torch.Tensor):  # DCP's write of a tensor item
+            raise RuntimeError(ZIP_WRITER_ERROR)
+        real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    space = {"free": 10**12}
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda _: SimpleNamespace(free=space["free"]))
+    state = {"w": torch.zeros(1000)}
+    with pytest.raises(CheckpointException) as plenty:  # space left: another failure, said as it was
+        files.write_shards(state, tmp_path / "a", no_dist=True)
+    assert files.no_space_error(plenty.value, tmp_path / "a.ckpt", 4000) is None
+    space["free"] = 100
+    with pytest.raises(CheckpointException) as full:
+        files.write_shards(state, tmp_path / "b", no_dist=True)
+    error = files.no_space_error(full.value, tmp_path / "b.ckpt", 4000)
+    assert error is not None and str(error).startswith(f"No space left on {str(tmp_path)!r}: saving 'b.ckpt'")
+    (failure, _), = full.value.failures.values()
+    assert isinstance(failure, OSError) and "inline_container" in str(failure)  # (what travels to the other ranks)
+
+
+def test_a_really_full_disk_is_named_on_every_write(small_tmpfs: Callable[[str], Path]) -> None:
+    from lightning_pipe.checkpoint import files
+
+    small_disk = small_tmpfs("64k")
+    big = torch.zeros(40_000)  # 160 kB: more than the disk holds
+    with pytest.raises(BaseException) as shards:  # DCP's tensor files, written through torch's zip writer
+        files.write_shards({"w": big}, small_disk / "partial", no_dist=True)
+    error = files.no_space_error(shards.value, small_disk / "x.ckpt", 160_000)
+    assert error is not None and str(error).startswith(f"No space left on {str(small_disk)!r}")
+    files.remove(small_disk / "partial")
+    with pytest.raises(OSError) as single:  # one file (consolidate), torch.save to a path
+        files.save_file_atomic({"state_dict": {"w": big}}, small_disk / "one.ckpt")
+    assert single.value.errno == errno.ENOSPC and list(small_disk.iterdir()) == []  # its partial file removed
+    tmp = small_disk / "partial"
+    tmp.mkdir()
+    with pytest.raises(ckpt_lib.CheckpointError, match=f"^No space left on {re.escape(repr(str(small_disk)))}"):
+        # rank 0's end of a sharded save: meta.pt
+        files.seal_and_commit(tmp, small_disk / "y.ckpt", "t", {"pipeline": {}, "big": big}, {}, 160_000)
+    assert list(small_disk.iterdir()) == []
+
+
 def test_a_model_mismatch_names_shapes_and_names_together() -> None:
     """A checkpoint of another model: one message with the shapes that differ *and* the names either side lacks
     (a shape alone read as if one tensor were wrong)."""
@@ -208,3 +266,13 @@ def test_a_model_mismatch_names_shapes_and_names_together() -> None:
     assert "Unexpected in the checkpoint (no such parameter/buffer in the model): layers.2.weight." in message
     assert "strict_loading" not in message  # no loading option skips a shape
     assert "strict_loading" in name_mismatch_message("ck", ["a"], [])
+
+
+def test_staging_names_hold_no_checkpoint_version_for_lightning_to_read(tmp_path: Path) -> None:
+    """Lightning's SLURM resume reads a version number from every name in the directory that holds ``ckpt_``: a save
+    of ``hpc_ckpt_3.ckpt`` killed half-way must leave nothing that reads as ``hpc_ckpt_<digits>``."""
+    target = tmp_path / "hpc_ckpt_3.ckpt"
+    for kind in ("partial", "old"):
+        aside = ckpt_lib.aside_path(target, kind, "1a2b3c4d")
+        assert aside.parent == tmp_path and aside.name.startswith(f".{kind}-") and "ckpt_" not in aside.name
+    assert ckpt_lib.aside_path(target, "old", "t") != ckpt_lib.aside_path(tmp_path / "hpc_ckpt_4.ckpt", "old", "t")

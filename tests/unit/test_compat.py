@@ -257,7 +257,7 @@ def test_a_training_step_asks_for_no_outputs_where_the_schedule_takes_the_argume
                 torch_schedules.ScheduleZBVZeroBubble, torch_schedules._PipelineScheduleRuntime):
         assert _compat.train_step_kwargs(object.__new__(cls)) == {"return_outputs": False}, cls
 
-    class Other:  # another runtime's step: called as before
+    class Other:  # another runtime's step: called without return_outputs
         def step(self, *args: object, target: object = None, **kwargs: object) -> None: ...
 
     assert _compat.train_step_kwargs(Other()) == {}

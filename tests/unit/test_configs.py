@@ -188,6 +188,8 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "strategy.compile": (["strategy.compile={mode: max-autotune}"], {"mode": "max-autotune"}),
     "strategy.start_method": (["strategy.start_method=spawn"], "spawn"),
     "strategy.timeout": (["strategy.timeout=30"], 30),
+    "strategy.heartbeat_timeout": (["strategy.heartbeat_timeout=45"], 45),
+    "strategy.async_checkpoint": (["strategy.async_checkpoint=true"], True),
     "strategy.plan": (["strategy.plan=my_plan.json"], "my_plan.json"),
     "strategy.rebalance_every_n_steps": (["strategy.rebalance_every_n_steps=50"], 50),
     "strategy.rebalance_threshold": (["strategy.rebalance_threshold=0.1"], 0.1),
@@ -221,8 +223,10 @@ def test_every_hydra_path_of_the_settings_table_composes(path: str, tmp_path: Pa
         # ... and the strategy built from that config carries it.
         strategy = build_strategy(cfg.strategy)
         name = {"schedule=<name>": "schedule", "schedule.options": "schedule_options"}.get(path) or path.split(".")[-1]
-        got = (getattr(strategy, f"_{name}") if name in ("start_method", "memory_budget")
-               else strategy._timeout.total_seconds() if name == "timeout" else getattr(strategy.pipeline_config, name))
+        got = (getattr(strategy, f"_{name}") if name in ("start_method", "memory_budget", "heartbeat_timeout")
+               else strategy._timeout.total_seconds() if name == "timeout"
+               else strategy._saver is not None if name == "async_checkpoint"
+               else getattr(strategy.pipeline_config, name))
         assert got == expected, (path, got)
 
 

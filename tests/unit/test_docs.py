@@ -1,6 +1,7 @@
 """The manual stays true: README.md and docs/*.md link only to files that exist, their Python snippets compile, the
-snippets marked ``<!-- runnable -->`` run, and docs/settings.md is what ``python -m lightning_pipe.config --markdown``
-prints. (The ``python recipes/gpt/train.py ...`` overrides they show are composed in test_configs.py.)"""
+snippets marked ``<!-- runnable -->`` run, docs/settings.md is what ``python -m lightning_pipe.config --markdown``
+prints, and every generated page and block is what ``python -m tools.docs`` writes from the code today. (The
+``python recipes/gpt/train.py ...`` overrides they show are composed in test_configs.py.)"""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from lightning_pipe.config import settings_markdown
+from lightning_pipe.schedules import available_schedules
+from tools import docs as generated
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -84,6 +87,29 @@ def test_settings_page_is_current() -> None:
     page = REPO / "docs" / "settings.md"
     assert page.read_text() == settings_markdown(), (
         "docs/settings.md is stale: run `python -m lightning_pipe.config --markdown > docs/settings.md`")
+
+
+def test_generated_pages_and_blocks_are_current() -> None:
+    """The layout map (docs/development.md), the schedule table (docs/schedules.md), the measurement tables
+    (docs/measurements.md) and the settings page, each against what the code and the records give now."""
+    stale = generated.stale()
+    assert not stale, f"stale generated docs: {stale}; run `python -m tools.docs`"
+
+
+def test_generated_blocks_have_a_generator_and_the_expected_places() -> None:
+    names = {m["name"] for page in generated.pages() for m in generated.BLOCK.finditer(page.read_text())}
+    assert {"layout", "schedules"} <= names, names
+    for name in names:
+        generated.block(name)  # an unknown name stops with the block's name
+
+
+def test_readme_names_every_schedule_and_links_the_one_table() -> None:
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Schedules"):readme.index("\n## ", readme.index("## Schedules") + 3)]
+    missing = [name for name in available_schedules() if f"`{name}`" not in section]
+    assert not missing, f"README's Schedules section does not name {missing}"
+    assert "| `schedule` |" not in readme, "the schedule table lives in docs/schedules.md only (generated)"
+    assert "(docs/schedules.md)" in section
 
 
 def test_readme_stays_short_and_shows_the_two_commands() -> None:

@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_pipe.parallel import dp_overlap
 from lightning_pipe.parallel.dp_handoff import settle
-from lightning_pipe.parallel.dp_overlap import DataParallelOverlap, _Carry
+from lightning_pipe.parallel.dp_overlap import Carry, DataParallelOverlap
 from lightning_pipe.runtime.stage import CallHooks
 
 
@@ -97,7 +97,7 @@ def test_a_parameter_of_two_local_stages_waits_for_both_and_w_completes_a_stage(
 def test_settle_uses_the_carry_only_for_gradients_nothing_touched(monkeypatch) -> None:
     params = [nn.Parameter(torch.zeros(3)) for _ in range(3)]
     saved = [torch.ones(3), torch.ones(3), None]
-    carry = _Carry(saved, [dp_overlap._compat.tensor_version(t) if t is not None else -1 for t in saved])
+    carry = Carry(saved, [dp_overlap._compat.tensor_version(t) if t is not None else -1 for t in saved])
     carry.averaged = [torch.full((3,), 2.0), torch.full((3,), 2.0), None]
     params[0].grad = saved[0]  # untouched: replaced by the average
     params[1].grad = saved[1]

@@ -66,8 +66,9 @@ def test_private_lightning_attributes_exist() -> None:
 
 
 def test_sigterm_and_requeue_are_acted_on_after_a_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One rank (the all-reduce returns the flags as they are): requeue once per run, SIGTERM at the step that
-    closes the accumulation window in training, at once in evaluation."""
+    """One rank (the all-reduce returns the flags as they are): requeue once per run, in training at the end of the
+    batch whose optimizer step closes the accumulation window; SIGTERM at the step that closes the window in
+    training, at once in evaluation."""
     from types import SimpleNamespace
 
     from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -78,17 +79,26 @@ def test_sigterm_and_requeue_are_acted_on_after_a_step(monkeypatch: pytest.Monke
     monkeypatch.setattr(faults_module, "any_rank", lambda flags, device, group=None: list(flags))
     connector = SimpleNamespace(run_requeue=lambda: calls.append("requeue"), received_sigterm=False)
     progress = SimpleNamespace(is_last_batch=False)
-    trainer = SimpleNamespace(_signal_connector=connector, accumulate_grad_batches=2, global_step=3,
-                              fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
-                              state=SimpleNamespace(fn="validate"), validate_loop=SimpleNamespace(batch_progress=progress))
+    accumulating = [True]  # Lightning's rule: does the current batch only accumulate?
+    fit_loop = SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress),
+                               _should_accumulate=lambda: accumulating[0])
+    trainer = SimpleNamespace(_signal_connector=connector, accumulate_grad_batches=2, global_step=3, training=True,
+                              fit_loop=fit_loop, state=SimpleNamespace(fn="validate"),
+                              validate_loop=SimpleNamespace(batch_progress=progress))
     strategy = SimpleNamespace(root_device="cpu", global_rank=0, launcher=None)
     watch = SimpleNamespace(clear_deadline=lambda: calls.append("clear"),
-                            set_deadline=lambda *args: calls.append("deadline"))
+                            set_deadline=lambda *args: calls.append("deadline"), heartbeat=None)
     faults = faults_module.PipelineFaults(strategy, trainer, watch)  # type: ignore[arg-type]
 
     faults.requeue_pending = True
     faults.after_step("train", 0)
+    faults._requeue_hook.on_train_batch_end(trainer, None, None, None, 0)  # type: ignore[arg-type]
+    assert calls == []  # batch 0 of a window of 2: the checkpoint would miss its gradients
+    accumulating[0] = False
     faults.after_step("train", 1)  # the same signal seen a step later on another rank: no second requeue
+    assert calls == []  # the training step ran, its optimizer step has not
+    faults._requeue_hook.on_train_batch_end(trainer, None, None, None, 1)  # type: ignore[arg-type]
+    faults._requeue_hook.on_train_batch_end(trainer, None, None, None, 2)  # type: ignore[arg-type]
     assert calls == ["requeue"]
     faults.sigterm_received(signal.SIGTERM)
     assert calls == ["requeue", "deadline"]
@@ -98,6 +108,12 @@ def test_sigterm_and_requeue_are_acted_on_after_a_step(monkeypatch: pytest.Monke
     assert connector.received_sigterm  # Lightning raises SIGTERMException after this batch's optimizer step
     with pytest.raises(SIGTERMException):
         faults.after_step("validate", 0)
+
+    evaluating = faults_module.PipelineFaults(strategy, SimpleNamespace(**{**vars(trainer), "training": False}),
+                                              watch)  # type: ignore[arg-type]
+    evaluating.requeue_pending = True
+    evaluating.after_step("validate", 0)
+    assert calls[-1] == "requeue"  # outside training: after the current batch
 
 
 def test_ranks_whose_data_ends_at_different_batches_raise_naming_who_ran_out(monkeypatch: pytest.MonkeyPatch) -> None:

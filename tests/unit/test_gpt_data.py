@@ -142,3 +142,67 @@ def test_empty_or_tiny_sources_name_their_setting(tmp_path: Path) -> None:
 def test_val_fraction_is_checked() -> None:
     with pytest.raises(ValueError, match="val_fraction"):
         ByteCorpusDataModule(val_fraction=0.0)
+
+
+def _windows(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[list[int]]:
+    return [x[:, 0].tolist() for x, _ in batches]
+
+
+def test_training_loader_resumes_the_interrupted_epoch(stdlib_dm: ByteCorpusDataModule) -> None:
+    """The state a checkpoint keeps (sampler epoch, batches handed out) makes the next pass of that epoch skip what
+    was trained on; a pass of another epoch (the checkpoint closed its epoch) starts at its first batch."""
+    from torch.utils.data import DistributedSampler
+
+    from recipes.gpt.data import ResumableDataLoader
+
+    def loader() -> ResumableDataLoader:
+        ds = TokenWindows(stdlib_dm.train_tokens, stdlib_dm.train_offsets()[:40], stdlib_dm.block_size)
+        sampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=7)  # what Lightning injects
+        return ResumableDataLoader(ds, batch_size=4, sampler=sampler, drop_last=True)
+
+    first = loader()
+    first.sampler.set_epoch(2)  # type: ignore[attr-defined]
+    uninterrupted = _windows(list(first))
+    iterator = iter(first)
+    _ = [next(iterator) for _ in range(3)]
+    state = first.state_dict()
+    assert state == {"epoch": 2, "batches": 3}
+
+    resumed = loader()
+    resumed.load_state_dict(state)
+    resumed.sampler.set_epoch(2)  # type: ignore[attr-defined]
+    assert _windows(list(resumed)) == uninterrupted[3:]
+    assert resumed.state_dict() == {"epoch": 2, "batches": len(uninterrupted)}
+    assert _windows(list(resumed)) == uninterrupted  # only the first pass after the resume skips
+
+    next_epoch = loader()
+    next_epoch.load_state_dict({"epoch": 2, "batches": len(uninterrupted)})  # saved at the epoch's end
+    next_epoch.sampler.set_epoch(3)  # type: ignore[attr-defined]
+    fresh = loader()
+    fresh.sampler.set_epoch(3)  # type: ignore[attr-defined]
+    assert _windows(list(next_epoch)) == _windows(list(fresh))
+
+
+def test_a_fit_resumed_mid_epoch_ends_like_an_uninterrupted_one(tmp_path: Path) -> None:
+    """Lightning itself, one device: 6 steps in one go, and 3 steps + a resume from the step-3 checkpoint, end
+    with the same parameters (without a resumable loader the resumed run retrains the epoch's first batches)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from recipes.gpt.model import GPT
+
+    def fit(max_steps: int, ckpt_path: str | None = None, callbacks: list | None = None) -> GPT:
+        pl.seed_everything(5)
+        model = GPT(block_size=16, n_layer=1, n_head=2, n_embd=16, warmup_steps=1, max_steps=6)
+        dm = ByteCorpusDataModule(block_size=16, batch_size=4, max_bytes=SMALL, seed=3)
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, callbacks=callbacks,
+                             enable_checkpointing=bool(callbacks), enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=tmp_path)
+        trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
+        return model
+
+    uninterrupted = fit(6)
+    fit(3, callbacks=[ModelCheckpoint(dirpath=tmp_path, filename="step3", every_n_train_steps=3)])
+    resumed = fit(6, ckpt_path=str(tmp_path / "step3.ckpt"))
+    for (name, want), got in zip(uninterrupted.named_parameters(), resumed.parameters()):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)

@@ -227,7 +227,7 @@ def test_meta_tie_nested_in_layers_whose_ends_are_on_other_ranks(local_stage):
     tied = find_tied_parameters(module, "layers")
     assert [t.names for t in tied] == [("layers.0.embed_tokens.weight", "layers.5.lm_head.weight")]
     stage_modules = localize_layers(module, "layers", [range(0, 3), range(3, 6)], [local_stage], lambda s: s)
-    assert materialize(module, "layers", stage_modules, tied, torch.device("cpu"))
+    assert materialize(module, stage_modules, torch.device("cpu"))
     assert not any(t.is_meta for sm in stage_modules for t in sm.parameters())
 
 

@@ -86,13 +86,36 @@ def test_localize_keeps_original_names_and_drops_remote_parameters():
         model(torch.zeros(1, 4))
 
 
-def test_manual_optimization_is_refused_with_the_reason():
+def test_materialized_layers_keep_every_shared_parameter():
+    """Layers built on meta are allocated with their shared parameters shared again: a tie between two layers of
+    this rank and a weight shared inside one layer (``to_empty`` gives every module a Parameter of its own)."""
+    from lightning_pipe.layers.stages import materialize
+
+    with torch.device("meta"):
+        model = ToyRegressor(n_layers=4, tied=True)
+        inner = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        inner[1].weight = inner[0].weight
+        model.layers[1] = inner
+    stages = localize_layers(model, "layers", [range(0, 4)], [0], stage_to_rank=lambda s: s)
+    assert materialize(model, stages, torch.device("cpu"))
+    assert model.layers[0].weight is model.layers[3].weight and inner[0].weight is inner[1].weight
+    assert not any(t.is_meta for t in model.parameters())
+
+
+def test_manual_optimization_is_refused_only_where_it_cannot_run():
+    from lightning_pipe.config import PipelineConfig, PipelineConfigError
+    from lightning_pipe.lightning.manual import check_manual_optimization
     from lightning_pipe.lightning.preflight import check_module
+    from lightning_pipe.schedules import plan_schedule
 
     model = ToyRegressor()
     model.automatic_optimization = False
-    with pytest.raises(TypeError, match=r"automatic optimization only.*automatic_optimization = True"):
-        check_module(model)
+    check_module(model)  # the contract holds: manual optimization runs (tests/distributed/test_features.py)
+    check_manual_optimization(model, plan_schedule(PipelineConfig(schedule="zbv"), 2), PipelineConfig())
+    with pytest.raises(PipelineConfigError, match=r"schedule='pipedream' has its own \(.*automatic optimization"):
+        check_manual_optimization(model, plan_schedule(PipelineConfig(schedule="pipedream"), 2), PipelineConfig())
+    with pytest.raises(PipelineConfigError, match=r"cannot rebalance.*rebalance_every_n_steps=None \(got 5\)"):
+        check_manual_optimization(model, plan_schedule(PipelineConfig(), 2), PipelineConfig(rebalance_every_n_steps=5))
 
 
 def test_module_without_the_contract_is_refused():

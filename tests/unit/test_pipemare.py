@@ -18,7 +18,7 @@ from lightning_pipe.schedules.pipemare.rule import (
     rule_from_options,
     stage_delay,
 )
-from lightning_pipe.schedules.pipemare.stage import PipeMareStage
+from lightning_pipe.schedules.pipemare.stages import PipeMareStage
 
 
 def plan(p: int = 2, m: int | None = 4, **settings):

@@ -357,7 +357,7 @@ def test_a_plan_for_another_model_is_refused_naming_the_plan(tmp_path) -> None:
 
 
 def test_the_planner_refuses_bad_inputs_with_the_rule() -> None:
-    """Outside testers' inputs: speeds that do not give one positive slowness per rank, a budget in unknown units,
+    """Inputs a user can get wrong: speeds that do not give one positive slowness per rank, a budget in unknown units,
     and a hand-written plan without predictions (explained as a layout, not a KeyError)."""
     profile = synthetic(6)
     for speeds in ([1.0], [1.0, 0.0], [1.0, -1.0, 1.0]):

@@ -127,7 +127,7 @@ def test_layer_timer_detach_keeps_wrappers_installed_before_it() -> None:
 
     stage = Stage()
     stage.forward_one_chunk = lambda: "earlier wrapper"  # type: ignore[method-assign]
-    engine = SimpleNamespace(device="cpu", stage_modules=[], stages=[stage], step_contexts=[], _inferring=False)
+    engine = SimpleNamespace(device="cpu", stage_modules=[], stages=[stage], step_contexts=[], inferring=False)
     timer = LayerTimer(engine).attach()
     assert stage.forward_one_chunk() == "earlier wrapper" and "backward_one_chunk" in vars(stage)
     timer.detach()

@@ -39,7 +39,7 @@ def test_tensor_parallel_settings_are_checked_early(monkeypatch):
     with pytest.raises(PipelineConfigError, match=r"tensor_parallel_size=0.*Hydra: strategy.tensor_parallel_size"):
         PipelineConfig(tensor_parallel_size=0)
     # every built-in schedule runs tensor-parallel stages (tests/distributed/test_tensor_parallel.py) but PipeMare,
-    # whose backward rebuilds saved weights from plain parameters' storage (schedules/pipemare/stage.py) ...
+    # whose backward rebuilds saved weights from plain parameters' storage (schedules/pipemare/stages.py) ...
     tensor_parallel = [schedule for schedule in available_schedules() if schedule != "pipemare"]
     assert all(get_schedule_spec(schedule).tensor_parallel for schedule in tensor_parallel)
     with pytest.raises(PipelineConfigError, match="Tensor parallelism runs with the schedules.*'pipemare' is not"):

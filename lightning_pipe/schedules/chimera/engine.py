@@ -22,6 +22,7 @@ first rank only, whichever pipeline's stage holds it there.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ from lightning_pipe.parallel.topology import ProcessGroups
 from lightning_pipe.runtime.engine import PipelineEngine, PipelineModel
 from lightning_pipe.runtime.spec import SchedulePlan
 from lightning_pipe.runtime.stage import PipelineStage
+from lightning_pipe.runtime.train_step import StepLoss, schedule_loss
 from lightning_pipe.schedules.chimera.runtime import ChimeraRuntime
 from lightning_pipe.schedules.registry import compute_order
 
@@ -98,8 +100,9 @@ class ChimeraEngine(PipelineEngine):
             raise config_error(
                 "Schedule 'chimera' runs on CPU (gloo) only for now: its runtime posts each send right after its "
                 "compute and waits on it at the end of the step, which cannot block on gloo but can on NCCL, whose "
-                "sends and receives between two ranks share one stream ([Note: driving two pipelines from one "
-                "thread] in lightning_pipe/schedules/chimera/runtime.py); that path is not built and tested yet.",
+                "sends and receives between two ranks share one stream "
+                "([Note: driving two pipelines from one thread] in lightning_pipe/schedules/chimera/runtime.py); "
+                "that path is not built and tested yet.",
                 f"device {device}", "schedule", "e.g. 1f1b, zbv or dualpipev on GPUs")
         if groups.topology.fsdp_size > 1:
             raise config_error(
@@ -145,22 +148,23 @@ class ChimeraEngine(PipelineEngine):
         up = PipelineStage(by_id[p - 1 - r], p - 1 - r, p, self.device, group=self.up_group,
                            inference_guard=self._inference_guard)
         up.stage_index_to_group_rank = {s: p - 1 - s for s in range(p)}
-        runtime = ChimeraRuntime(down, up, compute_order(self.plan)[r], self.plan.microbatches, self._schedule_loss)
+        runtime = ChimeraRuntime(down, up, compute_order(self.plan)[r], self.plan.microbatches,
+                                 partial(schedule_loss, self))
         return [down, up], runtime
 
     def _reset_shapes(self) -> None:
         self.schedule.reset_shapes()
 
-    def _run_schedule(self, args: tuple[Tensor, ...], target: Tensor) -> None:
+    def run_schedule(self, args: tuple[Tensor, ...], target: Any) -> None:
         self.schedule.step(*args, target=target)
 
-    def _step_loss(self, tie_payload: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    def reduce_loss(self, tie_payload: Tensor | None) -> StepLoss:
         """This replica's batch loss from both last stages (rank p-1: down, rank 0: up), on every rank (its ties
         sum in the sync: ``tie_payload`` is always ``None``)."""
         # (sum of means, number of means, sum of (sum, count) sums, their counts, number of pairs)
         packed = torch.zeros(5, dtype=torch.float64, device=self.device)
-        self._loss_kind.check(self._records, self._owner)  # [Note: the loss kind is read once]
-        for r in self._records:
+        self.loss_kind.check(self.losses.records, self.owner)  # [Note: the loss kind is read once]
+        for r in self.losses.records:
             if r.count is None:
                 packed[0] += r.value.double()
                 packed[1] += 1
@@ -170,16 +174,16 @@ class ChimeraEngine(PipelineEngine):
                 packed[4] += 1
         dist.all_reduce(packed, group=self.groups.pp)
         m = self.plan.microbatches
-        if self._loss_kind.pair is None:  # the first step: the counts over both last stages, read once
+        if self.loss_kind.pair is None:  # the first step: the counts over both last stages, read once
             means, pairs = (int(v) for v in packed[[1, 4]].tolist())
             if means + pairs != m or (means > 0 and pairs > 0):
                 raise TypeError(
-                    f"{self._owner}.loss_fn must return the same kind of loss for every micro-batch (a mean, or a "
+                    f"{self.owner}.loss_fn must return the same kind of loss for every micro-batch (a mean, or a "
                     f"(sum, count) pair); got {means} means and {pairs} pairs for {m} micro-batches.")
-        if not self._loss_kind.learn(packed[4] > 0, len(self._records)):
-            return (packed[0] / m).float(), None
+        if not self.loss_kind.learn(packed[4] > 0, len(self.losses.records)):
+            return StepLoss((packed[0] / m).float(), None)
         loss = LossParts(packed[2], packed[3]).reduced().float()
         count = packed[3].clone()
         if self.groups.dp is not None:
             dist.all_reduce(count, group=self.groups.dp)
-        return loss, count
+        return StepLoss(loss, count)

@@ -146,4 +146,4 @@ CHIMERA = ScheduleSpec(
     "chimera", ChimeraRuntime,
     "Chimera: two synchronous 1F1B pipelines in opposite directions on the same ranks (p even)",
     placement="mirror", theory_bubble=bubble_chimera, resolve=resolve, order=order, engine=ChimeraEngine,
-    tensor_parallel=True)
+    tensor_parallel=True, needs="p even, m even")

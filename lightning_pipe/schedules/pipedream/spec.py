@@ -1,6 +1,6 @@
 """PipeDream-2BW (Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel DNN Training"): double-buffered weights;
 and PipeDream (Narayanan et al. 2019): weight stashing, one update per micro-batch ([Note: PipeDream weight
-stashing] in ``lightning_pipe/schedules/pipedream/stages.py``; the Lightning side: ``lightning/pipedream.py``).
+stashing] in ``lightning_pipe/schedules/pipedream/stages.py``; the Lightning side: ``lightning/microbatch_updates.py``).
 
 [Note: PipeDream-2BW semantics]
 ``W(b+1) = W(b) - update(mean_j grad f_{b,j}(W(b-1)))`` with ``W(-1) = W(0)``: every micro-batch j of batch b runs
@@ -31,7 +31,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from lightning_pipe.config import PipelineConfig, config_error
 from lightning_pipe.runtime.spec import SchedulePlan, ScheduleSpec
 from lightning_pipe.schedules.pipedream.stages import StashingPipelineStage, VersionedPipelineStage
-from lightning_pipe.schedules.registry import _bubble_flush, _order_1f1b
+from lightning_pipe.schedules.registry import bubble_flush, order_1f1b
 
 
 def resolve_versioned(spec: ScheduleSpec, config: PipelineConfig, pipeline_size: int) -> SchedulePlan:
@@ -61,8 +61,8 @@ def resolve_versioned(spec: ScheduleSpec, config: PipelineConfig, pipeline_size:
 PIPEDREAM_2BW = ScheduleSpec(
     "pipedream_2bw", torch_schedules.Schedule1F1B,
     "PipeDream-2BW: 1F1B on the previous batch's weights (two versions per stage), one update per batch",
-    theory_bubble=_bubble_flush, resolve=resolve_versioned, order=_order_1f1b,
-    stage_class=VersionedPipelineStage, tensor_parallel=True,
+    theory_bubble=bubble_flush, resolve=resolve_versioned, order=order_1f1b,
+    stage_class=VersionedPipelineStage, tensor_parallel=True, needs="m ≥ p; no recompute",
     resume_caveat=lambda config: "the checkpoint holds no previous weight version (the stash) for this layout's "
     "stages (it was written under another schedule, consolidated to a single file, or before the first batch): the "
     "first batch after the resume runs on the loaded weights instead of the version before them, so the run departs "
@@ -72,5 +72,5 @@ PIPEDREAM_2BW = ScheduleSpec(
 PIPEDREAM = ScheduleSpec(
     "pipedream", torch_schedules.Schedule1F1B,
     "PipeDream: 1F1B with weight stashing, one optimizer update per micro-batch per stage",
-    theory_bubble=_bubble_flush, resolve=resolve_versioned, order=_order_1f1b,
-    stage_class=StashingPipelineStage, tensor_parallel=True)
+    theory_bubble=bubble_flush, resolve=resolve_versioned, order=order_1f1b,
+    stage_class=StashingPipelineStage, tensor_parallel=True, needs="m ≥ p; no recompute")

@@ -266,10 +266,12 @@ class MicrobatchUpdate:
     it waits for them, averages over data-parallel replicas (``dp_group``), clips this stage's own gradients with
     ``clip = (value, "norm" | "value")`` (a global norm over stages is undefined here: the stages update at
     different times, on different micro-batches), steps the optimizer and zeroes the gradients (``None``).
-    [Note: clipping a tied weight under PipeDream]: each weight tied across stages (``ties``) is clipped by the
-    norm of its own gradient, apart from the stage's other parameters: after the tied-copy sum every copy holds the
-    same gradient, so every holder scales it alike and the copies stay equal. Clipping by value is elementwise:
-    the same on every copy already.
+
+    [Note: clipping a tied weight under PipeDream]
+    Each weight tied across stages (``ties``) is clipped by the norm of its own gradient, apart from the stage's
+    other parameters: after the tied-copy sum every copy holds the same gradient, so every holder scales it alike
+    and the copies stay equal. Clipping by value is elementwise: the same on every copy already.
+
     With tensor-parallel stages ``tensor_grads`` (the engine's ``GradientSync``) clips instead of torch, whose
     clipping cannot mix DTensor and plain gradients: the stage norm sums the split gradients' parts over the tensor
     group and counts each replicated one once ([Note: tensor parallel stages]).

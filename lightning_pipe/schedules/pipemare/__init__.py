@@ -1,2 +1,2 @@
 """PipeMare: its rule as numbers (``rule``: delays, learning-rate factor, velocity decay, options), its stage
-(``stage``) and spec (``spec``); the Lightning-loop rules are PipeDream's (``lightning_pipe/lightning/pipedream.py``)."""
+(``stages``) and spec (``spec``); the Lightning-loop rules are PipeDream's (``lightning_pipe/lightning/microbatch_updates.py``)."""

@@ -19,7 +19,7 @@ micro-batch ``j`` of batch ``b`` (``k`` counts the stage's updates; all stages c
   weights in memory then; with it, ``u_bkwd = W(v_b) - tau * delta(v_b)`` (the paper's
   ``w_bkwd = w - (tau_fwd - tau_bkwd) * delta`` with ``tau_bkwd = 0``: the backward is not delayed against the
   live weights it reads). Tensors the forward *derived* from a weight (a cast copy under autocast, ``2 * W``) are
-  the forward's; autocast is refused for that reason (``lightning/pipedream.py``);
+  the forward's; autocast is refused for that reason (``lightning/microbatch_updates.py``);
 * update ``k = v_b`` applies that gradient (tied-copy sum, data-parallel mean, per-stage clipping as PipeDream)
   with the user's optimizer at the learning rate ``lr * factor(tau, k)`` (every param group scaled alike, restored
   right after the step, so schedulers and checkpoints see the user's rate). Learning-rate rescheduling (the

@@ -1,6 +1,6 @@
 """PipeMare (``schedule="pipemare"``): asynchronous 1F1B with one weight version per stage and an update per
 micro-batch, with learning-rate rescheduling and discrepancy correction ([Note: PipeMare] in ``rule.py``; the
-stage: ``stage.py``; the Lightning side is PipeDream's, ``lightning/pipedream.py``)."""
+stages: ``stages.py``; the Lightning side is PipeDream's, ``lightning/microbatch_updates.py``)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from lightning_pipe.config import PipelineConfig, config_error
 from lightning_pipe.runtime.spec import SchedulePlan, ScheduleSpec
 from lightning_pipe.schedules.pipedream.spec import resolve_versioned
 from lightning_pipe.schedules.pipemare.rule import OPTIONS, rule_from_options
-from lightning_pipe.schedules.pipemare.stage import PipeMareStage
-from lightning_pipe.schedules.registry import _bubble_flush, _order_1f1b
+from lightning_pipe.schedules.pipemare.stages import PipeMareStage
+from lightning_pipe.schedules.registry import bubble_flush, order_1f1b
 
 
 def resolve_pipemare(spec: ScheduleSpec, config: PipelineConfig, pipeline_size: int) -> SchedulePlan:
@@ -48,6 +48,6 @@ PIPEMARE = ScheduleSpec(
     "pipemare", torch_schedules.Schedule1F1B,
     "PipeMare: 1F1B on one weight version per stage, one update per micro-batch, LR rescheduling and "
     "discrepancy correction",
-    theory_bubble=_bubble_flush, resolve=resolve_pipemare, order=_order_1f1b, options=OPTIONS,
-    stage_class=PipeMareStage,
+    theory_bubble=bubble_flush, resolve=resolve_pipemare, order=order_1f1b, options=OPTIONS,
+    stage_class=PipeMareStage, needs="m ≥ p; no recompute, no offload",
     resume_caveat=_resume_caveat)

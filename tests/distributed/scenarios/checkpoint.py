@@ -50,6 +50,8 @@ class CheckpointCase:
     expect_error: bool = False
     schedule_options: dict[str, Any] | None = None
     compile: bool = False  # torch.compile each layer (test_compile.py: saved compiled, loaded eager and back)
+    async_save: bool = False  # PipelineStrategy(async_checkpoint=True); "last" is then a copy, not a link
+    weights_only: bool | None = None  # Trainer.fit's: False trusts the checkpoint's source
 
 
 class CheckpointRun(TypedDict):
@@ -118,12 +120,13 @@ def _run(case: CheckpointCase, ckpt_path: str | Path | None = None,
     strategy = PipelineStrategy(schedule=case.schedule, microbatches=case.microbatches,
                                 data_parallel_size=case.dp, stages_per_rank=case.stages_per_rank,
                                 fsdp_size=case.fsdp, tensor_parallel_size=case.tp,
-                                schedule_options=case.schedule_options, compile=case.compile)
+                                schedule_options=case.schedule_options, compile=case.compile,
+                                async_checkpoint=case.async_save)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=int(os.environ["TEST_WORLD_SIZE"]),
                         max_steps=case.steps, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                         callbacks=[recorder, start, *callbacks], enable_checkpointing=bool(callbacks))
-    trainer.fit(model, loader(_data(case, n_data), case.batch), ckpt_path=ckpt_path)
+    trainer.fit(model, loader(_data(case, n_data), case.batch), ckpt_path=ckpt_path, weights_only=case.weights_only)
     return CheckpointRun(params={n: full_tensor(p) for n, p in model.named_parameters()},
                          losses=recorder.losses, start_params=start.params, start_optim=start.optim,
                          global_step=trainer.global_step,
@@ -137,7 +140,7 @@ def run_train(case: CheckpointCase) -> TrainThenResume:
     # (A save from on_train_epoch_end replays one batch on resume, on one device too; mid-epoch resumes restart
     # the epoch's data, as Lightning does for loaders without state.)
     ckpt = ModelCheckpoint(dirpath=case.dir, save_top_k=-1, every_n_train_steps=case.steps_per_epoch,
-                           save_last="link")
+                           save_last=_last(case))
     out = TrainThenResume(full=_run(case, callbacks=(ckpt,)))
     if case.resume_from is not None:
         out["resumed"] = _run(case, ckpt_path=case.resume_from)
@@ -159,12 +162,12 @@ def dying_in_save(save_number: int, rank: int) -> Iterator[None]:
     """
     calls = 0
 
-    def dying_write(state: dict[str, Any], tmp: Path, no_dist: bool = False) -> dict[str, Any]:
+    def dying_write(state: dict[str, Any], tmp: Path, no_dist: bool = False, **kwargs: Any) -> dict[str, Any]:
         nonlocal calls
         calls += 1
         if calls == save_number and int(os.environ["RANK"]) == rank:
             os._exit(17)  # killed mid-save: the other ranks have started writing into the .partial directory
-        return write_shards(state, tmp, no_dist)  # the checksums of the files written
+        return write_shards(state, tmp, no_dist, **kwargs)  # the checksums of the files written
 
     holders = [m for name, m in list(sys.modules.items())
                if name.startswith("lightning_pipe") and getattr(m, "write_shards", None) is write_shards]
@@ -180,12 +183,18 @@ def dying_in_save(save_number: int, rank: int) -> Iterator[None]:
 
 
 def run_crash(case: CheckpointCase) -> CheckpointRun:
-    """Save every 2 steps; rank ``crash_rank`` dies in the middle of the second save."""
+    """Save every 2 steps; rank ``crash_rank`` dies in the middle of the save at step 4 (the second save; with
+    asynchronous saves, whose "last" is a copy, the fourth: "last" itself, written on the saver's thread)."""
     if case.dir is None or case.crash_rank is None:
         raise ValueError(f"ckpt_crash needs dir and crash_rank: {case}")
-    ckpt = ModelCheckpoint(dirpath=case.dir, save_top_k=-1, every_n_train_steps=2, save_last="link")
-    with dying_in_save(2, case.crash_rank):
+    ckpt = ModelCheckpoint(dirpath=case.dir, save_top_k=-1, every_n_train_steps=2, save_last=_last(case))
+    with dying_in_save(4 if case.async_save else 2, case.crash_rank):
         return _run(case, callbacks=(ckpt,))
+
+
+def _last(case: CheckpointCase) -> bool | str:
+    """ModelCheckpoint's save_last: a link to the newest checkpoint, or (asynchronous saves) a copy."""
+    return True if case.async_save else "link"
 
 
 @contextlib.contextmanager

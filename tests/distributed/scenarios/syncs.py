@@ -60,7 +60,7 @@ class SyncResult(TypedDict):
     ours: dict[str, int]  # "file:line function kind" -> calls during the counted steps, frames in lightning_pipe/
     others: dict[str, int]  # the same for calls made by torch's or Lightning's own frames
     counted_steps: int
-    fast_log: list[bool]  # per counted batch: self.log's fast metric move installed ([Note: self.log's move ...])
+    fast_log: list[bool]  # per counted batch: self.log's fast metric move installed ([Note: self.log's move to the device it is on])
     fast_log_after: bool  # still installed after fit (must not be: teardown undoes it)
     kept_outputs: list[int]  # per counted batch, after it: last-stage outputs the stages still hold
     collectives: dict[str, int]  # torch.distributed collective -> calls during the counted steps (P2P not counted)

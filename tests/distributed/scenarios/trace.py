@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
@@ -10,6 +11,7 @@ import lightning.pytorch as L
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
+from torch import nn
 
 from lightning_pipe import PipelineStrategy, PipelineTimeline
 from tests.models import ToyRegressor, loader, regression_data
@@ -32,6 +34,21 @@ class TraceCase:
     export_dir: str | None = None
     csv_dir: str | None = None  # a CSVLogger writes here (no logger when None)
     expect_error: bool = False
+    layer_sleep_s: float = 0.0
+    """Each layer also sleeps this long in its forward: stage times set by the split, which a loaded machine can
+    only lengthen (the bubble comparisons of test_trace.py)."""
+
+
+class Paced(nn.Module):
+    """A layer that sleeps before it runs: a known lower bound on its forward time."""
+
+    def __init__(self, layer: nn.Module, seconds: float) -> None:
+        super().__init__()
+        self.layer, self.seconds = layer, seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return self.layer(x)
 
 
 class TraceResult(TypedDict):
@@ -62,6 +79,8 @@ class MetricsSeen(Callback):
 def run_trace(case: TraceCase) -> TraceResult:
     torch.manual_seed(0)
     model = ToyRegressor(n_layers=case.n_layers, width=case.width)
+    if case.layer_sleep_s:
+        model.layers = nn.Sequential(*(Paced(layer, case.layer_sleep_s) for layer in model.layers))
     m = case.microbatches
     batch = m * case.mb_rows
     data = regression_data(batch * case.steps)

@@ -11,97 +11,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_pipe.config.settings import config_error
+
 PartitionSpec = str | Sequence[int]
 PARTITION_METHODS = ("uniform", "parameters", "time", "memory")
 MEASURED_PARTITIONS = ("time", "memory")
 """Partitions the strategy measures at setup (the planner's profile), then replaces by per-stage layer counts."""
-
-
-class PipelineConfigError(ValueError):
-    """A setting (or a setting against the model / world) breaks a rule of the pipeline."""
-
-
-@dataclass(frozen=True)
-class Setting:
-    """Where a user changes one setting: in Python, and at its path in the shipped Hydra configs (``configs/``)."""
-
-    name: str
-    python: str
-    """How it is passed in Python, e.g. ``PipelineStrategy(microbatches=...)``."""
-    hydra: tuple[str, ...]
-    """Its Hydra override(s), e.g. ``("schedule.microbatches",)``; ``schedule=<name>`` for a config group."""
-    doc: str = ""
-    """What it means, for a setting that is not a :class:`PipelineConfig` field (whose docstring says it)."""
-
-    def describe(self) -> str:
-        return f"`{self.name}` ({self.python}; Hydra: {' / '.join(self.hydra)})"
-
-
-def _strategy(name: str, hydra: str, doc: str = "") -> Setting:
-    return Setting(name, f"PipelineStrategy({name}=...)", (hydra,), doc)
-
-
-# The one table of setting names. Every error names its setting through it, and tests/unit/test_configs.py
-# composes the shipped configs with an override of every Hydra path here, so no message can send a user to a key
-# Hydra refuses.
-SETTINGS: dict[str, Setting] = {s.name: s for s in (
-    _strategy("schedule", "schedule=<name>"),
-    _strategy("microbatches", "schedule.microbatches"),
-    _strategy("stages_per_rank", "schedule.stages_per_rank"),
-    _strategy("schedule_options", "schedule.options"),
-    _strategy("data_parallel_size", "strategy.data_parallel_size"),
-    _strategy("fsdp_size", "strategy.fsdp_size"),
-    _strategy("fsdp_reshard_after_forward", "strategy.fsdp_reshard_after_forward"),
-    _strategy("tensor_parallel_size", "strategy.tensor_parallel_size"),
-    _strategy("expert_parallel_size", "strategy.expert_parallel_size"),
-    _strategy("partition", "strategy.partition"),
-    _strategy("layers_attr", "strategy.layers_attr"),
-    _strategy("recompute", "strategy.recompute"),
-    _strategy("offload", "strategy.offload"),
-    _strategy("compile", "strategy.compile"),
-    _strategy("start_method", "strategy.start_method",
-              "``popen`` (default) re-runs the script per rank (like ``ddp``); ``spawn`` for notebooks "
-              "(``strategy=\"pipeline_spawn\"``)."),
-    _strategy("timeout", "strategy.timeout",
-              "How long a rank waits on another in one transfer before failing (seconds or a ``timedelta``); "
-              "default 10 minutes. A failed rank stops the others within seconds regardless: raise it for a long "
-              "``prepare_data`` or compilation on some ranks only."),
-    _strategy("plan", "strategy.plan",
-              "A plan file (or its dict) from ``python -m lightning_pipe.planner search``: replaces schedule, "
-              "microbatches, stages_per_rank, data_parallel_size and partition (docs/planner.md); default ``None``."),
-    _strategy("memory_budget", "++schedule.options.memory_budget",  # ++: adds the key under any schedule config
-              "Per-device memory limit for the planner, ``schedule=\"auto\"`` or ``partition=\"time\"`` (bytes or "
-              "e.g. ``\"20GiB\"``); default no limit. Refused with any other schedule and partition."),
-    _strategy("rebalance_every_n_steps", "strategy.rebalance_every_n_steps"),
-    _strategy("rebalance_threshold", "strategy.rebalance_threshold"),
-    Setting("devices", "Trainer(devices=..., num_nodes=...)", ("trainer.devices", "trainer.num_nodes"),
-            "The world: ``data_parallel_size x pipeline size x fsdp_size x tensor_parallel_size`` ranks."),
-    Setting("precision", "Trainer(precision=...)", ("trainer.precision",),
-            "``32-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``, ``16-true`` (docs/parallelism.md)."),
-    Setting("batch_size", "DataLoader(batch_size=...)", ("data.batch_size",),
-            "Training batches split into equal micro-batches: a multiple of ``microbatches`` (``drop_last=True``)."),
-)}
-
-
-def describe_setting(key: str) -> str:
-    """A setting of the table rendered with its Python and Hydra forms; any other key as given, in backticks."""
-    setting = SETTINGS.get(key)
-    return setting.describe() if setting is not None else f"`{key}`"
-
-
-def config_error(rule: str, seen: str, key: str, hint: str = "", *, also: Sequence[str] = (),
-                 fix: str = "") -> PipelineConfigError:
-    """The one error format: the rule, the values seen, and the setting(s) to change.
-
-    ``key`` and ``also`` are names in :data:`SETTINGS` (rendered with their Python and Hydra forms), e.g.
-    "... Got microbatches=2. Change `microbatches` (PipelineStrategy(microbatches=...); Hydra: schedule.microbatches)."
-    ``hint`` says how, after the settings; ``fix`` is a change that is not a setting (e.g. to the model), said first
-    when it is the usual cure.
-    """
-    message = f"{rule} Got {seen}. " + (f"{fix}. Or change " if fix else "Change ")
-    message += ", or ".join(describe_setting(k) for k in (key, *also))
-    message += f"; {hint}." if hint else "."
-    return PipelineConfigError(message)
 
 
 @dataclass(frozen=True)
@@ -360,61 +275,3 @@ def _options(value: Any) -> dict[str, Any]:
         raise config_error("schedule_options is a mapping of option name to value, e.g. {'csv': 'my.csv'}.",
                            f"schedule_options={value!r}", "schedule_options")
     return {str(k): v for k, v in value.items() if v is not None}
-
-
-def settings_markdown() -> str:
-    """``docs/settings.md``: every setting of :data:`SETTINGS`, its Python and Hydra forms, its default and meaning
-    (a :class:`PipelineConfig` field's docstring, or the setting's own ``doc``). ``python -m lightning_pipe.config
-    --markdown`` prints it; ``tests/unit/test_docs.py`` fails when the page is stale."""
-    import ast
-    import dataclasses
-    import inspect
-    import re
-    import sys
-
-    source = ast.parse(inspect.getsource(sys.modules[__name__]))
-    config = next(n for n in source.body if isinstance(n, ast.ClassDef) and n.name == "PipelineConfig")
-    docs: dict[str, str] = {}
-    for node, after in zip(config.body, config.body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
-                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
-            docs[node.target.id] = inspect.cleandoc(after.value.value)
-    defaults = {f.name: f.default if f.default is not dataclasses.MISSING
-                else f.default_factory() if callable(f.default_factory) else None
-                for f in dataclasses.fields(PipelineConfig)}
-
-    def cell(text: str) -> str:
-        text = re.sub(r":\w+:`~?([^`]+)`", r"`\1`", " ".join(text.split()))
-        return text.replace("``", "`").replace("|", "\\|")
-
-    lines = [
-        "# Settings",
-        "",
-        "<!-- Generated by `python -m lightning_pipe.config --markdown` from PipelineConfig's field docstrings and",
-        "config.SETTINGS; tests/unit/test_docs.py fails when this page is stale. Edit those, not this page. -->",
-        "",
-        "Every setting, where you change it in Python and in the recipe's Hydra configs, its default and what it means.",
-        "This is the table every error message uses: ``Change `microbatches` (PipelineStrategy(microbatches=...);",
-        "Hydra: schedule.microbatches).`` A test composes the shipped configs with an override of every Hydra path here.",
-        "",
-        "| setting | Python | Hydra | default | meaning |",
-        "|---|---|---|---|---|",
-    ]
-    for name, setting in SETTINGS.items():
-        default = f"`{defaults[name]!r}`" if name in defaults else ""
-        meaning = docs.get(name) or setting.doc
-        hydra = " / ".join(f"`{h}`" for h in setting.hydra)
-        lines.append(f"| `{name}` | `{setting.python}` | {hydra} | {default} | {cell(meaning)} |")
-    return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m lightning_pipe.config", description=__doc__)
-    parser.add_argument("--markdown", action="store_true", help="print docs/settings.md")
-    if parser.parse_args().markdown:
-        print(settings_markdown(), end="")
-    else:
-        parser.print_help()
-

@@ -41,7 +41,7 @@ from lightning_pipe.config import config_error
 from lightning_pipe.layers.partition import stage_of
 from lightning_pipe.schedules.pipedream.stages import MicrobatchUpdate
 from lightning_pipe.schedules.pipemare.rule import rule_from_options, stage_delay
-from lightning_pipe.schedules.pipemare.stage import PipeMareStage
+from lightning_pipe.schedules.pipemare.stages import PipeMareStage
 
 
 def attach_microbatch_updates(strategy: Any, trainer: Trainer) -> None:
