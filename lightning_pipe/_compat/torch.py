@@ -149,9 +149,8 @@ def torch_pipeline_order(torch_class: type, multi_stage: bool, pipeline_size: in
     """Per-rank action lists torch's schedule class computes, without a process group or model.
 
     Torch's schedules compute ``pipeline_order`` for *all* ranks in their constructor from a few stage attributes
-    (index, count, group size/rank), so stand-in stages for rank 0 are enough. ``lowered=False`` skips the
-    constructor's lowering to communication actions (and that lowering's checks), which grows with the square of
-    the action count (seconds at 64 ranks x 512 micro-batches): the compute order is the same.
+    (index, count, group size/rank), so stand-in stages for rank 0 are enough. ``lowered=False`` skips the lowering
+    to communication actions, quadratic in the action count (seconds at 64 ranks x 512 micro-batches).
     """
     if not lowered and multi_stage:
         torch_class = _order_only(torch_class)

@@ -1,4 +1,4 @@
-"""Write a predicted layout as a Hydra experiment of the GPT recipe: ``python recipes/gpt/train.py experiment=NAME``.
+"""Write a predicted layout as a Hydra experiment of the GPT recipe (``experiment=<the file's name>``).
 
 The file overrides the recipe's defaults (``configs/train.yaml``): the model (a bundled config by name, or
 ``gpt2_124m`` / ``llama_1b`` with the model's shape), the schedule and its micro-batches and stages per rank, the

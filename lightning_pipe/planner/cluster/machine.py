@@ -2,7 +2,7 @@
 operation, the link between ranks) and turn the analytic layer costs into a :class:`~lightning_pipe.planner.profile.
 ModelProfile`, which the profiled planner's own cost model and simulator take (``planner.model.predict``).
 
-Used to check the analytic model where it can be checked: ``bench/planner.py`` predicts the CPU runs it measures
+This checks the analytic model where it can be checked: ``python -m bench planner`` predicts the CPU runs it measures
 from this profile as well as from the measured one. On such a machine each rank is a "device" with its own
 threads; its measured rates stand for a GPU's datasheet numbers, so the efficiencies are 1 (the rates are already
 what the kernels reach) except the GEMM's shape term, which keeps the calibrated half-size dimension.
