@@ -185,6 +185,7 @@ class PipelineFaults:
     # ------------------------------------------------------------------ failures
     def report(self, exception: BaseException) -> None:
         """This rank failed: tell the others (once). An agreed SIGTERM stop is not a failure."""
+        self.watch.hold_if_ending()  # the watch is ending this process: this error is only a consequence
         if self.failed or (isinstance(exception, SIGTERMException) and self.stopping):
             return
         self.failed = True
@@ -364,10 +365,12 @@ OUTLIVE_LAUNCHER_S = 10.0
 def _end_launched_ranks(strategy: Any, launcher_pid: int) -> None:
     """Before this process ends on its watch (a peer's failure, a silent peer, a step a peer's save waits on).
 
+    [Note: a launched rank outlives no launcher]
     The launching process (local rank 0 of Lightning's popen launcher) ends the ranks it launched, as Lightning does
     on Ctrl-C, so none outlives the run. A launched rank first waits, up to :data:`OUTLIVE_LAUNCHER_S`, for the
     launching process to end: Lightning's child observer SIGKILLs that process as soon as it sees a launched rank end
-    with an error, which would cut off the launching rank's own error (often the cause) before it is printed."""
+    with an error, which would cut off the launching rank's own error (often the cause) before it is printed. Meanwhile
+    this rank's main thread, woken by the launcher's closing connections, waits too (``hold_if_ending``)."""
     launcher = strategy.launcher
     if isinstance(launcher, _compat.SubprocessScriptLauncher):  # this process launched the node's other ranks
         launcher.kill(signal.SIGKILL)

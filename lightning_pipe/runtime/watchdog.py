@@ -55,6 +55,8 @@ SEEN_KEY = "failure_seen"
 _ACTIVE: FailureWatch | None = None
 """The watch running in this process (one trainer run at a time), for :func:`report_now`."""
 RECONNECT_EVERY_S = 3.0
+HOLD_S = 60.0
+"""The longest a main thread waits in :meth:`FailureWatch.hold_if_ending` for its watch to end the process."""
 """Seconds between two attempts to replace a failed store connection."""
 def any_rank(flags: Sequence[bool], device: torch.device, group: Any | None = None) -> list[bool]:
     """For each flag, whether it is set on any rank of ``group`` (one MAX all-reduce; every rank must call it at
@@ -110,6 +112,8 @@ class FailureWatch:
         self._guard_thread: threading.Thread | None = None
         self._deadline: tuple[float, str, int] | None = None
         self._exit = os._exit  # replaced in unit tests
+        self.ending = threading.Event()
+        """Set once this watch ends the process: its message is printed, its exit follows (:meth:`hold_if_ending`)."""
         self.checks: list[Callable[[], str | None]] = []
         """Polled with the store: one that returns a message reports it as this rank's failure and ends the process
         (e.g. a rank stuck in a step no peer will join: [Note: every rank saves] in lightning/same_call.py)."""
@@ -167,6 +171,14 @@ class FailureWatch:
         except Exception:  # the store is out of reach: what this rank's thread read before is all there is
             self._lost_store()
             return self.seen
+
+    def hold_if_ending(self, at_most: float = HOLD_S) -> None:
+        """On the main thread, about to handle its own error: if this watch is ending the process, wait for that end
+        (at most ``at_most`` seconds). The error is then a consequence (a peer's connection closing while this rank
+        waits on its launcher, [Note: a launched rank outlives no launcher] in lightning/faults.py): printing it would
+        bury the watch's message under a second, misleading one."""
+        if self.ending.is_set() and threading.current_thread() is threading.main_thread():
+            time.sleep(at_most)
 
     def _usable(self) -> bool:
         return not self.store_gone and self._broken_at is None
@@ -338,6 +350,7 @@ class FailureWatch:
     def terminate(self, message: str, code: int) -> None:
         """Print ``message``, run ``before_exit`` and end the process with ``code`` (no cleanup: the main thread may
         be blocked in a collective that would never return)."""
+        self.ending.set()
         try:
             sys.stdout.flush()
             sys.stderr.write(message.rstrip() + "\n")
