@@ -35,6 +35,8 @@ WATCH_ALL_UP_TO = 64
 DONE = "done"
 """A rank's last value: it ended normally and is no longer watched."""
 HEARTBEAT_KEY = "heartbeat/{rank}"
+TOGETHER_S = 2.0
+"""Peers silent this much less than the longest silence past the timeout are named with it (the same cut)."""
 
 
 @dataclass(frozen=True)
@@ -161,9 +163,12 @@ class Heartbeat:
         limit = self.timeout if threshold is None else threshold
         with self._lock:
             heard = self.store_ok_at
-            silent = {p: heard - s.changed_at for p, s in self._peers.items() if heard - s.changed_at >= limit}
-            if not silent:
+            quiet = {p: heard - s.changed_at for p, s in self._peers.items()}
+            if not quiet or max(quiet.values()) < limit:
                 return None
+            # one cut silences several hosts at once, their last beats apart by a beat and a poll: name them together
+            along = limit - min(TOGETHER_S, limit / 2)
+            silent = {p: q for p, q in quiet.items() if q >= along}
             last = {p: _doing(self._peers[p].value) for p in silent}
         return Silence(tuple(sorted(silent)), max(silent.values()), last)
 

@@ -10,7 +10,8 @@ its sockets stay open, so its peers see no error: they wait until the process-gr
 * a daemon thread on every rank polls that key (one cheap ``check`` per ``interval``) and, when *another* rank
   failed, prints a message naming it and its error and ends this process with a non-zero code (``os._exit``: the
   main thread is blocked inside a collective and cannot be interrupted any other way);
-* a rank that failed itself is never stopped by the thread (its exception belongs to the user's code), and a peer
+* a rank that failed itself is not stopped for a peer's failure (its exception belongs to the user's code; only a
+  silent host or a deadline, [Note: heartbeats], still stop it while it is in a run), and a peer
   gets ``grace`` seconds first: errors that every rank raises by design (configuration checks) arrive at nearly
   the same time on all ranks, and each of those ranks then reports instead of being killed;
 * the thread never acts on store errors: the store lives in one process (rank 0, or torchrun's agent), which may
@@ -160,7 +161,7 @@ class FailureWatch:
     def report(self, error: BaseException | str) -> str | None:
         """Record this rank's failure for its peers (the first failure of the run is kept); returns the failure the
         store holds afterwards (this one, or an earlier one of another rank), or None when the store is gone."""
-        self.failed_here = True  # from now on this rank is never stopped by its own thread
+        self.failed_here = True  # not stopped for a peer's failure from now on (a silent host or the deadline still do)
         text = error if isinstance(error, str) else describe_failure(self.rank, error)
         if not self._usable():
             return self.seen
@@ -273,7 +274,7 @@ class FailureWatch:
                 self.terminate(deadline[1], deadline[2])
                 return
             beat = self.heartbeat
-            if beat is None or self.failed_here:
+            if beat is None:  # (a rank that failed itself is watched too: its teardown may wait on the silent host)
                 continue
             silence = beat.silence()
             if silence is not None:

@@ -55,6 +55,26 @@ def test_a_rank_that_stops_beating_is_named_with_its_host_and_last_status() -> N
     assert beats[1].silence() is not None and beats[2].silence() is None
 
 
+def test_peers_cut_off_together_are_named_together() -> None:
+    """One cut silences several hosts, their last beats a beat apart: the first past the timeout names them all."""
+    clock = Clock()
+    store, beats = _ranks(clock)
+    for _ in range(3):
+        clock.now += 1
+        _beat(store, beats, [0, 1, 2])
+    clock.now += 1
+    _beat(store, beats, [0, 1])  # rank 2's last beat came one beat before rank 1's
+    for _ in range(9):
+        clock.now += 1
+        _beat(store, beats, [0])
+    assert beats[0].silence() is None
+    clock.now += 1
+    _beat(store, beats, [0])
+    silence = beats[0].silence()  # rank 2 passed the timeout; rank 1, a beat behind it, is named with it
+    assert silence is not None and silence.ranks == (1, 2) and silence.seconds == 10
+    assert beats[0].describe_silence(silence).startswith("rank(s) 1 on node 0 (10.0.0.1, hostname 'a'); rank(s) 2")
+
+
 def test_silence_is_counted_only_while_the_store_answers_here() -> None:
     """Cut off from the store, a rank learns nothing of its peers: the store falls silent, not the peers."""
     clock = Clock()
