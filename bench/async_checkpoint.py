@@ -7,7 +7,8 @@ from the start of its second step to the end of ``fit`` (the last asynchronous w
 are the medians over rounds and their ratios to the run without checkpoints.
 
 Figures: ``step_s_none``, ``step_s_sync``, ``step_s_async``, ``sync_over_none``, ``async_over_none``,
-``async_over_sync``.
+``async_over_sync``, and ``save_held_s_sync`` / ``save_held_s_async``: the median time one save held the training
+loop (rank 0). The rest of an asynchronous save's cost is the write competing with training for the host's cores.
 
     python -m bench async_checkpoint [--steps 24] [--every 4] [--rounds 3] [--width 512] [--layers 4]
 """
@@ -36,8 +37,8 @@ def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
 
 
-def _fit(variant: str, args: argparse.Namespace, root: Path) -> float:
-    """Seconds per step of one ``fit`` under ``variant``."""
+def _fit(variant: str, args: argparse.Namespace, root: Path) -> tuple[float, float]:
+    """Seconds per step of one ``fit`` under ``variant``, and the median time one save held the loop."""
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -63,11 +64,22 @@ def _fit(variant: str, args: argparse.Namespace, root: Path) -> float:
     if variant != "none":
         callbacks.append(ModelCheckpoint(dirpath=root / variant, every_n_train_steps=args.every, save_top_k=0,
                                          save_last=True))
-    strategy = PipelineStrategy(schedule="1f1b", microbatches=4, async_checkpoint=variant == "async")
+    class Timed(PipelineStrategy):
+        """Times how long each save holds the training loop."""
+
+        held: list[float] = []
+
+        def save_checkpoint(self, *a: Any, **kw: Any) -> None:
+            start = time.perf_counter()
+            super().save_checkpoint(*a, **kw)
+            self.held.append(time.perf_counter() - start)
+
+    strategy = Timed(schedule="1f1b", microbatches=4, async_checkpoint=variant == "async")
+    strategy.held = []
     trainer(strategy, args.steps, callbacks, enable_checkpointing=variant != "none").fit(model, data)
     elapsed = time.perf_counter() - clock.start
     shutil.rmtree(root / variant, ignore_errors=True)
-    return elapsed / (args.steps - 1)
+    return elapsed / (args.steps - 1), statistics.median(strategy.held) if strategy.held else 0.0
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -76,14 +88,18 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> Outcome:
-    times = run_ranks("async_checkpoint", 2, args)
+    results = run_ranks("async_checkpoint", 2, args)
+    times = {v: [r[0] for r in rs] for v, rs in results.items()}
+    held = {v: statistics.median(r[1] for r in rs) for v, rs in results.items()}
     median = {v: statistics.median(ts) for v, ts in times.items()}
     figures = {f"step_s_{v}": median[v] for v in VARIANTS}
     figures.update(sync_over_none=median["sync"] / median["none"], async_over_none=median["async"] / median["none"],
-                   async_over_sync=median["async"] / median["sync"])
+                   async_over_sync=median["async"] / median["sync"], save_held_s_sync=held["sync"],
+                   save_held_s_async=held["async"])
     lines = [f"checkpoint every {args.every} of {args.steps} steps, GPT {args.layers} x {args.width}, 2 CPU ranks, "
              f"{args.rounds} interleaved rounds"]
-    lines += [f"  {v:5s}: {median[v]:.4f} s/step  rounds {[round(t, 4) for t in times[v]]}" for v in VARIANTS]
+    lines += [f"  {v:5s}: {median[v]:.4f} s/step  rounds {[round(t, 4) for t in times[v]]}  a save held the loop "
+              f"{held[v]:.3f} s" for v in VARIANTS]
     return Outcome("\n".join(lines), figures)
 
 

@@ -46,6 +46,7 @@ import statistics
 import time
 from pathlib import Path
 
+from bench._analytic import analytic_profiles
 from bench._planner_runs import (
     calibrate,
     fit_calibration,
@@ -108,6 +109,9 @@ def worker(args: argparse.Namespace) -> None:
     if not args.no_step_costs:
         base.step_overhead, base.microbatch_overhead, *tiny = step_costs(args, max(pps), ms, prof.link_latency)
     raw = base
+    # the cluster planner's analytic source, given this machine's description (docs/planner.md, "Planning a cluster")
+    analytic, analytic_host, machine = analytic_profiles(args, world, prof.link_latency, prof.link_bandwidth, raw,
+                                                         overhead, sizes)
     rows_cal: list = []
     fitted: dict = {}
     probe_steps: dict[str, float] = {}
@@ -163,6 +167,8 @@ def worker(args: argparse.Namespace) -> None:
         pred = predict(CostModel(base, args.batch / dp / m, slowness), compiled, c, dp)
         pred_raw = predict(CostModel(raw, args.batch / dp / m, slowness), compiled, c, dp)
         pred_grid = predict(CostModel(at_grid, args.batch / dp / m, slowness), compiled, c, dp) if at_grid else pred
+        pred_an = predict(CostModel(analytic, args.batch / dp / m, [1.0] * pp), compiled, c, dp)
+        pred_an_host = predict(CostModel(analytic_host, args.batch / dp / m, [1.0] * pp), compiled, c, dp)
         key = json.dumps([pp, s, v, m, list(c)])
         # per round, the slowest rank's view; over rounds, the least disturbed
         per_round = [max(r[key][i] for r in everyone) for i in range(args.rounds)]
@@ -173,6 +179,7 @@ def worker(args: argparse.Namespace) -> None:
         rows.append({"pp": pp, "dp": dp, "schedule": s, "v": v, "m": m, "counts": list(c),
                      "pred": pred.step_time, "pred_sched": pred.schedule_time, "pred_raw": pred_raw.step_time,
                      "pred_grid": pred_grid.step_time, "probe": key in probe_steps,
+                     "pred_analytic": pred_an.step_time, "pred_analytic_host": pred_an_host.step_time,
                      "meas": min(x[0] for x in per_round), "meas_sched": min(x[1] for x in per_round),
                      "structure_error": (replayed - at_best) / at_best,
                      "spread": steps[-1] / steps[0], "floor": steps[min(1, len(steps) - 1)] / steps[0],
@@ -187,6 +194,7 @@ def worker(args: argparse.Namespace) -> None:
             "step_overhead": base.step_overhead, "action_overhead": base.action_overhead,
             "transfer_overhead": base.transfer_overhead, "measured_step_costs": [raw.step_overhead, raw.microbatch_overhead],
             "link": [base.link_latency, base.link_bandwidth], "replayed": result.considered,
+            "machine": [machine.peak_tflops * 1e3, machine.hbm_gbps, machine.kernel_us],
             "pick_pred": result.best[1].step_time})
 
 
@@ -211,8 +219,8 @@ def _report(args: argparse.Namespace, model: str, ranks: int, res: dict, say: li
               f"probe's host time); trainer per step {res['step_overhead'] * 1e3:.1f} ms")
     say.append("\n| pp x dp | schedule | v | m | split | step meas ms | pred (profile only) | pred (calibrated) | error | "
           "calibrated in the grid's rounds: pred | error | schedule meas ms | schedule pred | error | "
-          "replayed from its measured actions |")
-    say.append("|---" * 16 + "|")
+          "replayed from its measured actions | analytic (+ host costs) |")
+    say.append("|---" * 17 + "|")
     for r in sorted(rows, key=lambda r: r["meas"]):
         err = (r["pred"] - r["meas"]) / r["meas"]
         serr = (r["pred_sched"] - r["meas_sched"]) / r["meas_sched"]
@@ -222,7 +230,7 @@ def _report(args: argparse.Namespace, model: str, ranks: int, res: dict, say: li
               f"{r['meas'] * 1e3:.1f} | {r['pred_raw'] * 1e3:.1f} | {r['pred'] * 1e3:.1f} | {err:+.1%} | "
               f"{r['pred_grid'] * 1e3:.1f} | {gerr:+.1%} | "
               f"{r['meas_sched'] * 1e3:.1f} | {r['pred_sched'] * 1e3:.1f} | {serr:+.1%} | "
-              f"{r['structure_error']:+.1%} |")
+              f"{r['structure_error']:+.1%} | {r['pred_analytic_host'] * 1e3:.1f} |")
     best = min(r["meas"] for r in rows)
     pick = next(r for r in rows if r["pick"])
     if ranks == 4:
@@ -245,6 +253,16 @@ def _report(args: argparse.Namespace, model: str, ranks: int, res: dict, say: li
           f"{drifted:.3f}\nthe schedule replayed from each layout's measured actions (the model's structure, its costs "
           f"measured): error max {structure:.3f}\ncalibrated from the probe layouts' own rounds in the grid (the "
           f"machine's drift since calibration taken out): error max over the other layouts {at_grid:.3f}")
+    an = [(r["pred_analytic"] - r["meas"]) / r["meas"] for r in rows]
+    an_host = [(r["pred_analytic_host"] - r["meas"]) / r["meas"] for r in rows]
+    say.append(f"analytic source (this machine: {res['machine'][0]:.0f} GFLOP/s matmul, {res['machine'][1]:.1f} GB/s, "
+               f"{res['machine'][2]:.2f} us per op, the gloo link): error max {max(map(abs, an)):.3f} (per layout "
+               f"{min(an):+.1%} to {max(an):+.1%}); with the runtime's host costs measured on the tiny probe "
+               f"{max(map(abs, an_host)):.3f} ({min(an_host):+.1%} to {max(an_host):+.1%}); the profiled planner's "
+               f"{error:.3f} (its profile with the same host costs {raw_error:.3f})\n"
+               f"analytic against the measured layer profile (the same host costs): "
+               f"{min(r['pred_analytic_host'] / r['pred_raw'] for r in rows):.2f}x to "
+               f"{max(r['pred_analytic_host'] / r['pred_raw'] for r in rows):.2f}x its prediction")
     # the planner's use: choosing. Does it order the layouts as measurement does (Kendall's tau over the grid)?
     tau = kendall_tau([r["pred"] for r in rows], [r["meas"] for r in rows])
     tau_raw = kendall_tau([r["pred_raw"] for r in rows], [r["meas"] for r in rows])
@@ -254,7 +272,7 @@ def _report(args: argparse.Namespace, model: str, ranks: int, res: dict, say: li
                f"round_to_round_spread_max={spread:.2f} floor_spread_max={floor:.2f}")
     return {"pick": pick["meas"] / best, "error": error, "sched_error": sched_error, "raw_error": raw_error,
             "spread": spread, "floor": floor, "structure": structure, "at_grid": at_grid, "tau": tau,
-            "drift": abs(res["drift"] - 1)}
+            "drift": abs(res["drift"] - 1), "analytic": max(map(abs, an)), "analytic_host": max(map(abs, an_host))}
 
 
 def arguments(p: argparse.ArgumentParser) -> None:
@@ -307,6 +325,9 @@ def run(args: argparse.Namespace) -> Outcome:
         "prediction_error_max": worst["error"],
         # the probe layouts' speed in the grid's rounds against their calibration runs: |x - 1|, the worst grid
         "drift_max": worst["drift"],
+        # the cluster planner's analytic costs for this machine (alone; with the runtime's measured host costs)
+        "analytic_prediction_error_max": worst["analytic"],
+        "analytic_host_prediction_error_max": worst["analytic_host"],
         # Kendall's tau between predicted and measured step times over each grid: the worst grid, then each
         "rank_correlation": min(g["tau"] for g in grids.values()),
         **{f"rank_correlation_{name}": g["tau"] for name, g in grids.items()},

@@ -12,6 +12,8 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_pipe.config import PipelineConfig, PipelineConfigError
 from lightning_pipe.lightning.callbacks import PipelineTimeline
+from lightning_pipe.lightning.grad_norms import grad_norm
+from lightning_pipe.lightning.loading import explain_sharded_loads
 from lightning_pipe.lightning.module import PipelineModule
 from lightning_pipe.lightning.precision import PipelinePrecision
 from lightning_pipe.lightning.strategy import PipelineStrategy
@@ -30,6 +32,7 @@ __all__ = [
     "PipelineTimeline",
     "available_schedules",
     "compute_order",
+    "grad_norm",
 ]
 
 
@@ -46,3 +49,4 @@ def __getattr__(name: str) -> object:
 # script, which imports us again, so the name is known there too.
 if "pipeline" not in StrategyRegistry:
     PipelineStrategy.register_strategies(StrategyRegistry)
+explain_sharded_loads()  # a sharded checkpoint given to Lightning's own loaders: the error says how to read it

@@ -44,6 +44,7 @@ default_backend_for_device = _resolve("lightning.fabric.utilities.distributed",
 distributed_is_initialized = _resolve("lightning.fabric.utilities.distributed", "_distributed_is_initialized")
 init_dist_connection = _resolve("lightning.fabric.utilities.distributed", "_init_dist_connection")
 sync_ddp_if_available = _resolve("lightning.fabric.utilities.distributed", "_sync_ddp_if_available")
+all_gather_ddp_if_available = _resolve("lightning.fabric.utilities.distributed", "_all_gather_ddp_if_available")
 optimizers_to_device = _resolve("lightning.fabric.utilities.optimizer", "_optimizers_to_device")
 convert_fp_tensor = _resolve("lightning.fabric.plugins.precision.utils", "_convert_fp_tensor")
 DtypeContextManager = _resolve("lightning.fabric.plugins.precision.utils", "_DtypeContextManager")
@@ -56,6 +57,21 @@ _Strategy = _resolve("lightning.pytorch.strategies", "Strategy")
 SignalConnector = _resolve("lightning.pytorch.trainer.connectors.signal_connector", "_SignalConnector")
 _ModelCheckpoint = _resolve("lightning.pytorch.callbacks", "ModelCheckpoint")
 _FitLoop = _resolve("lightning.pytorch.loops", "_FitLoop")
+# lightning/loading.py: the two modules that read a checkpoint file through fabric's `_load` (imported as
+# `pl_load`): LightningModule.load_from_checkpoint's, and TorchCheckpointIO's (a Trainer's resume under other
+# strategies). Each looks the name up at call time.
+CHECKPOINT_LOADERS = (importlib.import_module("lightning.pytorch.core.saving"),
+                      importlib.import_module("lightning.fabric.plugins.io.torch_io"))
+for _loader in CHECKPOINT_LOADERS:
+    if not callable(getattr(_loader, "pl_load", None)):
+        raise ImportError(f"lightning {lightning.__version__}: {_loader.__name__} has no pl_load; lightning_pipe was "
+                          f"checked on lightning {CHECKED_LIGHTNING} and wraps it. Update "
+                          "lightning_pipe/_compat/lightning.py.")
+# lightning/module.py: LightningModule.load_from_checkpoint's decorator (a classmethod that refuses instances).
+restricted_classmethod = _resolve("lightning.pytorch.utilities.model_helpers", "_restricted_classmethod")
+# lightning/summary.py: the model summary callback's summary object, and Lightning's table of it.
+_ModelSummaryCallback = _resolve("lightning.pytorch.callbacks", "ModelSummary")
+format_summary_table = _resolve("lightning.pytorch.utilities.model_summary.model_summary", "_format_summary_table")
 # lightning/strategy.py: self.log's per-call move of its metric to the value's device (see fast_metric_moves).
 _ResultMetric = _resolve("lightning.pytorch.trainer.connectors.logger_connector.result", "_ResultMetric")
 _Trainer = _resolve("lightning.pytorch", "Trainer")
@@ -71,8 +87,14 @@ PRIVATE_LIGHTNING_METHODS = (
     _method(_ModelCheckpoint, "_monitor_candidates"),  # lightning/faults.py
     _method(_FitLoop, "_should_accumulate"),  # lightning/strategy.py: does an optimizer step follow this batch?
     _method(_ResultMetric, "to"),  # fast_metric_moves: a move to where the metric already is returns it as is
+    _method(_ModelSummaryCallback, "_summary"),  # lightning/summary.py: the whole pipeline's summary
     _method(_Trainer, "_run"),  # requested_weights_only: the argument it holds
 )
+
+
+def summary_depth(callback: Any) -> int:
+    """A ``ModelSummary`` callback's ``max_depth`` (its private ``_max_depth``; 0: it prints nothing)."""
+    return int(callback._max_depth)
 
 
 def requested_weights_only(trainer: Any) -> bool | None:

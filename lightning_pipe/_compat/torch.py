@@ -15,6 +15,7 @@ naming the attribute and the versions checked, instead of a run failing obscurel
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
@@ -130,17 +131,29 @@ def parse_action(text: str) -> Any:
     return Action.from_str(text)
 
 
+_KINDS = {kind: ComputationType.from_str(kind) for kind in ("F", "B", "I", "W")}
+
+
+def compute_action(stage: int, kind: str, microbatch: int) -> Any:
+    """``compute_action(1, "F", 0)`` == ``parse_action("1F0")``, without parsing (orders of 10^5 actions)."""
+    return Action(stage, _KINDS[kind], microbatch)
+
+
 def is_compute(action: Any) -> bool:
     return action.computation_type.value in COMPUTE_TYPES
 
 
 def torch_pipeline_order(torch_class: type, multi_stage: bool, pipeline_size: int, num_stages: int,
-                         stages_of_rank: list[list[int]], microbatches: int) -> dict[int, list[Any]]:
+                         stages_of_rank: list[list[int]], microbatches: int, lowered: bool = True
+                         ) -> dict[int, list[Any]]:
     """Per-rank action lists torch's schedule class computes, without a process group or model.
 
     Torch's schedules compute ``pipeline_order`` for *all* ranks in their constructor from a few stage attributes
-    (index, count, group size/rank), so stand-in stages for rank 0 are enough.
+    (index, count, group size/rank), so stand-in stages for rank 0 are enough. ``lowered=False`` skips the lowering
+    to communication actions, quadratic in the action count (seconds at 64 ranks x 512 micro-batches).
     """
+    if not lowered and multi_stage:
+        torch_class = _order_only(torch_class)
     def stage(index: int) -> SimpleNamespace:
         return SimpleNamespace(stage_index=index, num_stages=num_stages, group_size=pipeline_size, group_rank=0,
                                is_first=index == 0, is_last=index == num_stages - 1, submod=None)
@@ -153,6 +166,15 @@ def torch_pipeline_order(torch_class: type, multi_stage: bool, pipeline_size: in
         raise RuntimeError(f"torch {torch.__version__}: {torch_class.__name__}.pipeline_order is not a per-rank "
                            "dict of actions any more; lightning_pipe._compat.torch_pipeline_order needs updating.")
     return {rank: list(order[rank]) for rank in range(pipeline_size)}
+
+
+@functools.cache
+def _order_only(torch_class: type) -> type:
+    """``torch_class`` whose constructor stops once ``pipeline_order`` is computed (no lowering)."""
+    def skip(self: Any, actions: Any, format: str = "compute_only") -> None:
+        return None
+
+    return type(f"{torch_class.__name__}OrderOnly", (torch_class,), {"_prepare_schedule_with_comms": skip})
 
 
 def _no_loss(output: Any, target: Any) -> Any:  # pragma: no cover - never called: no step runs
@@ -268,6 +290,29 @@ _c10d = _module("torch.distributed.distributed_c10d")
 default_store = _resolve(_c10d, "_get_default_store", _c10d.__name__)
 """``default_store()``: the store of the default process group (needs an initialised process group)."""
 PRIVATE_TORCH_API["_get_default_store"] = default_store
+
+
+# --------------------------------------------------------------------------- gradient norms in hooks (lightning/grad_norms.py)
+# torch.nn.utils.clip_grad_norm_ takes its total norm from the module global ``_get_total_norm`` at each call (the
+# public ``torch.nn.utils.get_total_norm`` is the same function): replacing that global for the length of a hook
+# makes every clip by norm inside it global over the pipeline, however the user imported clip_grad_norm_.
+_clip_grad = _module("torch.nn.utils.clip_grad")
+_resolve(_clip_grad, "_get_total_norm", _clip_grad.__name__)
+PRIVATE_TORCH_API["torch.nn.utils.clip_grad._get_total_norm"] = _clip_grad._get_total_norm
+
+
+@contextlib.contextmanager
+def total_norm_replaced(fn: Callable[..., torch.Tensor]) -> Iterator[None]:
+    """Within: ``clip_grad_norm_`` and ``get_total_norm`` compute their total norm with ``fn`` (same signature)."""
+    original = _clip_grad._get_total_norm
+    utils = torch.nn.utils
+    _clip_grad._get_total_norm = fn
+    utils.get_total_norm = fn
+    try:
+        yield
+    finally:
+        _clip_grad._get_total_norm = original
+        utils.get_total_norm = original
 
 
 # --------------------------------------------------------------------------- in-place change detection (dp_overlap.py)

@@ -77,7 +77,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("precision", "Trainer(precision=...)", ("trainer.precision",),
             "``32-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``, ``16-true`` (docs/parallelism.md)."),
     Setting("batch_size", "DataLoader(batch_size=...)", ("data.batch_size",),
-            "Training batches split into equal micro-batches: a multiple of ``microbatches`` (``drop_last=True``)."),
+            "At least ``microbatches`` rows; a multiple of it, else cut unevenly where shapes are planned."),
 )}
 
 

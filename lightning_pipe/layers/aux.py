@@ -30,13 +30,14 @@ the micro-batches, summed over the layers that share a name, summed over stages,
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["AuxLossContext", "attach_aux_loss", "aux_loss_context", "current_aux_context", "records_once"]
+__all__ = ["AuxLossContext", "attach_aux_loss", "attach_layer_penalty", "aux_loss_context", "current_aux_context",
+           "records_once"]
 
 
 class AuxLossContext:
@@ -151,3 +152,31 @@ def attach_aux_loss(hidden: Tensor, loss: Tensor, name: str = "aux", coef: float
     if not term.requires_grad:
         return hidden
     return _InjectAuxGrad.apply(hidden, term, context.grad_scale())
+
+
+# [Note: a penalty over every stage's parameters]
+# A term over the parameters (an L2 penalty, say) cannot be added to the loss a training step returns under the
+# pipeline (compute_loss already ran the backward), and loss_fn, on the last stage, cannot see stage 0's parameters.
+# It need not: the gradient of a sum over parameters is each parameter's own part. A module's
+# ``layer_penalty(index, layer)`` (a 0-dim tensor, or None) is called for each layer where the layer runs, and the
+# stage's sum rides its output as an aux term (``attach_aux_loss`` above, name "penalty"): once per
+# micro-batch, scaled like each micro-batch's loss, which sums to the penalty once per batch, exactly as one device
+# adds it once to the batch's loss (``PipelineModule.forward`` attaches the same sum there). Every schedule runs it
+# (it is part of the stage's own backward); its value is logged as ``train_aux_loss/penalty``. It costs one
+# evaluation of the penalty per micro-batch per stage. A weight two layers share counts in both (on one device too).
+
+
+def attach_layer_penalty(output: Any, layers: Sequence[nn.Module], indices: Sequence[int],
+                         penalty: Callable[[int, nn.Module], torch.Tensor | None] | None) -> Any:
+    """``output`` with the sum of ``penalty(index, layer)`` over ``layers`` attached as an aux term ([Note: a
+    penalty over every stage's parameters]); ``output`` itself where there is nothing to attach or no training."""
+    if penalty is None or current_aux_context() is None or not torch.is_grad_enabled():
+        return output
+    terms = [t for t in (penalty(i, layer) for i, layer in zip(indices, layers)) if t is not None]
+    if not terms:
+        return output
+    total = terms[0] if len(terms) == 1 else torch.stack([t.reshape(()) for t in terms]).sum()
+    if isinstance(output, torch.Tensor):
+        return attach_aux_loss(output, total, name="penalty")
+    first = attach_aux_loss(output[0], total, name="penalty")
+    return (first, *output[1:])

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_pipe._compat import torch as _compat
 from lightning_pipe.config import LayerChoice, config_error
-from lightning_pipe.layers.aux import records_once
+from lightning_pipe.layers.aux import attach_layer_penalty, records_once
 from lightning_pipe.layers.compile import CompiledLayers
 from lightning_pipe.layers.offload import HostOffload, OffloadStats
 from lightning_pipe.layers.vocab import TokenIdError, explain_index_error
@@ -138,6 +138,11 @@ def _run_special(call: Callable[..., Any], layer: nn.Module, position: int, inde
     return call(*args)
 
 
+class RemoteLayerError(AttributeError):
+    """An attribute of a layer read on a rank that does not hold the layer (an ``AttributeError``, so ``getattr``
+    with a default and ``hasattr`` keep working)."""
+
+
 class RemoteLayer(nn.Module):
     """Stands in for a layer that lives on another pipeline rank."""
 
@@ -145,9 +150,28 @@ class RemoteLayer(nn.Module):
         super().__init__()
         self.index, self.stage, self.rank = index, stage, rank
 
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            where = self.__dict__
+            if name.startswith("__") or "index" not in where:  # protocol probes, or before __init__ ran
+                raise
+        raise RemoteLayerError(
+            f"Layer {where['index']} has no attribute {name!r} here: it lives on {self._where()}, and this rank keeps "
+            "only a parameter-less stand-in for it (under PipelineStrategy each rank holds its own stages' layers). "
+            "To read a quantity of this layer on every rank (to log it, say), compute it where it lives, e.g. "
+            f"`self.layer_value({where['index']}, lambda layer: layer.{name}.norm())` (a collective: call it on "
+            "every rank); code inside the layers runs where they live.")
+
+    def _where(self) -> str:
+        # (a layer moved by the rebalancer knows its rank, not its stage number)
+        return (f"pipeline stage {self.stage} (pipeline rank {self.rank})" if self.stage >= 0
+                else f"pipeline rank {self.rank}")
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
-            f"Layer {self.index} lives on pipeline stage {self.stage} (pipeline rank {self.rank}), not on this rank. "
+            f"Layer {self.index} lives on {self._where()}, not on this rank. "
             "Under PipelineStrategy the layers run inside the pipeline schedule: get the loss from "
             "`self.compute_loss(batch)` and outputs from `self.compute_output(batch)` instead of calling `self(x)`."
         )
@@ -174,6 +198,8 @@ class StageModule(nn.Module):
         """Host bytes this stage's offloaded layers hold (bench/memory.py reads them)."""
         self.compiled = CompiledLayers(compile_options)
         """What runs for each layer under ``compile=`` ([Note: compiled layers]); kept outside the module tree."""
+        self.penalty: Callable[[int, nn.Module], torch.Tensor | None] | None = None
+        """The module's ``layer_penalty`` ([Note: a penalty over every stage's parameters])."""
 
     def meta_forward_context(self) -> contextlib.AbstractContextManager[None]:
         """Around the meta forwards that plan shapes: the layers run uncompiled ([Note: compiled layers])."""
@@ -181,8 +207,9 @@ class StageModule(nn.Module):
 
     def forward(self, *args: Any) -> Any:
         layers = list(self.layers)
-        return run_layers(layers, args[0] if len(args) == 1 else args, self.layer_indices, self.recompute_every,
-                          self.offload, self.offload_stats, self.compiled.calls(layers))
+        out = run_layers(layers, args[0] if len(args) == 1 else args, self.layer_indices, self.recompute_every,
+                         self.offload, self.offload_stats, self.compiled.calls(layers))
+        return attach_layer_penalty(out, layers, self.layer_indices, self.penalty)
 
 
 LayerList = nn.Sequential | nn.ModuleList
@@ -264,8 +291,11 @@ def localize_layers(module: nn.Module, attr: str, ranges: Sequence[range], local
         if owner[i] not in local:
             # Writing _modules directly keeps the original indices ("7") as names; del/insert would renumber.
             layers._modules[key] = RemoteLayer(i, owner[i], stage_to_rank(owner[i]))
-    return [StageModule([layers[i] for i in ranges[s]], ranges[s], recompute_every, offload, compile_options)
-            for s in local_stages]
+    stage_modules = [StageModule([layers[i] for i in ranges[s]], ranges[s], recompute_every, offload,
+                                 compile_options) for s in local_stages]
+    for stage_module in stage_modules:  # [Note: a penalty over every stage's parameters]
+        stage_module.penalty = getattr(module, "layer_penalty", None)
+    return stage_modules
 
 
 def materialize(module: nn.Module, stage_modules: Sequence[StageModule], device: torch.device) -> bool:

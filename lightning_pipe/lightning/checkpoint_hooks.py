@@ -4,7 +4,6 @@ split. :class:`~lightning_pipe.PipelineStrategy` derives from it."""
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ from typing_extensions import override
 from lightning_pipe.checkpoint import remove as remove_checkpoint_files
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.lightning.async_checkpoint import AsyncSaver
-from lightning_pipe.lightning.checkpointing import RankGroup, ShardedCheckpointer
+from lightning_pipe.lightning.checkpointing import RankGroup, ShardedCheckpointer, save_on_every_rank
 from lightning_pipe.lightning.faults import PipelineFaults
 from lightning_pipe.lightning.rebalancing import StrategyRebalancer
 from lightning_pipe.parallel.topology import Topology
@@ -32,6 +31,7 @@ class CheckpointHooks(ParallelStrategy):
     rebalancer: StrategyRebalancer | None
     _faults: PipelineFaults | None
     _saver: AsyncSaver | None
+    _save_consolidated: bool
 
     def _topology(self) -> Topology:
         raise NotImplementedError
@@ -66,16 +66,7 @@ class CheckpointHooks(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if self._failed:
-            # A run that failed (here or on a peer: reported before any on_exception checkpoint) cannot write a
-            # sharded checkpoint: every rank writes its part together, and the ranks are stopping. Said, not
-            # attempted: the attempt would wait on a peer that is gone and end in the transport's error.
-            warnings.warn(f"lightning_pipe: no checkpoint written at {str(filepath)!r} on rank {self.global_rank}: "
-                          "the run failed, and a sharded checkpoint needs every rank to write its part (an "
-                          "OnExceptionCheckpoint saves on an agreed SIGTERM stop, not after an error). The last "
-                          "complete checkpoint stays.", stacklevel=2)
-            return
-        self._checkpointer().save(checkpoint, filepath, storage_options, saver=self._saver)
+        save_on_every_rank(self, checkpoint, filepath, storage_options)  # lightning/checkpointing.py
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -40,14 +40,17 @@ rank raises the same error at that step, naming who ran out after how many batch
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+import time
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.environments import LightningEnvironment
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -55,6 +58,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_pipe._compat import lightning as _compat
 from lightning_pipe.config import PipelineConfigError, config_error
 from lightning_pipe.lightning.liveness import start_watch, step_status
+from lightning_pipe.lightning.same_call import StuckInStep, step_of
 from lightning_pipe.runtime.watchdog import FailureWatch, any_rank, consequence_note
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -159,8 +163,10 @@ class PipelineFaults:
             return None
         trainer: Any = strategy.lightning_module.trainer
         holder: list[PipelineFaults] = []
-        watch = start_watch(strategy, heartbeat_timeout, before_exit=lambda: _end_launched_ranks(strategy),
+        parent = os.getppid()
+        watch = start_watch(strategy, heartbeat_timeout, before_exit=lambda: _end_launched_ranks(strategy, parent),
                             on_signal=lambda signum: holder[0].signal_seen(signum) if holder else None)
+        watch.checks.append(StuckInStep(strategy.global_rank, lambda: step_of(strategy)))  # [Note: every rank saves]
         faults = cls(strategy, trainer, watch)
         holder.append(faults)
         connector = _compat.signal_connector(trainer)
@@ -351,12 +357,26 @@ def _save_last_on_preemption(trainer: Any) -> None:
                        "after SIGTERM; resume with ckpt_path=\"last\" (or that path).")
 
 
-def _end_launched_ranks(strategy: Any) -> None:
-    """Before this process ends on a peer's failure: end the ranks it launched (Lightning's popen launcher does the
-    same on Ctrl-C), so none outlives the run."""
+OUTLIVE_LAUNCHER_S = 10.0
+"""How long a rank Lightning's popen launcher started waits, before ending on its watch, for the launching process."""
+
+
+def _end_launched_ranks(strategy: Any, launcher_pid: int) -> None:
+    """Before this process ends on its watch (a peer's failure, a silent peer, a step a peer's save waits on).
+
+    The launching process (local rank 0 of Lightning's popen launcher) ends the ranks it launched, as Lightning does
+    on Ctrl-C, so none outlives the run. A launched rank first waits, up to :data:`OUTLIVE_LAUNCHER_S`, for the
+    launching process to end: Lightning's child observer SIGKILLs that process as soon as it sees a launched rank end
+    with an error, which would cut off the launching rank's own error (often the cause) before it is printed."""
     launcher = strategy.launcher
-    if isinstance(launcher, _compat.SubprocessScriptLauncher):
+    if isinstance(launcher, _compat.SubprocessScriptLauncher):  # this process launched the node's other ranks
         launcher.kill(signal.SIGKILL)
+        return
+    if type(strategy.cluster_environment) is not LightningEnvironment or strategy.local_rank == 0:
+        return  # not a rank Lightning's launcher started (torchrun, SLURM: no observer ends the others)
+    end = time.monotonic() + OUTLIVE_LAUNCHER_S
+    while os.getppid() == launcher_pid and time.monotonic() < end:
+        time.sleep(0.05)
 
 
 __all__ = ["DEFAULT_TIMEOUT", "PipelineFaults", "PipelineSignalConnector", "resolve_timeout"]

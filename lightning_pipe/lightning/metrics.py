@@ -10,7 +10,8 @@ right, a sum pipeline x tensor-parallel times too large (``self.log(..., reduce_
 rows gave 20 on 2 pipeline ranks; torchmetrics' ``SumMetric`` the same). So, once the engine is built:
 
 - the strategy's ``reduce`` (what ``self.log(sync_dist=True)`` calls) reduces over that data group when no group is
-  given, and leaves the value as it is with one replica;
+  given, and leaves the value as it is with one replica (lightning/collectives.py: ``all_gather`` and
+  ``broadcast`` follow the same rule);
 - every torchmetrics ``Metric`` of the module gathers its states over it (its ``dist_sync_fn``), unless the user
   gave it a process group or a sync function of their own;
 - decisions every rank must take alike (``reduce_boolean_decision``: early stopping, checkpoint saves) still count
@@ -23,15 +24,6 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor, nn
-
-from lightning_pipe.lightning import world
-
-
-def reduce_over_data(tensor: Tensor | Any, reduce_op: Any | str | None, engine: Any) -> Tensor | Any:
-    """``tensor`` reduced over the ranks that read different data ([Note: what sync_dist reduces over])."""
-    if engine.groups.topology.dp_degree == 1:
-        return tensor  # one replica: every rank already holds the value
-    return world.reduce(tensor, engine.groups.dp, reduce_op)
 
 
 def sync_metrics_over_data(module: nn.Module, engine: Any) -> Callable[[], None]:

@@ -26,14 +26,22 @@ layers and the loss on one device, and the whole pipeline schedule (forward *and
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 import lightning.pytorch as pl
-from torch import Tensor
+from lightning.fabric.utilities.apply_func import convert_to_tensors
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
 
-from lightning_pipe.layers.aux import AuxLossContext, aux_loss_context
+from lightning_pipe._compat import lightning as _compat
+from lightning_pipe.checkpoint.convert import as_file
+from lightning_pipe.layers.aux import AuxLossContext, attach_layer_penalty, aux_loss_context
 from lightning_pipe.layers.batches import input_args, loss_parts
 from lightning_pipe.layers.stages import run_layers
+from lightning_pipe.lightning import grad_norms, remote
 
 # [Note: the loss a training step returns]
 # Under PipelineStrategy, ``compute_loss`` runs the backward of every micro-batch itself; the loss it returns is a
@@ -61,6 +69,10 @@ def check_returned_loss(returned: Any, loss: Tensor | None, owner: str) -> None:
         "loss terms in loss_fn, or in a layer with lightning_pipe.layers.aux.attach_aux_loss.")
 
 
+def _detached(output: Any) -> Any:
+    return tuple(o.detach() for o in output) if isinstance(output, (tuple, list)) else output.detach()
+
+
 def default_split_batch(batch: Any) -> tuple[Any, Any]:
     """``(x, y)`` / ``[x, y]`` -> ``(x, y)``; a bare tensor -> ``(tensor, None)``; a dict with ``input``/``target``."""
     if isinstance(batch, Tensor):
@@ -81,7 +93,7 @@ def default_split_batch(batch: Any) -> tuple[Any, Any]:
 class PipelineEngineHandle(Protocol):
     """What :class:`PipelineModule` needs from the strategy's engine (:class:`lightning_pipe.runtime.engine.PipelineEngine`)."""
 
-    def loss(self, module: pl.LightningModule, batch: Any) -> Tensor: ...
+    def loss(self, module: pl.LightningModule, batch: Any, return_outputs: bool = False) -> Any: ...
 
     def output(self, module: pl.LightningModule, batch: Any) -> Any: ...
 
@@ -96,7 +108,11 @@ class PipelineModule(pl.LightningModule):
     ``val_loss`` and ``test_loss``; override them freely, as long as they take the loss from
     :meth:`compute_loss` (and predictions from :meth:`compute_output`).
 
-    Optional hooks the strategy calls when present: ``trim_microbatch(inputs, target) -> (inputs, target)`` (each
+    Optional hooks the strategy calls when present: ``layer_penalty(index, layer) -> Tensor | None`` (a term over
+    the layer's parameters added to the training loss, e.g. ``1e-4 * sum(p.pow(2).sum() for p in
+    layer.parameters())``: computed where the layer lives, exact against one device, logged as
+    ``train_aux_loss/penalty``: [Note: a penalty over every stage's parameters] in layers/aux.py),
+    ``trim_microbatch(inputs, target) -> (inputs, target)`` (each
     micro-batch, cut from the batch as torch cuts it, may be trimmed to its own length, e.g. its padding columns
     dropped: [Note: micro-batches of their own length] in lightning_pipe/runtime/microbatches.py),
     ``reset_layer(index, layer)`` (initialise a layer built on the meta device) and ``parallelize_layer(index, layer, tp_mesh)`` (required with ``tensor_parallel_size > 1``):
@@ -137,15 +153,25 @@ class PipelineModule(pl.LightningModule):
     # ---------------------------------------------------------------- running
     def forward(self, inputs: Any) -> Any:
         """Run the layer list as a chain; a tuple of ``inputs`` is the first layer's positional arguments."""
-        return run_layers(self.layers, inputs)  # type: ignore[arg-type]  # nn.Module.__getattr__ types it loosely
+        layers: Any = self.layers  # (nn.Module.__getattr__ types it loosely)
+        out = run_layers(layers, inputs)
+        penalty = getattr(self, "layer_penalty", None)
+        if penalty is None:
+            return out
+        # joins the loss here as on each stage ([Note: a penalty over every stage's parameters] in layers/aux.py)
+        return attach_layer_penalty(out, list(layers), range(len(layers)), penalty)
 
-    def compute_loss(self, batch: Any) -> Tensor:
+    def compute_loss(self, batch: Any, return_outputs: bool = False) -> Any:
         """The batch loss (a mean, or ``sum / max(count, 1)``). Under the pipeline strategy during training this runs
         the whole schedule (forward and backward of every micro-batch) and returns this replica's batch loss,
-        detached, identical on every rank of the pipeline."""
+        detached, identical on every rank of the pipeline.
+
+        ``return_outputs=True``: ``(loss, outputs)``, the last layer's outputs for the batch, detached, on every rank
+        (to update a metric in ``training_step``; it costs a broadcast of the outputs per step under the pipeline:
+        [Note: a training step's outputs] in lightning_pipe/runtime/step_outputs.py)."""
         engine = self._pipeline_engine
         if engine is not None:
-            return engine.loss(self, batch)
+            return engine.loss(self, batch, return_outputs)
         inputs, target = self.split_batch(batch)
         if target is None:
             raise ValueError(
@@ -157,9 +183,11 @@ class PipelineModule(pl.LightningModule):
         input_args(inputs, type(self).__name__)  # the pipeline's rule on one device too, even under an own forward
         # aux terms (attach_aux_loss) join the loss as graph terms: Lightning's accumulation / AMP scale them
         with aux_loss_context(AuxLossContext()) as aux:
-            loss = loss_parts(self.loss_fn(self(inputs), target), type(self).__name__).reduced()
+            output = self(inputs)
+            loss = loss_parts(self.loss_fn(output, target), type(self).__name__).reduced()
         self._aux_values = {name: v.float() for name, v in sorted(aux.values.items())}
-        return loss + sum(aux.terms) if aux.terms else loss
+        loss = loss + sum(aux.terms) if aux.terms else loss
+        return (loss, _detached(output)) if return_outputs else loss
 
     @property
     def aux_loss_values(self) -> dict[str, Tensor]:
@@ -179,6 +207,13 @@ class PipelineModule(pl.LightningModule):
             for name, value in values.items():
                 self.log(f"{prefix}/{name}", value)
 
+    def layer_value(self, index: int, fn: Callable[[nn.Module], Any]) -> Any:
+        """``fn(layer)`` for layer ``index`` of the layer list, the same value on every rank, e.g.
+        ``self.log("w6", self.layer_value(6, lambda layer: layer.weight.norm()))``. Under the pipeline it runs where
+        the layer lives and reaches every rank of its pipeline: a collective, so call it on every rank (in a hook, or
+        after ``fit``: [Note: a value one stage holds] in lightning/remote.py). Under ``no_grad``; detached."""
+        return remote.layer_value(self, index, fn)
+
     def compute_output(self, batch: Any) -> Any:
         """The last layer's output for the batch's inputs (on every rank of the pipeline)."""
         engine = self._pipeline_engine
@@ -187,6 +222,36 @@ class PipelineModule(pl.LightningModule):
         inputs, _ = self.split_batch(batch)
         input_args(inputs, type(self).__name__)
         return self(inputs)
+
+    # ---------------------------------------------------------------- collectives
+    def all_gather(self, data: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
+        """Lightning's ``all_gather``; under PipelineStrategy, without a ``group``, over the ranks that read different
+        data, as on DDP (``[data ranks, ...]``); ``group=torch.distributed.group.WORLD`` gathers from every rank
+        ([Note: collectives over the data ranks] in lightning/collectives.py)."""
+        strategy = self.trainer.strategy
+        if not hasattr(strategy, "pipeline_config"):
+            return super().all_gather(data, group, sync_grads)
+        # (Lightning's own turns a missing group into WORLD before the strategy sees it)
+        return apply_to_collection(convert_to_tensors(data, device=self.device), Tensor, strategy.all_gather,
+                                   group=group, sync_grads=sync_grads)
+
+    # ---------------------------------------------------------------- logging
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        """Lightning's ``log``; under the pipeline a gradient-norm total of Lightning's ``grad_norm`` warns once
+        ([Note: gradient norms in hooks] in lightning/grad_norms.py)."""
+        if self._pipeline_engine is not None and name.startswith("grad_"):
+            grad_norms.check_logged(name, value, self._pipeline_engine)
+        super().log(name, value, *args, **kwargs)
+
+    # ---------------------------------------------------------------- checkpoints
+    @_compat.restricted_classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's ``load_from_checkpoint``, which also reads a sharded pipeline checkpoint directory (what
+        ``ModelCheckpoint`` writes under PipelineStrategy) on one process: it is first consolidated in memory
+        (``lightning_pipe.checkpoint.as_file``). Single files load as Lightning loads them."""
+        if isinstance(checkpoint_path, (str, os.PathLike)) and Path(checkpoint_path).is_dir():
+            checkpoint_path = as_file(checkpoint_path)  # a directory that is no checkpoint: CheckpointError says so
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     # ---------------------------------------------------------------- default steps
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:

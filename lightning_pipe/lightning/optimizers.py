@@ -67,30 +67,66 @@ def has_parameters(optimizer: Any) -> bool:
     return any(group["params"] for group in getattr(inner, "param_groups", ()))
 
 
+def tie_homes(optimizers: Sequence[Any], ties: Sequence[tuple[nn.Parameter, tuple[str, ...]]]
+              ) -> dict[tuple[str, ...], list[tuple[int, str]]]:
+    """For each weight tied across ranks (its copy here, its names): the optimizers and hyper-parameters that hold
+    the copy on this rank, as ``(optimizer index, hyper-parameters)``."""
+    homes: dict[tuple[str, ...], list[tuple[int, str]]] = {}
+    for param, names in ties:
+        homes[names] = [(i, repr(sorted((k, v) for k, v in group.items() if k != "params")))
+                        for i, opt in enumerate(optimizers)
+                        for group in getattr(opt, "optimizer", opt).param_groups
+                        if any(p is param for p in group["params"])]
+    return homes
+
+
+def _tie_error(every: list[Any]) -> str | None:
+    """The copies of a tied weight are updated by different optimizers on different ranks: they would drift apart."""
+    held: dict[tuple[str, ...], dict[int, list[tuple[int, str]]]] = {}
+    for rank, (*_, homes) in enumerate(every):
+        for names, where in homes.items():
+            held.setdefault(names, {})[rank] = where
+    for names, per_rank in held.items():
+        if len({repr(w) for w in per_rank.values()}) > 1:
+            seen = "; ".join(f"rank {r}: optimizer(s) {sorted({i for i, _ in w})}" for r, w in per_rank.items())
+            return (f"The weight tied across stages under the names {list(names)} is held by several ranks, and each "
+                    f"copy is updated by the optimizers (and param groups) that hold it there: {seen}. The copies "
+                    "would train apart. Rule: a tied weight is in the same optimizers and param groups on every rank "
+                    "that holds it. Choose each optimizer's parameters by name with every name of the tied weight "
+                    "in the same one (`self.named_parameters(remove_duplicate=False)` lists each copy under its "
+                    "layer's name), not by layer position.")
+    return None
+
+
 def check_optimizers_agree(optimizers: Sequence[Any], schedulers: int, params: Sequence[nn.Parameter],
-                           stages: str) -> None:
-    """Refuse, on every rank alike, optimizer layouts that differ between ranks and fits with nothing to train
-    ([Note: stages with nothing to train]). Collective over the world (one object gather at setup).
+                           stages: str, ties: Sequence[tuple[nn.Parameter, tuple[str, ...]]] = ()) -> None:
+    """Refuse, on every rank alike, optimizer layouts that differ between ranks, tied copies updated differently
+    (:func:`tie_homes`) and fits with nothing to train ([Note: stages with nothing to train]). Collective over the
+    world (one object gather at setup).
 
     ``stages`` describes this rank's stages and layers for the message (e.g. ``"stage 3 (layers 4-5)"``)."""
-    mine = (len(optimizers), schedulers, sum(p.numel() for p in params if p.requires_grad), stages)
+    mine = (len(optimizers), schedulers, sum(p.numel() for p in params if p.requires_grad), stages,
+            tie_homes(optimizers, ties))
     if dist.is_available() and dist.is_initialized():
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
     else:
         every = [mine]
-    counts = {(n, s) for n, s, _, _ in every}
+    counts = {(n, s) for n, s, *_ in every}
     if len(counts) > 1:
         per_rank = "; ".join(f"rank {r} ({where}): {n} optimizer(s), {s} scheduler(s)"
-                             for r, (n, s, _, where) in enumerate(every))
+                             for r, (n, s, _, where, _) in enumerate(every))
         raise PipelineConfigError(
             "configure_optimizers runs on every rank with that rank's layers only, and must return the same number "
             f"of optimizers and LR schedulers on every rank (each optimizer step is a collective). Got {per_rank}. "
             "Build every optimizer on every rank, even over no parameters (e.g. `AdamW(p for p in "
             "self.parameters() if p.requires_grad)` is allowed to be empty on a stage with nothing to train: it "
             "steps nothing); do not return None where a stage has nothing to train.")
-    if not any(trainable for _, _, trainable, _ in every):
-        where = "; ".join(f"rank {r}: {w}" for r, (_, _, _, w) in enumerate(every))
+    tie_error = _tie_error(every)
+    if tie_error is not None:
+        raise PipelineConfigError(tie_error)
+    if not any(trainable for _, _, trainable, *_ in every):
+        where = "; ".join(f"rank {r}: {w}" for r, (_, _, _, w, _) in enumerate(every))
         raise PipelineConfigError(
             "Training needs at least one parameter with requires_grad=True on some stage; every parameter of the "
             f"module is frozen on every rank ({where}). Unfreeze the parameters to train (e.g. the adapters), or "

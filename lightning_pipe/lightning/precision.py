@@ -35,6 +35,8 @@ from typing_extensions import override
 from lightning_pipe._compat.lightning import DtypeContextManager, convert_fp_tensor
 from lightning_pipe._compat.torch import ShardedGradScaler
 from lightning_pipe.config import config_error
+from lightning_pipe.lightning.grad_norms import global_norms
+from lightning_pipe.lightning.manual import hand_over
 from lightning_pipe.parallel.dtensor import local
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -155,7 +157,22 @@ class PipelinePrecision(Precision):
         [Note: gradients across Lightning's zero_grad])."""
         if self.engine is None:
             return super().backward(tensor, model, optimizer, *args, **kwargs)
+        if not model.automatic_optimization:  # self.manual_backward(loss) ([Note: manual optimization in a pipeline])
+            return hand_over(self.engine, tensor, type(model).__name__)
         self.engine.apply_pending_grads()
+
+    @override
+    def post_backward(self, tensor: Tensor, module: Any) -> Tensor:
+        # on_after_backward runs in here: its gradient norms are the pipeline's ([Note: gradient norms in hooks])
+        with global_norms(self.engine):
+            return super().post_backward(tensor, module)
+
+    @override
+    def _after_closure(self, model: Any, optimizer: Steppable) -> None:
+        # on_before_optimizer_step and configure_gradient_clipping: torch's clip_grad_norm_ / get_total_norm inside
+        # them take the norm over every stage ([Note: gradient norms in hooks] in lightning/grad_norms.py)
+        with global_norms(self.engine):
+            super()._after_closure(model, optimizer)
 
     @override
     def optimizer_step(  # type: ignore[override]  # lightning.pytorch Precision's signature (narrows fabric's)

@@ -26,6 +26,7 @@ from lightning_pipe.planner.model import ActivationPolicy
 from lightning_pipe.planner.plan import apply_plan, explain, load_plan, plan_name
 from lightning_pipe.rebalance import check_rebalance
 from lightning_pipe.runtime.build import check_expert_settings
+from lightning_pipe.runtime.ragged import refusal, why_ragged_cannot_run
 from lightning_pipe.schedules import (
     SchedulePlan,
     check_schedule_settings,
@@ -200,7 +201,7 @@ def balance_partition(trainer: Trainer, module: LightningModule, config: Pipelin
 
 
 def check_module(module: LightningModule) -> None:
-    """The layer-list contract and automatic optimization, before anything is split."""
+    """The layer-list contract, before anything is split."""
     missing = [name for name in ("loss_fn", "split_batch", "compute_loss") if not hasattr(module, name)]
     if missing:
         raise TypeError(
@@ -208,21 +209,15 @@ def check_module(module: LightningModule) -> None:
             "from `lightning_pipe.PipelineModule` (it provides split_batch/compute_loss) and implement "
             "`loss_fn(output, target)`; see docs/module-contract.md."
         )
-    if not module.automatic_optimization:
-        raise TypeError(
-            "PipelineStrategy supports automatic optimization only: the schedule runs forward and backward "
-            "inside training_step and the strategy averages and clips gradients across stages before the "
-            f"optimizer step. Set `self.automatic_optimization = True` in {type(module).__name__}, with one "
-            "optimizer from configure_optimizers (several learning rates: one optimizer with several param "
-            "groups)."
-        )
 
 
-def check_last_batch(trainer: Trainer, microbatches: int) -> None:
-    """When training starts: a training loader whose last, partial batch of each epoch cannot split into the
-    micro-batches is refused now, not when the epoch gets there (hours later in a long epoch). Only where the run
-    reaches that batch (``limit_train_batches`` or ``max_steps`` may stop before it), and only for a plain
-    ``DataLoader`` with a batch size and a sized sampler; any other loader meets the per-batch check."""
+def check_last_batch(trainer: Trainer, microbatches: int, planner_why_not: str | None) -> None:
+    """When training starts: a training loader whose last, partial batch of each epoch cannot run is refused now,
+    not when the epoch gets there (hours later in a long epoch): fewer rows than micro-batches, or rows that do not
+    divide where shapes are not planned ([Note: ragged batches] in runtime/ragged.py; ``planner_why_not``: why this
+    layout plans no shapes, ``None`` where it does). Only where the run reaches that batch (``limit_train_batches``
+    or ``max_steps`` may stop before it), and only for a plain ``DataLoader`` with a batch size and a sized sampler;
+    any other loader meets the per-batch check."""
     loader = trainer.train_dataloader
     if not isinstance(loader, DataLoader) or loader.batch_size is None or loader.drop_last:
         return
@@ -231,17 +226,13 @@ def check_last_batch(trainer: Trainer, microbatches: int) -> None:
     except TypeError:
         return
     last, batches = rows % loader.batch_size, -(-rows // loader.batch_size)
-    if not last or last % microbatches == 0 or trainer.num_training_batches < batches:
+    why = why_ragged_cannot_run(last, microbatches, planner_why_not) if last else None
+    if why is None or trainer.num_training_batches < batches:
         return
     if trainer.max_steps != -1 and trainer.max_steps * trainer.accumulate_grad_batches < batches:
         return
-    raise config_error(
-        "A training batch must split into equal micro-batches, and the last batch of each epoch is a partial one "
-        "that does not (refused as training starts, before the epoch reaches it).",
-        f"{rows} samples per rank in batches of {loader.batch_size}: the last batch (batch_idx {batches - 1}) has "
-        f"{last} rows, microbatches={microbatches}", "batch_size",
-        f"DataLoader(drop_last=True), or a batch size that leaves a multiple of {microbatches} rows",
-        also=("microbatches",))
+    raise refusal(f"the last of each epoch, batch_idx {batches - 1}: {rows} samples per rank in batches of "
+                  f"{loader.batch_size}; refused as training starts", last, microbatches, why)
 
 
 def check_callbacks(trainer: Trainer) -> None:

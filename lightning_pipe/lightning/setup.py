@@ -19,6 +19,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_pipe._compat import lightning as _compat
 from lightning_pipe.config import MEASURED_PARTITIONS
+from lightning_pipe.lightning.features import adapt_features
+from lightning_pipe.lightning.manual import check_manual_optimization
 from lightning_pipe.lightning.metrics import sync_metrics_over_data
 from lightning_pipe.lightning.microbatch_updates import attach_microbatch_updates
 from lightning_pipe.lightning.optimizers import check_optimizers_agree
@@ -62,6 +64,7 @@ def setup_pipeline(strategy: Any, trainer: Trainer) -> None:
         strategy.auto_plan, strategy.pipeline_config = balance_partition(
             trainer, module, strategy.pipeline_config, strategy.plan, strategy._memory_budget, strategy.world_size,
             strategy.root_device)
+    check_manual_optimization(module, strategy.plan, strategy.pipeline_config)  # lightning/manual.py
     strategy.precision_plugin.convert_module(module)
     check_before_split(strategy, trainer)  # rebalancing pickles layers: refuse one that cannot be, now
     strategy.engine = engine = _build_engine(strategy, module)  # moves this rank's layers to the device
@@ -78,6 +81,8 @@ def setup_pipeline(strategy: Any, trainer: Trainer) -> None:
         strategy._undo_fast_log = _compat.fast_metric_moves()
     if strategy._undo_metric_sync is None:  # [Note: what sync_dist reduces over] (lightning/metrics.py)
         strategy._undo_metric_sync = sync_metrics_over_data(module, engine)
+    if strategy._undo_features is None:  # prediction writers, the model summary (lightning/features.py)
+        strategy._undo_features = adapt_features(strategy, trainer)
 
 
 def teardown_pipeline(strategy: Any) -> None:
@@ -90,6 +95,9 @@ def teardown_pipeline(strategy: Any) -> None:
     undo_metric_sync, strategy._undo_metric_sync = strategy._undo_metric_sync, None
     if undo_metric_sync is not None:
         undo_metric_sync()
+    undo_features, strategy._undo_features = strategy._undo_features, None
+    if undo_features is not None:
+        undo_features()
     if faults is not None:
         faults.stop()
     if strategy.rebalancer is not None:
@@ -105,11 +113,12 @@ def check_rank_optimizers(strategy: Any) -> None:
     """After ``configure_optimizers`` ran on this rank's layers: every rank must hold the same optimizers
     ([Note: stages with nothing to train])."""
     engine, module = strategy.engine, strategy.lightning_module
-    if engine is None or module is None or not module.automatic_optimization:
+    if engine is None or module is None:
         return
     stages = zip(engine.plan.stages_of_rank(strategy._topology().pp_rank), engine.stage_modules)
     where = ", ".join(f"stage {s}, layers {sm.layer_indices.start}-{sm.layer_indices.stop - 1}" for s, sm in stages)
-    check_optimizers_agree(strategy.optimizers, len(strategy.lr_scheduler_configs), engine.parameters, where)
+    ties = [(param, tie_group.tie.names) for param, tie_group in engine.grads.ties]
+    check_optimizers_agree(strategy.optimizers, len(strategy.lr_scheduler_configs), engine.parameters, where, ties)
 
 
 def _build_engine(strategy: Any, module: LightningModule) -> PipelineEngine:
@@ -121,6 +130,7 @@ def _build_engine(strategy: Any, module: LightningModule) -> PipelineEngine:
                                   layout, sharding=_sharding_options(strategy))
     module._pipeline_layout = layout  # type: ignore[assignment]  # (nn.Module types attributes as tensors)
     module._pipeline_engine = engine  # type: ignore[assignment]
+    engine.manual = not module.automatic_optimization  # [Note: manual optimization in a pipeline]
     log_layout(strategy.plan, topology, list(layout.ranges), strategy.plan.stages_of_rank(topology.pp_rank),
                sum(p.numel() for p in engine.parameters))
     return engine

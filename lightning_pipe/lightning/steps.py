@@ -11,6 +11,7 @@ from lightning.pytorch import LightningModule, Trainer
 
 from lightning_pipe._compat import lightning as _compat
 from lightning_pipe.lightning.faults import PipelineFaults
+from lightning_pipe.lightning.manual import step_context
 from lightning_pipe.lightning.module import check_returned_loss
 from lightning_pipe.runtime.engine import PipelineEngine
 from lightning_pipe.runtime.train_step import StepHints
@@ -32,12 +33,13 @@ def run_step(engine: PipelineEngine, module: LightningModule, faults: PipelineFa
     checked to be the one ``compute_loss`` returned ([Note: the loss a training step returns])."""
     batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
     hints = step_hints(module.trainer, batch_idx, faults) if phase == "train" else None
+    manual = phase == "train" and not module.automatic_optimization  # [Note: manual optimization in a pipeline]
     if faults is not None:
         faults.before_step(phase, batch_idx)
     try:
-        with engine.running(phase, batch_idx, hints):
+        with engine.running(phase, batch_idx, hints), step_context(module, engine if manual else None):
             result = parent(*args, **kwargs)
-            if phase == "train":
+            if phase == "train" and not manual:
                 check_returned_loss(result, engine.step_loss, type(module).__name__)
     except BaseException as err:
         if faults is not None:

@@ -16,13 +16,13 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor
 from typing_extensions import override
 
 from lightning_pipe.config import PartitionSpec, PipelineConfigError
-from lightning_pipe.lightning import metrics, world
+from lightning_pipe.lightning import same_call, world
 from lightning_pipe.lightning.async_checkpoint import AsyncSaver, check_links, resolve_async_checkpoint
 from lightning_pipe.lightning.checkpoint_hooks import CheckpointHooks
+from lightning_pipe.lightning.collectives import DataCollectives
 from lightning_pipe.lightning.elastic import elastic_world
 from lightning_pipe.lightning.faults import DEFAULT_TIMEOUT, PipelineFaults, resolve_timeout
 from lightning_pipe.lightning.launchers import pipeline_launcher
@@ -39,7 +39,7 @@ from lightning_pipe.runtime.engine import PipelineEngine
 from lightning_pipe.schedules import SchedulePlan
 
 
-class PipelineStrategy(CheckpointHooks):
+class PipelineStrategy(DataCollectives, CheckpointHooks):
     """Pipeline parallelism (optionally times data parallelism) for a layer-list LightningModule.
 
     ``world size = data_parallel_size x pipeline size x fsdp_size x tensor_parallel_size``. The module's layer list is split into
@@ -64,6 +64,9 @@ class PipelineStrategy(CheckpointHooks):
         async_checkpoint: write checkpoints on a background thread after copying them to host memory (docs/
             checkpoints.md); the next save, a load and the end of the run wait for the write.
         start_method: ``"popen"`` re-runs the script per rank (like ``ddp``); ``"spawn"`` for notebooks.
+        save_consolidated: write every checkpoint as one ordinary ``.ckpt`` file (``torch.load`` and any
+            ``load_from_checkpoint`` read it; rank 0 holds the whole model while writing) instead of a sharded
+            directory ([Note: consolidated checkpoints] in lightning/checkpointing.py).
     """
 
     strategy_name = "pipeline"
@@ -76,6 +79,7 @@ class PipelineStrategy(CheckpointHooks):
     _faults: PipelineFaults | None = None
     _undo_fast_log: Callable[[], None] | None = None
     _undo_metric_sync: Callable[[], None] | None = None
+    _undo_features: Callable[[], None] | None = None  # lightning/features.py, between setup and teardown
 
     def __init__(
         self,
@@ -106,6 +110,7 @@ class PipelineStrategy(CheckpointHooks):
         heartbeat_timeout: float | None = DEFAULT_HEARTBEAT_TIMEOUT,
         async_checkpoint: bool = False,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        save_consolidated: bool = False,
         # Lightning's plugins
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -132,7 +137,7 @@ class PipelineStrategy(CheckpointHooks):
         self._timeout = resolve_timeout(timeout)
         self._heartbeat_timeout = resolve_heartbeat_timeout(heartbeat_timeout)
         self._saver = AsyncSaver() if resolve_async_checkpoint(async_checkpoint) else None
-        self._start_method = start_method
+        self._start_method, self._save_consolidated = start_method, save_consolidated
 
     @property
     def planned(self) -> dict[str, Any] | None:
@@ -222,6 +227,7 @@ class PipelineStrategy(CheckpointHooks):
         self.set_world_ranks()
         self._process_group_backend = world.init_process_group(self.cluster_environment, self.root_device,
                                                                self._process_group_backend, self._timeout)
+        same_call.start_together(self)  # every rank starts this Trainer call ([Note: every rank saves])
         # Failures on one rank stop the others; SIGTERM stops all ranks at a step boundary (lightning/faults.py).
         self._faults = PipelineFaults.start(self, self._heartbeat_timeout)
 
@@ -272,8 +278,10 @@ class PipelineStrategy(CheckpointHooks):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        assert self.lightning_module is not None and self.plan is not None
-        check_last_batch(self.lightning_module.trainer, self.plan.microbatches)
+        assert self.lightning_module is not None and self.plan is not None and self.engine is not None
+        shapes = self.engine.shapes  # [Note: ragged batches] in runtime/ragged.py: planned shapes run them
+        check_last_batch(self.lightning_module.trainer, self.plan.microbatches,
+                         shapes.why_not if shapes.planner is None else None)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -311,18 +319,6 @@ class PipelineStrategy(CheckpointHooks):
         if self._failed:
             return  # the ranks are stopping after a failure: no peer will meet it (e.g. Trainer.save_checkpoint's)
         world.barrier(self.root_device)
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return world.broadcast(obj, src)
-
-    @override
-    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | str | None = "mean") -> Any:
-        """Over the ranks that read different data unless ``group`` is given: the pipeline's ranks of one replica
-        hold the same logged values ([Note: what sync_dist reduces over] in lightning/metrics.py)."""
-        if group is None and self.engine is not None:
-            return metrics.reduce_over_data(tensor, reduce_op, self.engine)
-        return world.reduce(tensor, group, reduce_op)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

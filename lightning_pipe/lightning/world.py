@@ -15,6 +15,7 @@ from lightning.fabric.plugins import ClusterEnvironment
 from torch import Tensor
 
 from lightning_pipe._compat import lightning as _compat
+from lightning_pipe.lightning import same_call
 from lightning_pipe.parallel import group_cache
 
 
@@ -47,6 +48,9 @@ def _leave_process_group() -> None:
     has not destroyed it), so that no gloo worker thread outlives the interpreter ([Note: process groups are
     reused])."""
     global _started_here
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # a peer waiting for this rank in a save or a Trainer call learns it never comes ([Note: every rank saves])
+        same_call.post_at_exit(dist.get_rank())
     group_cache.release()
     if _started_here and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

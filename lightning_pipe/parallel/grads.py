@@ -208,8 +208,19 @@ class GradientSync:
         of a sharded or split gradient, each element once ([Note: counting sharded gradients]);
         ``over_pipeline=False``: over this rank's stages only, their shards and tensor ranks included (PipeDream's
         per-stage clipping, where the stages update at different times)."""
-        excluded = self.norm_excluded()
+        total = self.global_norm(parameters, norm_type, over_pipeline)
         grads = [local_part(p.grad) for p in parameters if p.grad is not None]
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return total
+
+    def global_norm(self, parameters: Sequence[nn.Parameter], norm_type: float = 2.0,
+                    over_pipeline: bool = True) -> Tensor:
+        """The ``norm_type``-norm of the gradients of ``parameters`` over every stage (a collective over the
+        pipeline, shards and tensor ranks; every rank calls it, with its own parameters), each element once, a tied
+        weight once ([Note: counting sharded gradients])."""
+        excluded = self.norm_excluded()
         # Each element once: [Note: counting sharded gradients]
         topology = self.groups.topology
         coords = {SHARD: topology.shard_rank, TENSOR: topology.tp_rank}
@@ -252,9 +263,6 @@ class GradientSync:
                 if group is not None:
                     dist.all_reduce(local, group=group)
             total = local ** (1.0 / norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
         return total
 
     @staticmethod

@@ -1,4 +1,4 @@
-"""``python -m lightning_pipe.planner profile|search|explain|validate``.
+"""``python -m lightning_pipe.planner profile|search|explain|validate|project``.
 
     python -m lightning_pipe.planner profile recipes.gpt.model:GPT --kwargs '{"n_layer": 4}' --tokens 256,64 \\
         --micro-batch-sizes 2,8 -o profile.json
@@ -175,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--calibrated-out", default=None, help="with --records and --profile: write the profile "
                    "scaled to the recorded costs")
     v.set_defaults(fn=_validate)
+    from lightning_pipe.planner.cluster.cli import add_parser as add_project_parser
+
+    add_project_parser(sub)  # project: a described GPU cluster, analytic costs (docs/planner.md)
     args = parser.parse_args(argv)
     try:
         args.fn(args)

@@ -26,7 +26,7 @@ from lightning_pipe.parallel.dp_overlap import DataParallelOverlap
 from lightning_pipe.parallel.grads import GradientSync
 from lightning_pipe.parallel.topology import ProcessGroups
 from lightning_pipe.runtime.aux_step import AuxLossStep
-from lightning_pipe.runtime.evaluation import eval_loss, eval_output
+from lightning_pipe.runtime.evaluation import broadcast_object, eval_loss, eval_loss_and_output, eval_output
 from lightning_pipe.runtime.host_reads import LossKind
 from lightning_pipe.runtime.rng import RankStreams
 from lightning_pipe.runtime.shape_book import ShapeBook
@@ -75,6 +75,10 @@ class PipelineEngine:
         self._pending_grads: list[Tensor | None] | None = None  # this batch's, until Lightning's backward
         self._grad_factor: Tensor | None = None  # token-weighted loss: applied to the fresh gradients on hand-over
         self._agreed: Tensor | None = None  # the step flags agreed with the loss; read once (take_agreed_flags)
+        self.manual = False
+        """The module optimizes manually: a training step may run several passes ([Note: manual optimization in a
+        pipeline] in lightning/manual.py)."""
+        self.step_outputs: Any = None  # compute_loss(return_outputs=True): [Note: a training step's outputs]
         # Deduplicated: a V schedule can put both ends of a tied weight on one rank (one object, two stages).
         self.parameters = list({id(p): p for sm in stage_modules for p in sm.parameters()}.values())
         self.grads = GradientSync(module, self.parameters, groups, device)
@@ -199,19 +203,28 @@ class PipelineEngine:
                 torch.cuda.set_rng_state(cuda_rng, self.device)
 
     # ------------------------------------------------------------------ requests from PipelineModule
-    def loss(self, module: PipelineModel, batch: Any) -> Tensor:
+    def loss(self, module: PipelineModel, batch: Any, return_outputs: bool = False) -> Any:
+        """The batch loss; with ``return_outputs``, ``(loss, the last layer's outputs)`` on every rank ([Note: a
+        training step's outputs] in step_outputs.py)."""
         if self.phase == "train":
-            if self.step_loss is not None:  # [Note: the loss a training step returns]
+            if self.step_loss is not None and self.manual and self._pending_grads is not None:
+                raise RuntimeError(
+                    f"{self.owner}.training_step called compute_loss again (batch_idx {self.batch_idx}) before "
+                    "manual_backward of the loss the previous call returned. Rule: under PipelineStrategy each "
+                    "compute_loss is a whole pass of the pipeline whose gradients wait for manual_backward; two "
+                    "passes' gradients cannot be held at once. Call manual_backward(loss) after each compute_loss, "
+                    "or compute both losses in one loss_fn.")
+            if self.step_loss is not None and not self.manual:  # [Note: the loss a training step returns]
                 raise RuntimeError(
                     f"{self.owner}.training_step called compute_loss a second time (batch_idx {self.batch_idx}). "
                     "Rule: under PipelineStrategy one training_step runs the schedule once, in its one compute_loss "
                     "call (the forward and backward of every micro-batch of that batch); a second call would replace "
                     "the first call's gradients. Call compute_loss once per training_step; to train on more rows, "
                     "make the batch larger (or use accumulate_grad_batches).")
-            self.step_loss = self._train_step(module, batch)
-            return self.step_loss
+            self.step_loss = self._train_step(module, batch, return_outputs)
+            return (self.step_loss, self.step_outputs) if return_outputs else self.step_loss
         if self.phase in ("validate", "test", "predict"):
-            return eval_loss(self, module, batch)
+            return eval_loss_and_output(self, module, batch) if return_outputs else eval_loss(self, module, batch)
         raise RuntimeError(
             "compute_loss was called outside a Lightning step (training_step / validation_step / test_step). "
             "Under PipelineStrategy the model is split across ranks, so every rank must run the same step."
@@ -223,14 +236,17 @@ class PipelineEngine:
         return eval_output(self, module, batch)
 
     # ------------------------------------------------------------------ training (train_step.py)
-    def _train_step(self, module: PipelineModel, batch: Any) -> Tensor:
+    def _train_step(self, module: PipelineModel, batch: Any, keep_outputs: bool = False) -> Tensor:
         """One training step: prepare, run, finish (runtime/train_step.py). Its gradients wait for Lightning's
-        backward (:meth:`apply_pending_grads`), its agreed flags for the adapter (:meth:`take_agreed_flags`)."""
+        backward (:meth:`apply_pending_grads`), its agreed flags for the adapter (:meth:`take_agreed_flags`), its
+        kept outputs (``keep_outputs``) reach every rank of the pipeline."""
         self._agreed = None
-        inputs = prepare(self, module, batch)
+        inputs = prepare(self, module, batch, keep_outputs)
         run(self, inputs)
         result = finish(self, inputs)
         self._grad_factor, self._agreed = result.grad_factor, result.agreed_flags
+        if keep_outputs:  # [Note: a training step's outputs] in step_outputs.py
+            self.step_outputs = broadcast_object(self, self.losses.outputs.joined())
         return result.loss
 
     def run_schedule(self, args: tuple[Tensor, ...], target: Any) -> None:

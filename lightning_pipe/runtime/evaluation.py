@@ -140,6 +140,22 @@ def eval_output(engine: Any, module: Any, batch: Any) -> Any:
     return out
 
 
+def eval_loss_and_output(engine: Any, module: Any, batch: Any) -> tuple[Tensor, Any]:
+    """``compute_loss(batch, return_outputs=True)`` in validation / test: the last stage's outputs on every rank
+    (one forward), and the loss each rank computes from them (the same value everywhere)."""
+    owner = engine._owner
+    inputs, target = module.split_batch(batch)
+    args = input_args(inputs, owner)
+    mbs = explicit_microbatches(module, inputs, args, target, engine.plan.microbatches, owner)
+    out = broadcast_object(engine, forward_only(engine, args, mbs))
+    if isinstance(out, BrokenRule):
+        raise ValueError(str(out))
+    with torch.inference_mode(False), torch.no_grad():
+        loss = (microbatch_loss(module.loss_fn, out, mbs, owner) if mbs is not None else
+                loss_parts(module.loss_fn(out, target), owner).reduced())
+    return loss.detach().float(), out
+
+
 def broadcast_loss(engine: Any, loss: Tensor, broken: BrokenRule | None = None) -> Tensor:
     """The loss exists on the last stage; loggers live on rank 0: give every rank the same value (or the last
     stage's :class:`BrokenRule`, raised on every rank)."""

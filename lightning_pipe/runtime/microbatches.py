@@ -54,15 +54,15 @@ class SplitOverride:
         _stage_shapes.restore_split(self.schedule)
 
 
-def _cut(value: Any, m: int) -> list[Any]:
+def cut_rows(value: Any, m: int) -> list[Any]:
     """``value``'s rows in ``m`` pieces as torch cuts them (``tensor_split``), structure kept."""
     if isinstance(value, Tensor):
         return list(torch.tensor_split(value, m))
     if isinstance(value, dict):
-        parts = {k: _cut(v, m) for k, v in value.items()}
+        parts = {k: cut_rows(v, m) for k, v in value.items()}
         return [type(value)((k, parts[k][i]) for k in value) for i in range(m)]
     if isinstance(value, (tuple, list)):
-        cols = [_cut(v, m) for v in value]
+        cols = [cut_rows(v, m) for v in value]
         rows = [[c[i] for c in cols] for i in range(m)]
         return [type(value)(*r) if hasattr(value, "_fields") else type(value)(r) for r in rows]
     return [value] * m
@@ -76,7 +76,7 @@ def explicit_microbatches(module: Any, inputs: Any, args: tuple[Tensor, ...], ta
     if trim is None or args[0].shape[0] < m:
         return None
     pieces = [torch.tensor_split(a, m) for a in args]
-    targets = _cut(target, m)
+    targets = cut_rows(target, m)
     out_args, out_targets, changed = [], [], False
     for i in range(m):
         cut = tuple(p[i] for p in pieces)

@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_pipe.config import config_error
 from lightning_pipe.layers.aux import AuxLossContext, aux_loss_context
 from lightning_pipe.layers.batches import (
     LossParts,
@@ -50,11 +49,13 @@ from lightning_pipe.runtime.agreement import agree_step
 from lightning_pipe.runtime.aux_step import AuxLossStep
 from lightning_pipe.runtime.host_reads import LossKind
 from lightning_pipe.runtime.microbatches import Microbatches, SplitOverride, explicit_microbatches, target_count
+from lightning_pipe.runtime.ragged import refusal, row_weights, split_ragged, why_ragged_cannot_run
 from lightning_pipe.runtime.rng import RankStreams
 from lightning_pipe.runtime.shape_book import ShapeBook
 from lightning_pipe.runtime.shapes import first_inputs, shapes_of
 from lightning_pipe.runtime.spec import SchedulePlan
 from lightning_pipe.runtime.stage import PipelineStage
+from lightning_pipe.runtime.step_outputs import StepOutputs
 from lightning_pipe.runtime.wire import named_p2p_failures
 
 
@@ -88,6 +89,12 @@ class MicrobatchLosses:
     """The module's own micro-batches' targets: torch cuts their indices ([Note: micro-batches of their own length])."""
     records: list[LossParts] = field(default_factory=list)
     """This step's micro-batch losses (last stage), detached."""
+    weights: list[float] | None = None
+    """Each of the module's own micro-batches' weight in a mean loss ([Note: ragged batches] in ragged.py)."""
+    record_weights: list[float] = field(default_factory=list)
+    """The weight of each record (1.0 but for a ragged batch)."""
+    outputs: StepOutputs = field(default_factory=StepOutputs)
+    """The last stage's outputs, kept on request ([Note: a training step's outputs] in step_outputs.py)."""
 
 
 @dataclass
@@ -170,15 +177,17 @@ class StepEngine(Protocol):
 
 
 # ---------------------------------------------------------------------------------------------- prepare
-def prepare(engine: StepEngine, module: Any, batch: Any) -> StepInputs:
+def prepare(engine: StepEngine, module: Any, batch: Any, keep_outputs: bool = False) -> StepInputs:
     """Before the schedule: the batch rules, the micro-batches and their shapes, ``N``, the loss scales and the
     data-parallel hand-off. This batch's gradients start from ``None``, earlier batches' are set aside ([Note:
-    gradients across Lightning's zero_grad])."""
+    gradients across Lightning's zero_grad]). ``keep_outputs``: the last stage keeps its outputs ([Note: a training
+    step's outputs] in step_outputs.py), each under its place in the batch (so torch cuts the row indices)."""
     hints, m = engine.hints, engine.plan.microbatches
     args, target, mbs = _split(engine, module, batch)
     elements = float(target_elements(target) if mbs is None else target_count(mbs.targets))
     counted = [target] if mbs is None else mbs.targets  # what the module's loss_count(target) is asked about
-    structured = target if is_structured(target) and mbs is None else None
+    keep = keep_outputs and engine.has_last
+    structured = target if (is_structured(target) or keep) and mbs is None else None
     if structured is not None:  # torch cuts the row indices: [Note: structured targets]
         target = torch.arange(args[0].shape[0], device=engine.device)
     elif mbs is not None:  # torch cuts the micro-batch indices
@@ -194,7 +203,9 @@ def prepare(engine: StepEngine, module: Any, batch: Any) -> StepInputs:
         handoff.launch(overlap)
     engine.losses = MicrobatchLosses(mean_scale=1.0 / (m * hints.accumulate_grad_batches),
                                      sum_scale=1.0 / (hints.accumulate_grad_batches * n),
-                                     structured_target=structured, targets=None if mbs is None else mbs.targets)
+                                     structured_target=structured, targets=None if mbs is None else mbs.targets,
+                                     weights=row_weights(mbs) if mbs is not None else None)
+    engine.losses.outputs.begin(keep)
     return StepInputs(args=args if mbs is None else (), target=target, microbatches=mbs, elements=n, saved=saved,
                       overlap=overlap, aux=_aux_context(engine, module, counted, n))
 
@@ -204,27 +215,22 @@ def _split(engine: StepEngine, module: Any, batch: Any) -> tuple[tuple[Tensor, .
     module's own micro-batches if it cuts them ([Note: micro-batches of their own length]); their shapes planned."""
     inputs, target = module.split_batch(batch)
     args = input_args(inputs, engine.owner)
-    m = engine.plan.microbatches
-    mb_rows = check_rows(args[0].shape[0], m, engine.batch_idx)
-    target = check_target(target, m, engine.owner, rows=args[0].shape[0])
+    m, rows = engine.plan.microbatches, args[0].shape[0]
+    shapes = engine.shapes
+    why = why_ragged_cannot_run(rows, m, shapes.why_not if shapes.planner is None else None)
+    if why is not None:  # [Note: ragged batches] in ragged.py
+        raise refusal(f"batch_idx {engine.batch_idx}", rows, m, why)
+    if rows % m == 0:
+        target = check_target(target, m, engine.owner, rows=rows)
     mbs = explicit_microbatches(module, inputs, args, target, m, engine.owner)
+    if mbs is None and rows % m:
+        mbs = split_ragged(args, target, m, engine.owner)
     if mbs is None:
-        engine.shapes.use(signature("train", args, mb_rows, target), first_inputs(args, m), explicit=False)
+        engine.shapes.use(signature("train", args, rows // m, target), first_inputs(args, m), explicit=False)
     else:
         sig = signature("train", mbs.args[0], mbs.args[0][0].shape[0], mbs.targets[0])
         engine.shapes.use(sig, shapes_of(mbs.args), explicit=True)
     return args, target, mbs
-
-
-def check_rows(rows: int, m: int, batch_idx: int | None) -> int:
-    """A training batch's rows per micro-batch; a batch that does not split into ``m`` equal ones is refused."""
-    if rows % m != 0:
-        raise config_error(
-            "A training batch must split into equal micro-batches: its size must be divisible by the "
-            "micro-batch count (and training needs every batch to be full: use drop_last=True).",
-            f"batch size {rows} (batch_idx {batch_idx}), microbatches={m}", "batch_size",
-            f"the batch size to a multiple of {m}", also=("microbatches",))
-    return rows // m
 
 
 def _aux_context(engine: StepEngine, module: Any, counted: list[Any], n: float | Tensor) -> AuxLossContext:
@@ -273,10 +279,14 @@ def schedule_loss(engine: StepEngine, output: Any, target: Any) -> Tensor:
     if engine.phase != "train":
         return torch.zeros((), device=engine.device)
     losses = engine.losses
+    position, weight = 0, 1.0  # its place in the batch (kept outputs), its weight in a mean ([Note: ragged batches])
     if losses.structured_target is not None:  # target: this micro-batch's row indices ([Note: structured targets])
+        position = int(target[0]) if losses.outputs.keeping else 0
         target = select_rows(losses.structured_target, target)
     elif losses.targets is not None:  # target: this micro-batch's index ([Note: micro-batches of their own length])
-        target = losses.targets[int(target.reshape(-1)[0])]
+        position = int(target.reshape(-1)[0])
+        weight = losses.weights[position] if losses.weights is not None else 1.0
+        target = losses.targets[position]
     loss_fn, stream = engine.module.loss_fn, engine.streams.loss  # stream: None where the held one is in force
     try:
         value = loss_fn(output, target) if stream is None else stream.run(loss_fn, output, target)
@@ -288,10 +298,12 @@ def schedule_loss(engine: StepEngine, output: Any, target: Any) -> Tensor:
     parts = loss_parts(value, engine.owner)
     if not engine.inferring:  # torch's shape inference calls the loss too: not one of the step's micro-batches
         losses.records.append(parts.detached())
+        losses.record_weights.append(weight)
+        losses.outputs.add(position, output)
     if engine.per_microbatch_updates:  # each update takes its own micro-batch's mean loss (schedules/pipedream/)
         scaled = parts.value if parts.count is None else parts.value / parts.count.clamp_min(1)
-    else:  # [Note: loss scaling]; a (sum, count) pair: [Note: token-weighted loss]
-        scaled = parts.value * (losses.mean_scale if parts.count is None else losses.sum_scale)
+    else:  # [Note: loss scaling]; a (sum, count) pair: [Note: token-weighted loss]; [Note: ragged batches]
+        scaled = parts.value * (losses.mean_scale * weight if parts.count is None else losses.sum_scale)
     return engine.loss_scaler(scaled) if engine.loss_scaler is not None else scaled
 
 
@@ -369,8 +381,10 @@ def _packed_loss(engine: StepEngine) -> Tensor:
             f"{engine.owner}.loss_fn must return the same kind of loss for every micro-batch (a mean, or a "
             f"(sum, count) pair); got {['mean' if r.count is None else 'pair' for r in records]} for {m}.")
     engine.loss_kind.check(records, engine.owner)
-    if records[0].count is None:
-        packed[0], packed[1] = torch.stack([r.value.float() for r in records]).mean(), -1.0
+    if records[0].count is None:  # the weights: 1.0 each but for a ragged batch ([Note: ragged batches])
+        weights = engine.losses.record_weights
+        packed[0] = torch.stack([r.value.float() * w for r, w in zip(records, weights)]).mean()
+        packed[1] = -1.0
     else:
         packed[0] = torch.stack([r.value.double() for r in records]).sum()
         packed[1] = torch.stack([r.count for r in records]).sum()  # type: ignore[misc]

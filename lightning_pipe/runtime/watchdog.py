@@ -45,57 +45,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_pipe.runtime.failure_text import consequence_note, describe_failure, is_peer_connection_error
 from lightning_pipe.runtime.heartbeat import Heartbeat
 from lightning_pipe.runtime.signals import SignalPipe
 
 FAILURE_KEY = "first_failure"
 SEEN_KEY = "failure_seen"
 """Counts the ranks whose watch has read the first failure."""
-_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",
-              "remote process exited", "ncclremoteerror", "nccl communicator was aborted", "socket closed")
-"""How gloo and NCCL word "a peer went away" (lower case)."""
 _ACTIVE: FailureWatch | None = None
 """The watch running in this process (one trainer run at a time), for :func:`report_now`."""
 RECONNECT_EVERY_S = 3.0
 """Seconds between two attempts to replace a failed store connection."""
-MAX_MESSAGE = 2000
-"""Characters of an error message kept in the store (tracebacks stay in the failing rank's own output)."""
-
-
-def describe_failure(rank: int, error: BaseException) -> str:
-    """``"rank 1: ValueError: <message>"`` on one line: what peers print when they stop because of this error.
-
-    Torch's pipeline stage re-raises a layer's error as ``RuntimeError("[Stage 1] failed to run forward ...")``
-    from the original: the innermost cause is named first, the wrapper after it."""
-    chain = [error]
-    while chain[-1].__cause__ is not None and len(chain) < 10:
-        chain.append(chain[-1].__cause__)
-    parts = [f"{type(e).__name__}: {' '.join(str(e).split()) or '(no message)'}" for e in reversed(chain)]
-    text = parts[0] + "".join(f" (raised inside {part})" for part in parts[1:])
-    if len(text) > MAX_MESSAGE:
-        text = text[:MAX_MESSAGE] + " ..."
-    return f"rank {rank}: {text}"
-
-
-def is_peer_connection_error(error: BaseException) -> bool:
-    """Whether ``error`` (or an exception it was raised from) says a peer process went away, rather than what
-    failed there."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if any(text in str(current).lower() for text in _PEER_LOST):
-            return True
-        current = current.__cause__ or current.__context__
-    return False
-
-
-def consequence_note(rank: int, cause: str) -> str:
-    """What a rank adds to its lost-connection error: the first failure of the run, which is the real cause."""
-    return (f"lightning_pipe: rank {rank} lost its connection because another rank failed first: {cause}\n"
-            "lightning_pipe: (that rank's traceback is in its own output; the error above is only the consequence).")
-
-
 def any_rank(flags: Sequence[bool], device: torch.device, group: Any | None = None) -> list[bool]:
     """For each flag, whether it is set on any rank of ``group`` (one MAX all-reduce; every rank must call it at
     the same point of its program, like any collective)."""
@@ -150,6 +110,9 @@ class FailureWatch:
         self._guard_thread: threading.Thread | None = None
         self._deadline: tuple[float, str, int] | None = None
         self._exit = os._exit  # replaced in unit tests
+        self.checks: list[Callable[[], str | None]] = []
+        """Polled with the store: one that returns a message reports it as this rank's failure and ends the process
+        (e.g. a rank stuck in a step no peer will join: [Note: every rank saves] in lightning/same_call.py)."""
 
     # ------------------------------------------------------------------ control
     def start(self) -> FailureWatch:
@@ -182,6 +145,9 @@ class FailureWatch:
                 self.heartbeat.finish(self.store)
             except Exception:
                 pass
+        self.on_signal = self.on_lost = None  # they hold the run's objects (and this watch: a reference cycle)
+        if self._reconnect is not None:  # the watch's own connection: closed now, not whenever a collection runs
+            self.store, self.store_gone = None, True
 
     @property
     def running(self) -> bool:
@@ -271,6 +237,12 @@ class FailureWatch:
             except Exception:
                 self._lost_store()  # its process ended, or its host is out of reach (see the notes)
                 continue
+            stuck = next((m for m in (check() for check in self.checks) if m is not None), None)
+            if stuck is not None:
+                self.report(stuck)
+                self.wait_seen()  # peers read it before this process ends (a launcher may end them when it does)
+                self.terminate(stuck, 1)
+                return
             if self.seen is None or self.failed_here:
                 continue
             if peer_failed_at is None:

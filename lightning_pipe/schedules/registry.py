@@ -41,7 +41,7 @@ def _bubble_zero(p: int, v: int, m: int) -> float:
 
 def _order_gpipe(plan: SchedulePlan) -> dict[int, list[Any]]:
     m = plan.microbatches
-    return {r: [_compat.parse_action(f"{r}F{i}") for i in range(m)] + [_compat.parse_action(f"{r}B{i}") for i in range(m)]
+    return {r: [_compat.compute_action(r, "F", i) for i in range(m)] + [_compat.compute_action(r, "B", i) for i in range(m)]
             for r in range(plan.pipeline_size)}
 
 
@@ -53,13 +53,13 @@ def order_1f1b(plan: SchedulePlan) -> dict[int, list[Any]]:
     order = {}
     for r in range(p):
         warmup = min(m, p - r)
-        acts = [f"{r}F{i}" for i in range(warmup)]
+        acts = [(r, "F", i) for i in range(warmup)]
         f, b = warmup, 0
         while f < m:
-            acts += [f"{r}B{b}", f"{r}F{f}"]
+            acts += [(r, "B", b), (r, "F", f)]
             b, f = b + 1, f + 1
-        acts += [f"{r}B{i}" for i in range(b, m)]
-        order[r] = [_compat.parse_action(a) for a in acts]
+        acts += [(r, "B", i) for i in range(b, m)]
+        order[r] = [_compat.compute_action(*a) for a in acts]
     return order
 
 
@@ -177,9 +177,11 @@ def plan_schedule(config: PipelineConfig, pipeline_size: int) -> SchedulePlan:
     return plan
 
 
-def compute_order(plan: SchedulePlan) -> dict[int, list[Any]]:
+def compute_order(plan: SchedulePlan, lowered: bool = True) -> dict[int, list[Any]]:
     """The compute actions (F, B, I, W, OVERLAP_F_B; ``None`` = a planned idle step) each pipeline rank runs per
-    batch, as plain data: what torch's schedule computes for this plan, without a process group or a model."""
+    batch, as plain data: what torch's schedule computes for this plan, without a process group or a model.
+    ``lowered=False``: the same order without torch's lowering to sends / receives (fast at thousands of ranks x
+    micro-batches; the cluster planner's)."""
     if plan.actions is not None:
         order = {rank: list(actions) for rank, actions in enumerate(plan.actions)}
     elif plan.spec.order is not None:
@@ -187,7 +189,7 @@ def compute_order(plan: SchedulePlan) -> dict[int, list[Any]]:
     else:
         local = [plan.stages_of_rank(r) for r in range(plan.pipeline_size)]
         order = _compat.torch_pipeline_order(plan.spec.torch_class, plan.spec.multi_stage, plan.pipeline_size,
-                                             plan.num_stages, local, plan.microbatches)
+                                             plan.num_stages, local, plan.microbatches, lowered)
     return {rank: [a for a in actions if a is None or _compat.is_compute(a)] for rank, actions in order.items()}
 
 

@@ -9,6 +9,9 @@ Modes:
   (the global step at the start and at the end);
 * ``fail``: the layer of rank ``fail_rank`` raises at its forward call ``fail_at``; the script *catches* the error and
   sleeps 90 s, as a notebook or a script that handles errors would keep the process alive;
+* ``save_one_rank``: the DDP habit ``if trainer.is_global_zero: trainer.save_checkpoint(...)`` (issue 45): after
+  ``fit`` when ``then`` is ``"end"`` (the script ends there) or ``"test"`` (every rank goes on to ``trainer.test``),
+  or from a callback during ``fit`` (``then="in_fit"``); each rank writes ``error<rank>`` with what it raised;
 * ``crash``: rank ``fail_rank`` raises at ``fail_in`` (``"configure_optimizers"`` at setup, ``"save"``: its
   checkpoint write fails as on a read-only file system, ``"forward"``: its layer's forward call ``fail_at``) and its
   process *ends*, closing its sockets: the other rank's transfer fails with gloo's own error, to which it must add
@@ -102,6 +105,10 @@ def main(out: Path, mode: str, opts: dict[str, Any]) -> None:
     class Progress(Callback):
         def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
             (out / f"step{rank}").write_text(str(trainer.global_step))
+            if mode == "save_one_rank" and opts.get("then") == "in_fit" and trainer.global_step == 3:
+                if trainer.is_global_zero:
+                    (out / "saving").write_text("")
+                    trainer.save_checkpoint(out / "manual.ckpt")
 
         def on_train_start(self, trainer: Any, *args: Any) -> None:
             (out / f"start{rank}").write_text(str(trainer.global_step))
@@ -133,6 +140,9 @@ def main(out: Path, mode: str, opts: dict[str, Any]) -> None:
         trainer.fit(model, loader, loader, ckpt_path="last")  # Lightning finds ckpt/last.ckpt (a directory here)
         (out / f"resumed{rank}").write_text(str(trainer.global_step))
         return
+    if mode == "save_one_rank":
+        save_on_rank_zero_only(trainer, model, loader, out, rank, opts.get("then", "end"))
+        return
     try:
         trainer.fit(model, loader, loader)
     except Exception as err:
@@ -141,6 +151,21 @@ def main(out: Path, mode: str, opts: dict[str, Any]) -> None:
         print(f"rank {rank}: caught {type(err).__name__}: {err}; staying alive", flush=True)
         (out / f"caught{rank}").write_text(repr(err))
         time.sleep(90)
+
+
+def save_on_rank_zero_only(trainer: Any, model: Any, loader: Any, out: Path, rank: int, then: str) -> None:
+    """``save_one_rank``: what each rank raised goes to ``error<rank>`` (and is raised again: the exit code says)."""
+    try:
+        trainer.fit(model, loader, loader)
+        if trainer.is_global_zero:
+            (out / "saving").write_text("")
+            trainer.save_checkpoint(out / "manual.ckpt")
+        if then == "test":
+            trainer.test(model, loader)
+    except Exception as err:
+        (out / f"error{rank}").write_text(f"{type(err).__name__}: {err}")
+        raise
+    (out / f"done{rank}").write_text("")
 
 
 # ---------------------------------------------------------------------------------------------------- the harness

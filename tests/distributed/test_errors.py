@@ -14,8 +14,8 @@ pytestmark = [pytest.mark.distributed]
 @pytest.mark.timeout(300)
 def test_bad_input_fails_fast_on_every_rank(tmp_path):
     cases = [
-        # batch of 6 rows cannot split into 4 micro-batches
-        TrainingCase(batch=6, microbatches=4, steps=1, expect_error=True),
+        # a batch of 3 rows cannot fill 4 micro-batches (a batch of 6 trains unevenly: test_features.py)
+        TrainingCase(batch=3, microbatches=4, steps=1, expect_error=True),
         # the module keeps its layers under another attribute
         TrainingCase(model="no_layers", steps=1, expect_error=True),
         # explicit partition that does not sum to the 8 layers
@@ -26,18 +26,19 @@ def test_bad_input_fails_fast_on_every_rank(tmp_path):
         TrainingCase(steps=4, rank_limits={"limit_val_batches": [3, 1]}, expect_error=True),
         # StochasticWeightAveraging pairs a copy of the whole module with this rank's stages: refused at setup
         TrainingCase(steps=2, swa=True, expect_error=True),
-        # 190 samples in batches of 8: the last of the epoch has 6 rows, refused as training starts (not 23 steps
-        # in); a run that stops before it (max_steps) is left alone
-        TrainingCase(n_data=190, drop_last=False, steps=30, validate=False, expect_error=True),
-        TrainingCase(n_data=190, drop_last=False, steps=2, validate=False),
+        # 187 samples in batches of 8: the last of the epoch has 3 rows for 4 micro-batches, refused as training
+        # starts (not 23 steps in); a run that stops before it (max_steps) is left alone
+        TrainingCase(n_data=187, drop_last=False, steps=30, validate=False, expect_error=True),
+        TrainingCase(n_data=187, drop_last=False, steps=2, validate=False),
         # and afterwards a good run still works in the same processes, monitored by ModelCheckpoint
         TrainingCase(steps=4, monitor_dir=str(tmp_path / "ckpts")),
     ]
     results = launch("training", 2, cases, tmp_path, timeout=200)
     for rank_results in results:
         batch, no_layers, partition, uneven_train, uneven_val, swa, ragged, ragged_short, good = rank_results
-        assert not batch["ok"] and "batch size 6 (batch_idx 0), microbatches=4" in batch["error"]
-        assert "data.batch_size" in batch["error"] and "drop_last=True" in batch["error"]
+        assert not batch["ok"] and ("A training batch of 3 rows (batch_idx 0) does not divide into microbatches=4, "
+                                    "and 3 rows cannot fill 4 micro-batches") in batch["error"], batch
+        assert "DataLoader(drop_last=True)" in batch["error"]
         assert not no_layers["ok"] and "no attribute `layers`" in no_layers["error"]
         assert "strategy.layers_attr" in no_layers["error"]
         assert not partition["ok"] and "counts [3, 3] (sum 6) for 8 layers" in partition["error"]
@@ -49,7 +50,7 @@ def test_bad_input_fails_fast_on_every_rank(tmp_path):
                                          "batches") in uneven_val["error"], uneven_val
         assert not swa["ok"] and "StochasticWeightAveraging cannot run under PipelineStrategy" in swa["error"]
         assert not ragged["ok"], ragged
-        assert ("190 samples per rank in batches of 8: the last batch (batch_idx 23) has 6 rows, microbatches=4"
+        assert ("A training batch of 3 rows (the last of each epoch, batch_idx 23: 187 samples per rank in batches of 8"
                 in ragged["error"]) and "drop_last=True" in ragged["error"], ragged["error"]
         assert ragged_short["ok"] and len(ragged_short["losses"]) == 2
         assert good["ok"] and len(good["losses"]) == 4

@@ -13,8 +13,8 @@ import pytest
 from bench.common import REPO, Benchmark, benchmarks, interleave, kendall_tau, noise_floor, paired_ratio
 from bench.records import FIELDS, load, table
 
-EXPECTED = {"async_checkpoint", "breakdown", "bubble", "compile", "dp_overlap", "gpt2", "hostcost", "lost_host", "memory",
-            "offload", "overhead", "planner", "rebalance", "schedules", "sigterm", "varlen"}
+EXPECTED = {"async_checkpoint", "breakdown", "bubble", "cluster", "compile", "dp_overlap", "gpt2", "hostcost", "lost_host",
+            "memory", "offload", "overhead", "planner", "rebalance", "schedules", "sigterm", "varlen"}
 
 
 def test_the_registry_finds_every_benchmark_module() -> None:

@@ -102,13 +102,20 @@ def test_materialized_layers_keep_every_shared_parameter():
     assert not any(t.is_meta for t in model.parameters())
 
 
-def test_manual_optimization_is_refused_with_the_reason():
+def test_manual_optimization_is_refused_only_where_it_cannot_run():
+    from lightning_pipe.config import PipelineConfig, PipelineConfigError
+    from lightning_pipe.lightning.manual import check_manual_optimization
     from lightning_pipe.lightning.preflight import check_module
+    from lightning_pipe.schedules import plan_schedule
 
     model = ToyRegressor()
     model.automatic_optimization = False
-    with pytest.raises(TypeError, match=r"automatic optimization only.*automatic_optimization = True"):
-        check_module(model)
+    check_module(model)  # the contract holds: manual optimization runs (tests/distributed/test_features.py)
+    check_manual_optimization(model, plan_schedule(PipelineConfig(schedule="zbv"), 2), PipelineConfig())
+    with pytest.raises(PipelineConfigError, match=r"schedule='pipedream' has its own \(.*automatic optimization"):
+        check_manual_optimization(model, plan_schedule(PipelineConfig(schedule="pipedream"), 2), PipelineConfig())
+    with pytest.raises(PipelineConfigError, match=r"cannot rebalance.*rebalance_every_n_steps=None \(got 5\)"):
+        check_manual_optimization(model, plan_schedule(PipelineConfig(), 2), PipelineConfig(rebalance_every_n_steps=5))
 
 
 def test_module_without_the_contract_is_refused():

@@ -12,7 +12,9 @@ from typing import Any, Literal, NamedTuple, TypedDict
 
 from tests.distributed.scenarios import (
     checkpoint,
+    cluster_memory,
     expert_parallel,
+    features,
     frozen,
     fsdp,
     hardening,
@@ -36,7 +38,7 @@ from tests.distributed.scenarios.training import TrainingCase
 Case = (TrainingCase | CheckpointCase | TraceCase | hardening.HardeningCase | planner.SlowRankCase | hf.HFCase
         | rebalance.RebalanceCase | fsdp.FsdpCountCase | frozen.FrozenCase | recipe.RecipeCase | rng.RngCase
         | soak.SoakCase | soak.RefitCase | syncs.SyncCase | moe.AuxCase | moe.MoECase | expert_parallel.ExpertCase
-        | probe.ProbeCase)
+        | probe.ProbeCase | cluster_memory.ClusterMemoryCase | features.FeatureCase)
 
 
 class Scenario(NamedTuple):
@@ -75,6 +77,8 @@ SCENARIOS: dict[str, Scenario] = {
     # issue 25: test_expert_parallel.py
     "expert_parallel": Scenario(expert_parallel.ExpertCase, expert_parallel.run_expert_parallel),
     "probe": Scenario(probe.ProbeCase, probe.run_probe),  # test_launcher.py: a rank's state before any Trainer
+    "cluster_memory": Scenario(cluster_memory.ClusterMemoryCase, cluster_memory.run_cluster_memory),  # test_cluster_memory.py
+    "features": Scenario(features.FeatureCase, features.run_pipeline),  # test_features.py
 }
 
 __all__ = ["Case", "CheckpointCase", "Failure", "SCENARIOS", "Scenario", "TraceCase", "TrainingCase"]

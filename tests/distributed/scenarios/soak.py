@@ -95,7 +95,7 @@ def run_soak(case: SoakCase) -> SoakResult:
 @dataclass(frozen=True)
 class RefitCase:
     """Several fits in one process, each a fresh module and Trainer; the fit at ``fail_at`` ends in an exception on
-    every rank (a batch that cannot split into the micro-batches) ([Note: process groups are reused])."""
+    every rank (a batch with fewer rows than micro-batches) ([Note: process groups are reused])."""
 
     schedules: tuple[str, ...] = ("1f1b", "gpipe", "1f1b", "interleaved_1f1b", "1f1b")
     fail_at: int = 2
@@ -133,8 +133,8 @@ def run_refit(case: RefitCase) -> RefitResult:
                             num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=[seen])
         ok = True
         try:
-            trainer.fit(ToyRegressor(n_layers=8, tied=True), loader(regression_data(48), 6 if i == case.fail_at else 8))
-        except ValueError:  # PipelineConfigError: 6 rows do not split into 4 micro-batches, on every rank
+            trainer.fit(ToyRegressor(n_layers=8, tied=True), loader(regression_data(48), 3 if i == case.fail_at else 8))
+        except ValueError:  # PipelineConfigError: 3 rows cannot fill 4 micro-batches, on every rank
             ok = False
         gc.collect()
         fits.append(Fit(schedule=schedule, ok=ok, pipeline_group=seen.group, os_threads=_os_threads(),
