@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 
+from bench._planner_runs import vocab
+
 
 def analytic_profiles(args: argparse.Namespace, world: int, latency: float, bandwidth: float, raw, overhead: float,
                       sizes: list[int]):
@@ -18,8 +20,7 @@ def analytic_profiles(args: argparse.Namespace, world: int, latency: float, band
 
     machine = [measure_machine(world, latency, bandwidth)]
     dist.broadcast_object_list(machine, src=0)
-    vocab = 256 if args.model == "gpt" else 256 * args.heavy
-    model = ModelSpec(layers=args.layers, hidden=args.width, heads=4, seq=args.seq, vocab=vocab)
+    model = ModelSpec(layers=args.layers, hidden=args.width, heads=args.heads, seq=args.seq, vocab=vocab(args))
     alone = analytic_profile(model, machine[0], sizes)
     host = analytic_profile(model, machine[0], sizes)
     host.step_overhead, host.microbatch_overhead, host.action_overhead = (raw.step_overhead, raw.microbatch_overhead,

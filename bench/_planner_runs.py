@@ -10,19 +10,29 @@ import statistics
 
 from bench.common import gather, gpt, residual_mlp, step_clock, trainer
 
+REAL_SIZE = {"layers": 12, "width": 768, "heads": 12, "seq": 256}
+"""The ``gpt2`` model's shapes: GPT-2 small's blocks, the byte vocabulary (bench/gpt2.py)."""
+
+
+def model_args(args: argparse.Namespace, model: str) -> argparse.Namespace:
+    """The settings of one model of the grid: ``gpt2`` takes GPT-2 small's shapes and ``--real-batch``."""
+    shapes = {**REAL_SIZE, "batch": args.real_batch} if model == "gpt2" else {}
+    return argparse.Namespace(**{**vars(args), "model": model, **shapes})
+
 
 def gpt_model(args: argparse.Namespace):
-    return gpt(n_layer=args.layers, n_embd=args.width, block_size=args.seq, vocab_size=_vocab(args))
+    return gpt(n_layer=args.layers, n_embd=args.width, block_size=args.seq, vocab_size=vocab(args),
+               n_head=args.heads)
 
 
-def _vocab(args: argparse.Namespace) -> int:
-    return 256 if args.model == "gpt" else 256 * args.heavy
+def vocab(args: argparse.Namespace) -> int:
+    return 256 * args.heavy if args.model == "unbalanced" else 256
 
 
 def token_rows(args: argparse.Namespace, rows: int):
     import torch
 
-    return torch.randint(0, _vocab(args), (rows, args.seq + 1), generator=torch.Generator().manual_seed(0))
+    return torch.randint(0, vocab(args), (rows, args.seq + 1), generator=torch.Generator().manual_seed(0))
 
 
 def measure(args: argparse.Namespace, schedule: str, v: int, m: int, counts: tuple[int, ...],

@@ -115,16 +115,19 @@ def environment() -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------------- rank processes
-def run_ranks(name: str, nproc: int, args: argparse.Namespace, timeout: float = 1800) -> Any:
+def run_ranks(name: str, nproc: int, args: argparse.Namespace, timeout: float = 1800,
+              wrap: Sequence[str] = (), env: dict[str, str] | None = None) -> Any:
     """Run benchmark ``name``'s worker on ``nproc`` local CPU ranks (torchrun, one thread per rank) with ``args``;
-    return what rank 0 wrote to ``args.out`` (JSON). A failure keeps every rank's output in a log file it names."""
+    return what rank 0 wrote to ``args.out`` (JSON). A failure keeps every rank's output in a log file it names.
+    ``wrap``: a command each rank's Python runs under (e.g. valgrind), ``env``: more environment for the ranks."""
     with tempfile.TemporaryDirectory() as tmp:
         settings, out = Path(tmp) / "args.json", Path(tmp) / "result.json"
         settings.write_text(json.dumps({**vars(args), "out": str(out)}))
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-               "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+               "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env or {})}
+        python = ["--no-python", *wrap, sys.executable] if wrap else []
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-               "-m", "bench", "--worker", name, str(settings)]
+               *python, "-m", "bench", "--worker", name, str(settings)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
         if proc.returncode != 0:
             # the whole output kept: a rank's native abort message is often far above the last lines
@@ -201,6 +204,28 @@ def noise_floor(samples: Sequence[float]) -> float:
     if not even or not odd:
         return float("nan")
     return abs(statistics.median(even) / statistics.median(odd) - 1)
+
+
+def kendall_tau(a: Sequence[float], b: Sequence[float]) -> float:
+    """Kendall's rank correlation (tau-b, ties allowed) of two paired sequences: 1 when they order every pair alike,
+    -1 when every pair is reversed, near 0 when the orders are unrelated."""
+    concordant = discordant = ties_a = ties_b = 0
+    for i in range(len(a)):
+        for j in range(i + 1, len(a)):
+            x, y = a[i] - a[j], b[i] - b[j]
+            if x == 0 and y == 0:
+                continue
+            if x == 0:
+                ties_a += 1
+            elif y == 0:
+                ties_b += 1
+            elif (x > 0) == (y > 0):
+                concordant += 1
+            else:
+                discordant += 1
+    pairs = concordant + discordant
+    denominator = ((pairs + ties_a) * (pairs + ties_b)) ** 0.5
+    return (concordant - discordant) / denominator if denominator else float("nan")
 
 
 def least_disturbed(samples: Sequence[float]) -> float:

@@ -18,7 +18,12 @@ Figures: ``overhead_ratio`` (strategy / hand-written), ``lightning_floor_ratio_<
 against the hand-written steps of its own rounds), ``strategy_over_floor_<kind>``, and ``noise_floor`` (the
 hand-written steps of the strategy's rounds disagreeing with themselves: ratios closer to 1 are not resolved).
 
+``--instructions`` counts instead of timing: the instructions per training step of the three loops, every rank
+under valgrind's callgrind (bench/_overhead_counts.py); figures ``instructions_overhead_ratio`` (strategy /
+hand-written) and ``instructions_over_floor`` (strategy / the floor), the same on any machine at any load.
+
     python -m bench overhead [--steps 30] [--rounds 3] [--schedule 1f1b] [--microbatches 4] [--floor auto]
+    python -m bench overhead --instructions [--count-steps 3] [--warmup 5]
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from bench import _overhead_counts
 from bench.common import (
     Benchmark,
     Outcome,
@@ -225,6 +231,9 @@ def paired(args: argparse.Namespace, floor: str | None = None) -> tuple[list[flo
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
+    if args.instructions:
+        return _overhead_counts.worker(args, HandWritten, _floor_module, _trainer, _model, _data)
+
     floors = {"both": ["auto", "manual"], "none": []}.get(args.floor, [args.floor])
     results: dict[str, list[float]] = {"hand": [], "lightning": []}
     for kind in floors:
@@ -259,9 +268,15 @@ def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--floor", default="auto", choices=["auto", "manual", "both", "none"],
                    help="the Lightning floor's rounds: automatic optimization (the strategy's path), manual, both, none")
+    p.add_argument("--instructions", action="store_true", help="count instructions per step with callgrind instead")
+    p.add_argument("--count-steps", type=int, default=2, help="--instructions: steps in each of the two windows")
+    p.add_argument("--native-kernels", action="store_true",
+                   help="--instructions: MKL's kernels for this CPU (AVX2: ~25x slower under valgrind) instead of SSE4.2")
 
 
 def run(args: argparse.Namespace) -> Outcome:
+    if args.instructions:
+        return _overhead_counts.count(args)
     times = run_ranks("overhead", 2, args)
     hand, light = statistics.median(times["hand"]), statistics.median(times["lightning"])
     lines = ["| path | median step (ms) | steps timed |", "|---|---|---|",

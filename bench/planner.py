@@ -42,7 +42,6 @@ import argparse
 import json
 import logging
 import os
-import random
 import statistics
 import time
 from pathlib import Path
@@ -53,12 +52,14 @@ from bench._planner_runs import (
     fit_calibration,
     gpt_model,
     measure,
+    model_args,
     probe_layouts,
     replay_measured,
     step_costs,
     token_rows,
+    vocab,
 )
-from bench.common import Benchmark, Outcome, gather, run_ranks, with_args, write_result
+from bench.common import Benchmark, Outcome, gather, kendall_tau, run_ranks, write_result
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2)]
 
@@ -134,9 +135,8 @@ def worker(args: argparse.Namespace) -> None:
     timelines: dict[str, list[tuple[list[float], list]]] = {}  # per round: (full steps, records) for replay_measured
     dumped: dict[str, list] = {}
     for rnd in range(args.rounds):
-        order = list(grid)
-        random.Random(rnd).shuffle(order)  # the same order on every rank
-        for pp, s, v, m, c in order:
+        # interleaved rounds (bench.common.interleave's order): a drift of the machine falls on every layout alike
+        for pp, s, v, m, c in (grid if rnd % 2 == 0 else grid[::-1]):
             key = json.dumps([pp, s, v, m, list(c)])
             out = measure(args, s, v, m, c, world // pp)
             measured.setdefault(key, []).append(out[:2])
@@ -198,12 +198,11 @@ def worker(args: argparse.Namespace) -> None:
             "pick_pred": result.best[1].step_time})
 
 
-def _report(args: argparse.Namespace, model: str, ranks: int, res: dict,
-            say: list[str]) -> tuple[float, ...]:
+def _report(args: argparse.Namespace, model: str, ranks: int, res: dict, say: list[str]) -> dict[str, float]:
     rows = res["rows"]
     speeds = [round(s, 2) for s in res["speeds"]]
-    vocab = 256 if model == "gpt" else 256 * args.heavy
-    say.append(f"\n### {model}: GPT {args.layers} blocks, width {args.width}, vocab {vocab}, seq {args.seq}, batch "
+    say.append(f"\n### {model}: GPT {args.layers} blocks, width {args.width}, {args.heads} heads, vocab {vocab(args)}, "
+          f"seq {args.seq}, batch "
           f"{args.batch}; {ranks} CPU ranks x 1 thread\nprofiled in {res['profile_s']:.1f} s (rank speeds {speeds}, "
           f"link {res['link'][0] * 1e6:.0f} us + {res['link'][1] / 1e9:.2f} GB/s, "
           f"{res['overhead'] * 1e3:.2f} ms per action on torch's bare stages, the strategy's on one tiny layer "
@@ -264,11 +263,16 @@ def _report(args: argparse.Namespace, model: str, ranks: int, res: dict,
                f"analytic against the measured layer profile (the same host costs): "
                f"{min(r['pred_analytic_host'] / r['pred_raw'] for r in rows):.2f}x to "
                f"{max(r['pred_analytic_host'] / r['pred_raw'] for r in rows):.2f}x its prediction")
-    say.append(f"pick_vs_best={pick['meas'] / best:.3f} prediction_error_max={error:.3f} (profile only {raw_error:.3f}) "
-          f"schedule_prediction_error_max={sched_error:.3f} round_to_round_spread_max={spread:.2f} "
-          f"floor_spread_max={floor:.2f}")
-    return (pick["meas"] / best, error, sched_error, raw_error, spread, floor, structure, at_grid,
-            max(map(abs, an)), max(map(abs, an_host)))
+    # the planner's use: choosing. Does it order the layouts as measurement does (Kendall's tau over the grid)?
+    tau = kendall_tau([r["pred"] for r in rows], [r["meas"] for r in rows])
+    tau_raw = kendall_tau([r["pred_raw"] for r in rows], [r["meas"] for r in rows])
+    say.append(f"rank_correlation={tau:.3f} (profile only {tau_raw:.3f}) pick_vs_best={pick['meas'] / best:.3f} "
+               f"prediction_error_max={error:.3f} (profile only {raw_error:.3f}; the machine's drift during the run "
+               f"x{res['drift']:.2f}) schedule_prediction_error_max={sched_error:.3f} "
+               f"round_to_round_spread_max={spread:.2f} floor_spread_max={floor:.2f}")
+    return {"pick": pick["meas"] / best, "error": error, "sched_error": sched_error, "raw_error": raw_error,
+            "spread": spread, "floor": floor, "structure": structure, "at_grid": at_grid, "tau": tau,
+            "drift": abs(res["drift"] - 1), "analytic": max(map(abs, an)), "analytic_host": max(map(abs, an_host))}
 
 
 def arguments(p: argparse.ArgumentParser) -> None:
@@ -278,6 +282,8 @@ def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heavy", type=int, default=16, help="unbalanced: vocabulary = 256 x this")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--real-batch", type=int, default=8, help="gpt2: sequences per step")
     p.add_argument("--microbatches", default="4,8")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
@@ -296,28 +302,36 @@ def run(args: argparse.Namespace) -> Outcome:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     t0 = time.perf_counter()
     say = [f"load before: {os.getloadavg()[0]:.2f}"]
-    results = []
+    grids: dict[str, dict[str, float]] = {}
     for item in args.configs.split(","):
         model, ranks = item.split(":")
-        results.append(_report(args, model, int(ranks), run_ranks("planner", int(ranks), with_args(args, model=model)),
-                               say))
+        settings = model_args(args, model)
+        grids[f"{model}_{ranks}"] = _report(settings, model, int(ranks), run_ranks("planner", int(ranks), settings),
+                                           say)
     say.append(f"\n(total bench time {time.perf_counter() - t0:.0f} s, load average after {os.getloadavg()[0]:.2f})")
+    worst = {key: max(g[key] for g in grids.values()) for key in next(iter(grids.values()))}
     return Outcome("\n".join(say), {
         # the same layout measured in two rounds differed by this factor: the floor of any error measured here
-        "round_to_round_spread_max": max(r[4] for r in results),
+        "round_to_round_spread_max": worst["spread"],
         # the two quietest rounds of one layout differed by this factor: how well its floor is pinned down
-        "floor_spread_max": max(r[5] for r in results),
-        "schedule_prediction_error_max": max(r[2] for r in results),
+        "floor_spread_max": worst["floor"],
+        "schedule_prediction_error_max": worst["sched_error"],
         # the schedule replayed from its own measured actions: what the model's structure alone gets wrong
-        "structure_error_max": max(r[6] for r in results),
+        "structure_error_max": worst["structure"],
         # the cost model with its calibration measured in the grid's own rounds: the error without the machine's drift
-        "prediction_error_max_grid_calibrated": max(r[7] for r in results),
-        "prediction_error_max_profile_only": max(r[3] for r in results),
-        "planner_pick_vs_best": max(r[0] for r in results),
-        "prediction_error_max": max(r[1] for r in results),
+        "prediction_error_max_grid_calibrated": worst["at_grid"],
+        "prediction_error_max_profile_only": worst["raw_error"],
+        "planner_pick_vs_best": worst["pick"],
+        "prediction_error_max": worst["error"],
+        # the probe layouts' speed in the grid's rounds against their calibration runs: |x - 1|, the worst grid
+        "drift_max": worst["drift"],
         # the cluster planner's analytic costs for this machine (alone; with the runtime's measured host costs)
-        "analytic_prediction_error_max": max(r[8] for r in results),
-        "analytic_host_prediction_error_max": max(r[9] for r in results)})
+        "analytic_prediction_error_max": worst["analytic"],
+        "analytic_host_prediction_error_max": worst["analytic_host"],
+        # Kendall's tau between predicted and measured step times over each grid: the worst grid, then each
+        "rank_correlation": min(g["tau"] for g in grids.values()),
+        **{f"rank_correlation_{name}": g["tau"] for name, g in grids.items()},
+        **{f"pick_vs_best_{name}": g["pick"] for name, g in grids.items()}})
 
 
 BENCHMARK = Benchmark(

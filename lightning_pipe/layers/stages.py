@@ -92,22 +92,25 @@ def run_layers(layers: nn.Module | list[nn.Module], inputs: Any, indices: Sequen
     chain: list[nn.Module] = layers if isinstance(layers, list) else list(layers)  # type: ignore[call-overload]
     run: Sequence[Callable[..., Any]] = chain if calls is None else calls
     indices = range(len(chain)) if indices is None else indices
-    special = (recompute_every is not None or bool(offload)) and torch.is_grad_enabled()
+    special = (recompute_every is not None or (offload is not None and bool(offload))) and torch.is_grad_enabled()
     hidden = inputs
     # Per layer per micro-batch: what runs here is the loop's whole cost next to a bare `for layer: h = layer(h)`.
     # A plain tensor (exactly torch.Tensor: no DTensor, no other subclass) always passes the check, so the common
-    # case costs one type() per layer; each value is checked once, as the next layer's input (the last as the
-    # chain's output), and a message is only formatted for a value that needs the full check.
+    # case costs one type() per layer and a direct call; each value is checked once, as the next layer's input (the
+    # last as the chain's output), and a message is only formatted for a value that needs the full check.
     for j, call in enumerate(run):
-        if type(hidden) is torch.Tensor:
-            args = (hidden,)
-        else:
+        plain = type(hidden) is torch.Tensor
+        if not plain:
             check_layer_io(hidden, _producer(j, chain, indices))
-            args = layer_args(hidden)
         try:
-            hidden = call(*args) if not special else _run_special(call, chain[j], j, indices[j], args, recompute_every,
-                                                                  offload, offload_stats)
+            if plain and not special:
+                hidden = call(hidden)
+            else:
+                args = (hidden,) if plain else layer_args(hidden)
+                hidden = call(*args) if not special else _run_special(call, chain[j], j, indices[j], args,
+                                                                      recompute_every, offload, offload_stats)
         except IndexError as err:  # an embedding given a token id out of range: [Note: token ids out of range]
+            args = (hidden,) if plain else layer_args(hidden)  # (hidden is still this layer's input)
             explained = explain_index_error(chain[j], indices[j], args) if not isinstance(err, TokenIdError) else None
             if explained is None:
                 raise
@@ -194,6 +197,7 @@ class StageModule(nn.Module):
         self.layer_indices = layer_indices
         self.recompute_every = recompute_every
         self.offload = offload or LayerChoice()
+        self._offloading = bool(self.offload)
         self.offload_stats = OffloadStats()
         """Host bytes this stage's offloaded layers hold (bench/memory.py reads them)."""
         self.compiled = CompiledLayers(compile_options)
@@ -206,9 +210,10 @@ class StageModule(nn.Module):
         return self.compiled.eager()
 
     def forward(self, *args: Any) -> Any:
-        layers = list(self.layers)
+        # per micro-batch: self.layers would go through nn.Module.__getattr__, bool(self.offload) through a method
+        layers = list(self._modules["layers"])  # type: ignore[call-overload]  # the ModuleList of __init__
         out = run_layers(layers, args[0] if len(args) == 1 else args, self.layer_indices, self.recompute_every,
-                         self.offload, self.offload_stats, self.compiled.calls(layers))
+                         self.offload if self._offloading else None, self.offload_stats, self.compiled.calls(layers))
         return attach_layer_penalty(out, layers, self.layer_indices, self.penalty)
 
 

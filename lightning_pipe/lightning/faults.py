@@ -116,23 +116,21 @@ class PipelineSignalConnector(_compat.SignalConnector):
         return state
 
 
-class _RequeueAtBatchEnd(Callback):
-    """Runs an agreed SLURM requeue after the optimizer step ([Note: SIGTERM at a step boundary]): the training
-    step itself runs before it, so a checkpoint saved there would hold the parameters of the step before."""
+class _FaultHooks(Callback):
+    """The fault handling's two places in Lightning's callback order, first among the callbacks (one callback:
+    Lightning calls every hook of every callback on every batch, overridden or not):
+
+    * ``on_train_batch_end``: an agreed SLURM requeue runs after the optimizer step ([Note: SIGTERM at a step
+      boundary]): the training step itself runs before it, so a checkpoint saved there would hold the parameters of
+      the step before;
+    * ``on_exception``: a failure is reported before the checkpoint callbacks' ``on_exception`` (Lightning runs
+      checkpoint callbacks last): their save is collective and would otherwise wait on peers that do not know yet."""
 
     def __init__(self, faults: PipelineFaults) -> None:
         self.faults = faults
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.faults.requeue_if_due()
-
-
-class _FailureReporter(Callback):
-    """Reports a failure before the checkpoint callbacks' ``on_exception`` (Lightning runs checkpoint callbacks
-    last): their save is collective and would otherwise wait on peers that do not know yet."""
-
-    def __init__(self, faults: PipelineFaults) -> None:
-        self.faults = faults
 
     def on_exception(self, trainer: Trainer, pl_module: Any, exception: BaseException) -> None:
         self.faults.report(exception)
@@ -149,11 +147,10 @@ class PipelineFaults:
         self.stopping = False  # every rank agreed to stop on SIGTERM
         self.requeue_pending = False  # SLURM's requeue signal (SIGUSR1), recorded by the handler
         self._requeued = False
-        self._requeue_due = False  # agreed in training: runs at the end of the batch (_RequeueAtBatchEnd)
+        self._requeue_due = False  # agreed in training: runs at the end of the batch (_FaultHooks)
         self.failed = False
-        self._reporter = _FailureReporter(self)
         self.heartbeat = getattr(watch, "heartbeat", None)  # [Note: heartbeats]; None: no liveness watch
-        self._requeue_hook = _RequeueAtBatchEnd(self)
+        self._hooks = _FaultHooks(self)
         self._undo_skip: Any = None
 
     @classmethod
@@ -174,8 +171,7 @@ class PipelineFaults:
             connector.faults = faults
         else:
             _compat.set_signal_connector(trainer, PipelineSignalConnector(trainer, faults))
-        trainer.callbacks.insert(0, faults._reporter)
-        trainer.callbacks.insert(0, faults._requeue_hook)
+        trainer.callbacks.insert(0, faults._hooks)
         # Lightning's own per-step SIGTERM broadcast: redundant under this agreement ([Note: SIGTERM at a step
         # boundary]); one collective less per step.
         faults._undo_skip = _compat.skip_sigterm_broadcast(trainer)
@@ -300,9 +296,8 @@ class PipelineFaults:
     def stop(self) -> None:
         """Strategy.teardown. After a normal end (or an agreed stop) every rank stops polling before any may exit:
         the store lives in rank 0's process, and a peer still polling it would log a failed connection."""
-        for hook in (self._reporter, self._requeue_hook):
-            if hook in self.trainer.callbacks:
-                self.trainer.callbacks.remove(hook)
+        if self._hooks in self.trainer.callbacks:
+            self.trainer.callbacks.remove(self._hooks)
         if self._undo_skip is not None:
             self._undo_skip()
         if not self.failed:

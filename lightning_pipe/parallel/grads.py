@@ -138,7 +138,16 @@ class GradientSync:
         """The agreement's extra payload (float64) holding this batch's fresh tied gradients (``fresh``: by
         ``id(param)``, one for every tied parameter), in :attr:`ties` order; :meth:`unfold` reads its sum back."""
         self._folded = [(id(param), fresh[id(param)]) for param, _ in self.ties]
-        return torch.cat([grad.reshape(-1).double() for _, grad in self._folded])
+        # one float64 buffer, each gradient widened straight into its slice: one copy per gradient, where
+        # torch.cat of .double() views would widen each into a temporary and copy that again
+        payload = torch.empty(sum(grad.numel() for _, grad in self._folded), dtype=torch.float64,
+                              device=self._folded[0][1].device)
+        offset = 0
+        for _, grad in self._folded:
+            n = grad.numel()
+            payload[offset:offset + n].copy_(grad.reshape(-1))
+            offset += n
+        return payload
 
     def unfold(self, summed: Tensor) -> None:
         """Each fresh tied gradient of :meth:`fold_payload` becomes its slice of the world's sum (then reported by

@@ -33,19 +33,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from lightning_pipe._compat import torch as _compat
 
-_TAG = "_lightning_pipe_wire"  # the attribute a tagged torch P2POp carries
+_TAG = "_lightning_pipe_wire"  # the attribute a tagged torch P2POp carries (set as op._lightning_pipe_wire)
 
 
-@dataclass(frozen=True)
-class WireTag:
-    """Where one P2P op comes from."""
+class WireTag(NamedTuple):
+    """Where one P2P op comes from (a tuple: one is made per op, every micro-batch)."""
 
     stage: int
     microbatch: int
@@ -88,23 +86,25 @@ def tag_sends(ops: list[Any], stage: int, microbatch: int, kind: str, positions:
     for i, op in enumerate(ops):
         if not op.tensor.is_contiguous():
             op.tensor = op.tensor.contiguous()
-        setattr(op, _TAG, WireTag(stage, microbatch, kind, positions[i] if matched else None,
-                                  peers[i] if matched else None))
+        op._lightning_pipe_wire = WireTag(stage, microbatch, kind, positions[i] if matched else None,
+                                          peers[i] if matched else None)
 
 
 def tag_receives(ops: list[Any], infos: Any, stage: int, microbatch: int, kind: str) -> None:
     """Tag receive ops and give a non-contiguous receive buffer a contiguous replacement, in the receive info torch
     reads the received tensor from ([Note: contiguous on the wire])."""
     for op in ops:
-        position, info = next(((i, info) for i, info in enumerate(infos or ())
-                               if getattr(info, "buffer", None) is op.tensor), (None, None))
-        if info is not None and not op.tensor.is_contiguous():
+        tensor, position, info = op.tensor, None, None
+        for i, candidate in enumerate(infos or ()):
+            if getattr(candidate, "buffer", None) is tensor:
+                position, info = i, candidate
+                break
+        if info is not None and not tensor.is_contiguous():
             # (a buffer not found in the infos stays: torch's own error, named by P2PError, beats a receive into a
             # buffer torch never reads)
-            old = op.tensor
-            fresh = torch.empty(old.shape, dtype=old.dtype, device=old.device).requires_grad_(old.requires_grad)
-            op.tensor = info.buffer = fresh
-        setattr(op, _TAG, WireTag(stage, microbatch, kind, position, getattr(info, "source", None)))
+            fresh = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+            op.tensor = info.buffer = fresh.requires_grad_(tensor.requires_grad)
+        op._lightning_pipe_wire = WireTag(stage, microbatch, kind, position, getattr(info, "source", None))
 
 
 def own_outputs(module: torch.nn.Module, args: Any, output: Any) -> Any:

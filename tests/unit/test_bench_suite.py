@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.common import REPO, Benchmark, benchmarks, interleave, noise_floor, paired_ratio
+from bench.common import REPO, Benchmark, benchmarks, interleave, kendall_tau, noise_floor, paired_ratio
 from bench.records import FIELDS, load, table
 
-EXPECTED = {"async_checkpoint", "breakdown", "bubble", "cluster", "compile", "dp_overlap", "hostcost", "lost_host",
+EXPECTED = {"async_checkpoint", "breakdown", "bubble", "cluster", "compile", "dp_overlap", "gpt2", "hostcost", "lost_host",
             "memory", "offload", "overhead", "planner", "rebalance", "schedules", "sigterm", "varlen"}
 
 
@@ -76,3 +76,10 @@ def test_noise_floor_and_paired_ratio() -> None:
     assert noise_floor([1.0, 1.0, 1.0, 1.0]) == 0.0
     assert noise_floor([1.0, 1.1, 1.0, 1.1]) == pytest.approx(1 - 1 / 1.1)
     assert paired_ratio([2.0, 3.0, 4.0], [1.0, 3.0, 2.0]) == 2.0
+
+
+def test_kendall_tau_counts_concordant_and_discordant_pairs() -> None:
+    assert kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
+    assert kendall_tau([1, 2, 3, 4], [4, 3, 2, 1]) == -1.0
+    assert kendall_tau([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(4 / 6)  # 5 concordant pairs, 1 discordant
+    assert kendall_tau([1, 1, 2], [1, 2, 3]) == pytest.approx(2 / (3 * 2) ** 0.5)  # tau-b: a tie in the first

@@ -92,13 +92,13 @@ def test_sigterm_and_requeue_are_acted_on_after_a_step(monkeypatch: pytest.Monke
 
     faults.requeue_pending = True
     faults.after_step("train", 0)
-    faults._requeue_hook.on_train_batch_end(trainer, None, None, None, 0)  # type: ignore[arg-type]
+    faults._hooks.on_train_batch_end(trainer, None, None, None, 0)  # type: ignore[arg-type]
     assert calls == []  # batch 0 of a window of 2: the checkpoint would miss its gradients
     accumulating[0] = False
     faults.after_step("train", 1)  # the same signal seen a step later on another rank: no second requeue
     assert calls == []  # the training step ran, its optimizer step has not
-    faults._requeue_hook.on_train_batch_end(trainer, None, None, None, 1)  # type: ignore[arg-type]
-    faults._requeue_hook.on_train_batch_end(trainer, None, None, None, 2)  # type: ignore[arg-type]
+    faults._hooks.on_train_batch_end(trainer, None, None, None, 1)  # type: ignore[arg-type]
+    faults._hooks.on_train_batch_end(trainer, None, None, None, 2)  # type: ignore[arg-type]
     assert calls == ["requeue"]
     faults.sigterm_received(signal.SIGTERM)
     assert calls == ["requeue", "deadline"]
