@@ -6,11 +6,9 @@ lightning_pipe`` with a message naming it (see the package docstring for the pol
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import importlib
 import inspect
-import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -172,28 +170,13 @@ def skip_sigterm_broadcast(trainer: Any) -> Callable[[], None]:
 # sequences, dataclass fields), so "already there" is exact, not assumed.
 
 
-_LEAVES = frozenset({type(None), bool, int, float, str, bytes, set, frozenset, torch.device, torch.dtype,
-                     types.FunctionType, types.MethodType, types.BuiltinFunctionType, inspect.Signature})
-"""Exact types that hold no tensor the move reaches: skipped at once (the checks below give them the same answer,
-after several abstract-class checks each: a metric's ``__dict__`` is mostly such values)."""
-_MAPPINGS, _SEQUENCES = frozenset({dict, collections.OrderedDict}), frozenset({list, tuple})
-_FIELDS: dict[type, tuple[str, ...]] = {}
-"""A dataclass's field names, per class."""
-
-
 def _already_on(values: Iterable[Any], device: torch.device) -> bool:
     """Whether every tensor ``apply_to_collection`` would reach in ``values`` lies on ``device`` (and no Metric)."""
     for value in values:
-        kind = type(value)
-        if kind in _LEAVES:
-            continue
         if isinstance(value, torch.Tensor):
             if value.device != device:
                 return False
-        elif kind in _MAPPINGS or kind in _SEQUENCES:  # the plain containers, by exact type (as below)
-            if value and not _already_on(value.values() if kind in _MAPPINGS else value, device):
-                return False
-        elif isinstance(value, (str, bytes, int, float)):
+        elif value is None or isinstance(value, (str, bytes, int, float)):
             continue
         elif isinstance(value, Metric):
             return False  # a metric inside: moved by its own .to, Lightning's path
@@ -204,10 +187,7 @@ def _already_on(values: Iterable[Any], device: torch.device) -> bool:
             if value and not _already_on(value, device):
                 return False
         elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-            names = _FIELDS.get(kind)
-            if names is None:
-                names = _FIELDS[kind] = tuple(f.name for f in dataclasses.fields(value))
-            if not _already_on([getattr(value, name, None) for name in names], device):
+            if not _already_on([getattr(value, f.name, None) for f in dataclasses.fields(value)], device):
                 return False
         # any other object: apply_to_collection leaves it as it is
     return True
