@@ -56,9 +56,11 @@ SEEN_KEY = "failure_seen"
 _ACTIVE: FailureWatch | None = None
 """The watch running in this process (one trainer run at a time), for :func:`report_now`."""
 RECONNECT_EVERY_S = 3.0
+"""Seconds between two attempts to replace a failed store connection."""
 HOLD_S = 60.0
 """The longest a main thread waits in :meth:`FailureWatch.hold_if_ending` for its watch to end the process."""
-"""Seconds between two attempts to replace a failed store connection."""
+
+
 def any_rank(flags: Sequence[bool], device: torch.device, group: Any | None = None) -> list[bool]:
     """For each flag, whether it is set on any rank of ``group`` (one MAX all-reduce; every rank must call it at
     the same point of its program, like any collective)."""

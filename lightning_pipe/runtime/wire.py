@@ -39,7 +39,7 @@ import torch
 
 from lightning_pipe._compat import torch as _compat
 
-_TAG = "_lightning_pipe_wire"  # the attribute a tagged torch P2POp carries (set as op._lightning_pipe_wire)
+_TAG = "_lightning_pipe_wire"  # the attribute a tagged torch P2POp carries
 
 
 class WireTag(NamedTuple):
@@ -86,8 +86,8 @@ def tag_sends(ops: list[Any], stage: int, microbatch: int, kind: str, positions:
     for i, op in enumerate(ops):
         if not op.tensor.is_contiguous():
             op.tensor = op.tensor.contiguous()
-        op._lightning_pipe_wire = WireTag(stage, microbatch, kind, positions[i] if matched else None,
-                                          peers[i] if matched else None)
+        setattr(op, _TAG, WireTag(stage, microbatch, kind, positions[i] if matched else None,
+                                  peers[i] if matched else None))
 
 
 def tag_receives(ops: list[Any], infos: Any, stage: int, microbatch: int, kind: str) -> None:
@@ -104,7 +104,7 @@ def tag_receives(ops: list[Any], infos: Any, stage: int, microbatch: int, kind: 
             # buffer torch never reads)
             fresh = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
             op.tensor = info.buffer = fresh.requires_grad_(tensor.requires_grad)
-        op._lightning_pipe_wire = WireTag(stage, microbatch, kind, position, getattr(info, "source", None))
+        setattr(op, _TAG, WireTag(stage, microbatch, kind, position, getattr(info, "source", None)))
 
 
 def own_outputs(module: torch.nn.Module, args: Any, output: Any) -> Any:
